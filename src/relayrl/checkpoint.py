@@ -1,0 +1,92 @@
+"""Run state and atomic checkpoints.
+
+``runs/<name>/checkpoints/step_NNNNNN/`` holds the policy (``save_pretrained``, safetensors,
+with the tokenizer: loadable by ``from_pretrained``), ``trainer.pt`` (optimiser, scheduler,
+RNG) and ``state.json`` (step, samples, data cursor, policy version). A checkpoint is written
+to a temporary folder and renamed into place, then ``latest`` is replaced atomically, so a
+kill at any moment leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from relayrl.data import SamplerState
+
+
+@dataclass
+class RunState:
+    step: int = 0
+    samples: int = 0
+    version: int = 0
+    wall_seconds: float = 0.0
+    sampler: SamplerState = field(default_factory=SamplerState)
+    eval_before: dict | None = None
+    reward_failures: int = 0
+    reward_timeouts: int = 0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RunState":
+        d = dict(d)
+        d["sampler"] = SamplerState(**d["sampler"])
+        return cls(**d)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(run_dir: Path, state: RunState, model, tokenizer, trainer_state: dict, keep: int) -> Path:
+    ckpts = run_dir / "checkpoints"
+    ckpts.mkdir(parents=True, exist_ok=True)
+    final = ckpts / f"step_{state.step:06d}"
+    tmp = ckpts / f".tmp-step_{state.step:06d}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    torch.save({**trainer_state, "rng": rng}, tmp / "trainer.pt")
+    (tmp / "state.json").write_text(json.dumps(state.to_json(), indent=1))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _write_atomic(ckpts / "latest", final.name)
+    old = sorted(p for p in ckpts.glob("step_*") if p.is_dir())
+    for p in old[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    pointer = run_dir / "checkpoints" / "latest"
+    if not pointer.exists():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    return path if (path / "state.json").exists() else None
+
+
+def load_run_state(ckpt: Path) -> tuple[RunState, dict]:
+    state = RunState.from_json(json.loads((ckpt / "state.json").read_text()))
+    trainer_state = torch.load(ckpt / "trainer.pt", weights_only=False)
+    return state, trainer_state
+
+
+def restore_rng(trainer_state: dict) -> None:
+    rng = trainer_state.get("rng")
+    if rng:
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])

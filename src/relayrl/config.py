@@ -1,0 +1,224 @@
+"""The one typed, validated configuration. Two levels: ``section.field``.
+
+Each field is documented where it is defined; ``relayrl train --help`` prints these docs.
+Load order: defaults < YAML file < dotted command-line overrides (``trainer.lr=1e-5``).
+Unknown keys and wrong types fail before any work starts, naming the key.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunCfg(_Section):
+    name: str = Field("demo", description="Run name; outputs go to <output_dir>/<name>/.")
+    output_dir: str = Field("runs", description="Parent folder of run directories.")
+    seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
+    steps: int = Field(60, ge=1, description="Number of training steps (one policy update each).")
+    mode: Literal["sync"] = Field(
+        "sync", description="Pipeline mode. 'sync': generate, then train, on-policy (more modes come with the async core)."
+    )
+    save_every: int = Field(10, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    keep_checkpoints: int = Field(2, ge=1, description="How many recent checkpoints to keep.")
+    progress: bool = Field(True, description="Show a live progress bar.")
+    threads: int = Field(0, ge=0, description="torch intra-op threads (0: torch's default).")
+
+
+class ModelCfg(_Section):
+    path: str = Field(
+        "builtin:demo",
+        description="Policy for from_pretrained (local path or hub id). 'builtin:demo' builds/caches the demo model.",
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer path or id (default: same as path).")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype for trainer and engine.")
+    system_prompt: str | None = Field(None, description="Optional system message prepended to every prompt.")
+
+
+class DataCfg(_Section):
+    path: str = Field(
+        "builtin:demo",
+        description="Prompts: a .jsonl/.json/.parquet file, a datasets load_from_disk folder, or 'builtin:demo'.",
+    )
+    eval_path: str | None = Field(
+        "builtin:demo-eval", description="Held-out prompts (same formats), or null to skip evaluation."
+    )
+    prompt_field: str = Field("prompt", description="Row field with the prompt: a string or a list of chat messages.")
+    answer_field: str | None = Field("answer", description="Row field with the reference answer (null: none).")
+    id_field: str | None = Field("id", description="Row field with a unique id (null: use the row number).")
+    metadata_fields: list[str] = Field(default_factory=list, description="Extra row fields passed to reward functions.")
+    shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded).")
+
+
+class RolloutCfg(_Section):
+    engine: Literal["hf", "hf-cb", "vllm"] = Field(
+        "hf",
+        description="Inference engine: 'hf' (transformers batched generate), 'hf-cb' (transformers continuous "
+        "batching), 'vllm' (GPU only).",
+    )
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per training step.")
+    group_size: int = Field(8, ge=1, description="Responses per prompt (G).")
+    max_new_tokens: int = Field(128, ge=1, description="Maximum response length in tokens.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (the trainer uses the same one).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold (1: off).")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
+    max_batch: int = Field(256, ge=1, description="Most sequences the engine decodes at once.")
+    cb_num_blocks: int = Field(256, ge=1, description="hf-cb: KV-cache blocks.")
+    cb_page_size: int = Field(32, ge=4, description="hf-cb: tokens per cache page.")
+    cb_max_batch_tokens: int = Field(2048, ge=1, description="hf-cb: token budget per forward pass.")
+
+
+class RewardCfg(_Section):
+    fn: str = Field("math", description="Verifier: 'math', 'exact', or a user function 'module:function'.")
+    timeout_s: float = Field(5.0, gt=0, description="Per-sample time limit; a hung or failing verifier scores 0.")
+
+
+class AlgoCfg(_Section):
+    advantage: str = Field("grpo", description="Advantage estimator: grpo, dr_grpo, rloo.")
+    loss: str = Field("ppo_clip", description="Policy loss: ppo_clip.")
+    agg: str = Field(
+        "token_mean", description="Loss aggregation: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm."
+    )
+    clip_low: float = Field(0.2, ge=0, description="PPO ε_low: ratio floor 1-ε_low.")
+    clip_high: float = Field(0.28, ge=0, description="PPO ε_high: ratio ceiling 1+ε_high (clip-higher).")
+    dual_clip: float | None = Field(3.0, description="Dual-clip constant c > 1 for A < 0 (null: off).")
+    kl_coef: float = Field(0.0, ge=0, description="Coefficient of KL to the frozen initial policy (0: off).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+    entropy_coef: float = Field(0.0, description="Entropy bonus coefficient.")
+    norm_len: int | None = Field(
+        None, description="Constant divisor length for seq_mean_token_sum_norm (default: rollout.max_new_tokens)."
+    )
+
+    @model_validator(mode="after")
+    def _names(self) -> "AlgoCfg":
+        from relayrl.algos import AGGREGATIONS, ADVANTAGES, POLICY_LOSSES
+
+        for key, reg in (("advantage", ADVANTAGES), ("loss", POLICY_LOSSES), ("agg", AGGREGATIONS)):
+            val = getattr(self, key)
+            if val not in reg:
+                raise ValueError(f"algo.{key}={val!r} is not one of: {', '.join(sorted(reg))}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError("algo.dual_clip must be > 1 (or null)")
+        return self
+
+
+class TrainerCfg(_Section):
+    lr: float = Field(2e-4, gt=0, description="Peak learning rate (AdamW).")
+    schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="LR decay after warm-up.")
+    warmup_steps: int = Field(3, ge=0, description="Linear LR warm-up steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    micro_batch_tokens: int = Field(8192, ge=1, description="Token budget per micro-batch (padded tokens).")
+    updates_per_step: int = Field(1, ge=1, description="Optimiser steps per rollout batch (mini-batches).")
+
+
+class EvalCfg(_Section):
+    size: int = Field(256, ge=1, description="Held-out prompts evaluated.")
+    every: int = Field(0, ge=0, description="Evaluate every N steps (0: only before and after training).")
+    samples: int = Field(1, ge=1, description="Sampled responses per prompt for sampled accuracy.")
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run: RunCfg = Field(default_factory=RunCfg)
+    model: ModelCfg = Field(default_factory=ModelCfg)
+    data: DataCfg = Field(default_factory=DataCfg)
+    rollout: RolloutCfg = Field(default_factory=RolloutCfg)
+    reward: RewardCfg = Field(default_factory=RewardCfg)
+    algo: AlgoCfg = Field(default_factory=AlgoCfg)
+    trainer: TrainerCfg = Field(default_factory=TrainerCfg)
+    eval: EvalCfg = Field(default_factory=EvalCfg)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+
+def _check_keys(tree: dict, source: str) -> None:
+    """Reject unknown sections/fields with the valid choices (before pydantic, for clearer errors)."""
+    sections = Config.model_fields
+    for sec, body in tree.items():
+        if sec not in sections:
+            raise ConfigError(f"{source}: unknown section '{sec}'. Valid sections: {', '.join(sections)}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{source}: '{sec}' must be a mapping of fields")
+        fields = sections[sec].annotation.model_fields
+        for key in body:
+            if key not in fields:
+                near = difflib.get_close_matches(key, fields, n=1)
+                hint = f" Did you mean '{sec}.{near[0]}'?" if near else ""
+                raise ConfigError(
+                    f"{source}: unknown key '{sec}.{key}'.{hint} Valid keys in '{sec}': {', '.join(fields)}"
+                )
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"override key '{key}' must be section.key (two levels), e.g. trainer.lr=1e-5")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{p}: top level must be a mapping of sections")
+        _check_keys(tree, str(p))
+    for item in overrides:
+        (sec, key), value = parse_override(item)
+        _check_keys({sec: {key: value}}, "command line")
+        tree.setdefault(sec, {})[key] = value
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})" if loc else f"  {err['msg']}")
+        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+
+
+def dump_config(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def describe() -> str:
+    """Every field with type, default and doc: the body of ``--help``."""
+    out = []
+    for sec, info in Config.model_fields.items():
+        cls = info.annotation
+        out.append(f"{sec}:  {(cls.__doc__ or '').strip()}")
+        for name, f in cls.model_fields.items():
+            default = f.default_factory() if f.default_factory else f.default
+            typ = getattr(f.annotation, "__name__", None) or str(f.annotation).replace("typing.", "")
+            out.append(f"  {sec}.{name} ({typ}, default {default!r})\n      {f.description}")
+    return "\n".join(out)

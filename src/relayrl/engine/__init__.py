@@ -1,0 +1,25 @@
+"""Inference engines behind one interface (``relayrl.engine.base.Engine``)."""
+
+from relayrl.engine.base import Engine, EngineError
+
+__all__ = ["Engine", "EngineError", "make_engine"]
+
+
+def make_engine(cfg, model, tokenizer, version: int = 0) -> Engine:
+    """Build the engine named by ``cfg.engine`` (a ``RolloutCfg``) around an already-loaded model."""
+    if cfg.engine == "hf":
+        from relayrl.engine.hf import HFEngine
+
+        return HFEngine(model, tokenizer, max_batch=cfg.max_batch, version=version)
+    if cfg.engine == "hf-cb":
+        from relayrl.engine.hf_cb import HFContinuousEngine
+
+        return HFContinuousEngine(
+            model, tokenizer, version=version, num_blocks=cfg.cb_num_blocks, page_size=cfg.cb_page_size,
+            max_batch_tokens=cfg.cb_max_batch_tokens, max_batch=cfg.max_batch,
+        )
+    if cfg.engine == "vllm":
+        from relayrl.engine.vllm import VLLMEngine
+
+        return VLLMEngine(model, tokenizer, version=version)
+    raise ValueError(f"unknown engine {cfg.engine!r}; valid: hf, hf-cb, vllm")

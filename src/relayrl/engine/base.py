@@ -1,0 +1,76 @@
+"""The engine interface: submit, collect, abort, pause/resume, load weights, report version.
+
+Every engine (transformers on CPU, vLLM on GPU) implements this, so the pipeline never
+knows which one runs. Completions carry per-token log-probs and the policy version that
+produced each token; an aborted request still comes back, with finish reason ``ABORTED`` and
+exactly the tokens generated so far, so the caller can continue it later.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import time
+from typing import Iterable, Iterator
+
+import torch
+
+from relayrl.records import Completion, GenRequest
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class Engine(abc.ABC):
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """Policy version of the weights currently loaded (number of published updates)."""
+
+    @abc.abstractmethod
+    def submit(self, requests: list[GenRequest]) -> None:
+        """Queue requests; returns at once."""
+
+    @abc.abstractmethod
+    def get(self, timeout: float | None = None) -> list[Completion]:
+        """Completions that finished (or were aborted) since the last call. Blocks up to ``timeout``
+        seconds for at least one (None: until one arrives, or nothing is pending)."""
+
+    @abc.abstractmethod
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Stop these requests at the next token boundary; each still comes out of ``get``."""
+
+    @abc.abstractmethod
+    def pause(self) -> contextlib.AbstractContextManager:
+        """Context manager: generation is stopped at a token boundary while inside (state kept)."""
+
+    @abc.abstractmethod
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Swap in new weights (pausing in-flight requests, which continue under ``version``)."""
+
+    @abc.abstractmethod
+    def num_pending(self) -> int:
+        """Requests submitted whose completion has not been returned by ``get`` yet."""
+
+    def close(self) -> None:
+        pass
+
+    def generate(self, requests: list[GenRequest]) -> list[Completion]:
+        """Submit and wait for all; results in request order."""
+        self.submit(requests)
+        want = {r.request_id for r in requests}
+        got: dict[str, Completion] = {}
+        while len(got) < len(want):
+            for c in self.get(timeout=None):
+                if c.request_id in want:
+                    got[c.request_id] = c
+        return [got[r.request_id] for r in requests]
+
+    def drain(self, timeout: float = 30.0) -> Iterator[Completion]:
+        """Everything still pending (after an abort, say), until none is left."""
+        deadline = time.monotonic() + timeout
+        while self.num_pending() > 0:
+            if time.monotonic() > deadline:
+                raise EngineError(f"engine did not return {self.num_pending()} requests within {timeout}s")
+            yield from self.get(timeout=0.5)

@@ -1,0 +1,282 @@
+"""CPU engine on transformers' batched ``model.generate``, run by a background thread.
+
+``generate`` is wrapped, not re-implemented: a logits processor applies the sampling
+transform and keeps the step's log-probs; a stopping criterion, called after every new token,
+records each row's token, log-prob and policy version, finishes rows (EOS, own budget,
+abort) and streams them out at once, and is the safe point where a pause holds the loop so
+weights can be swapped. Tokens after a swap carry the new version; the KV cache computed
+under the old weights is kept (as in AReaL's interruptible generation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections import deque
+from typing import Iterable
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+from relayrl.engine.base import Engine, EngineError
+from relayrl.records import Completion, FinishReason, GenRequest, SamplingParams
+
+
+class _SampleTransform(LogitsProcessor):
+    """Temperature / top-k / top-p, then keeps log_softmax of the final scores (what is sampled from)."""
+
+    def __init__(self, p: SamplingParams):
+        self.t = p.temperature
+        self.warpers = []
+        if p.top_k:
+            self.warpers.append(TopKLogitsWarper(p.top_k))
+        if p.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(p.top_p))
+        self.logprobs: torch.Tensor | None = None
+
+    def __call__(self, input_ids, scores):
+        scores = scores.float()
+        if self.t > 0:
+            scores = scores / self.t
+        for w in self.warpers:
+            scores = w(input_ids, scores)
+        self.logprobs = torch.log_softmax(scores, dim=-1)
+        return scores
+
+
+class _Row:
+    __slots__ = ("req", "tokens", "logprobs", "versions", "done")
+
+    def __init__(self, req: GenRequest):
+        self.req, self.tokens, self.logprobs, self.versions, self.done = req, [], [], [], False
+
+
+class _Control(StoppingCriteria):
+    def __init__(self, engine: "HFEngine", rows: list[_Row], transform: _SampleTransform):
+        self.engine, self.rows, self.transform = engine, rows, transform
+
+    def __call__(self, input_ids, scores, **kw):
+        eng = self.engine
+        new = input_ids[:, -1].tolist()
+        lps = self.transform.logprobs.gather(1, input_ids[:, -1:]).squeeze(1).tolist()
+        version = eng._step_version
+        out = []
+        with eng._cv:
+            for i, row in enumerate(self.rows):
+                if not row.done:
+                    row.tokens.append(new[i])
+                    row.logprobs.append(lps[i])
+                    row.versions.append(version)
+                    if new[i] in eng.eos_ids:
+                        eng._finish(row, FinishReason.STOP)
+                    elif len(row.tokens) >= row.req.params.max_new_tokens:
+                        eng._finish(row, FinishReason.LENGTH)
+                    elif row.req.request_id in eng._aborted:
+                        eng._finish(row, FinishReason.ABORTED)
+                out.append(row.done)
+            eng._safe_point()
+        return torch.tensor(out, dtype=torch.bool, device=input_ids.device)
+
+
+class HFEngine(Engine):
+    def __init__(self, model, tokenizer, max_batch: int = 256, version: int = 0):
+        self.model = model.eval()
+        self.pad_id = tokenizer.pad_token_id
+        eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        self.max_batch = max_batch
+        self._version = version
+        self._step_version = version
+        self._queue: deque[GenRequest] = deque()
+        self._out: queue.Queue[Completion] = queue.Queue()
+        self._aborted: set[str] = set()
+        self._pending: set[str] = set()
+        self._cv = threading.Condition()
+        self._pause_depth = 0
+        self._busy = False
+        self._at_safe_point = False
+        self._error: BaseException | None = None
+        self._closed = False
+        self.busy_seconds = 0.0
+        self._thread = threading.Thread(target=self._loop, name="relayrl-hf-engine", daemon=True)
+        self._thread.start()
+
+    # -- interface ---------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, requests: list[GenRequest]) -> None:
+        with self._cv:
+            for r in requests:
+                if r.request_id in self._pending:
+                    raise EngineError(f"request id {r.request_id!r} is already pending")
+                self._pending.add(r.request_id)
+                self._queue.append(r)
+            self._cv.notify_all()
+
+    def get(self, timeout: float | None = None) -> list[Completion]:
+        self._raise_if_failed()
+        items = []
+        try:
+            if timeout is None:
+                while not items:
+                    if not self._pending and self._out.empty():
+                        return []
+                    try:
+                        items.append(self._out.get(timeout=0.2))
+                    except queue.Empty:
+                        self._raise_if_failed()
+            else:
+                items.append(self._out.get(timeout=timeout))
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                items.append(self._out.get_nowait())
+            except queue.Empty:
+                break
+        with self._cv:
+            for c in items:
+                self._pending.discard(c.request_id)
+                self._aborted.discard(c.request_id)
+        return items
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        with self._cv:
+            ids = set(request_ids) & self._pending
+            self._aborted |= ids
+            # queued (not started) requests come back at once with no tokens
+            keep = deque()
+            for r in self._queue:
+                if r.request_id in ids:
+                    self._out.put(Completion(r.request_id, [], [], [], FinishReason.ABORTED))
+                else:
+                    keep.append(r)
+            self._queue = keep
+
+    @contextlib.contextmanager
+    def pause(self):
+        with self._cv:
+            self._pause_depth += 1
+            while self._busy and not self._at_safe_point and self._error is None:
+                self._cv.wait(0.5)
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._pause_depth -= 1
+                self._cv.notify_all()
+
+    def load_weights(self, state_dict, version: int) -> None:
+        with self.pause(), torch.no_grad():
+            missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+            if unexpected or [k for k in missing if "rotary" not in k]:
+                raise EngineError(f"weight mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            self._version = version
+            self._step_version = version
+
+    def num_pending(self) -> int:
+        with self._cv:
+            return len(self._pending)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+
+    # -- worker thread -----------------------------------------------------------------------
+    def _raise_if_failed(self):
+        if self._error is not None:
+            raise EngineError(f"engine thread failed: {self._error!r}") from self._error
+
+    def _finish(self, row: _Row, reason: FinishReason) -> None:
+        row.done = True
+        self._out.put(Completion(row.req.request_id, row.tokens, row.logprobs, row.versions, reason))
+
+    def _safe_point(self) -> None:
+        """Called with the lock held after each decoding step: wait here while paused."""
+        if self._pause_depth > 0:
+            self._at_safe_point = True
+            self._cv.notify_all()
+            while self._pause_depth > 0:
+                self._cv.wait()
+            self._at_safe_point = False
+            self._step_version = self._version
+
+    def _next_batch(self) -> list[GenRequest] | None:
+        with self._cv:
+            while not self._closed and (self._pause_depth > 0 or not self._queue):
+                self._cv.wait()
+            if self._closed:
+                return None
+            first = self._queue[0].params
+            batch = []
+            # one generate call per sampling setting; budgets may differ per row
+            while self._queue and len(batch) < self.max_batch and self._queue[0].params.temperature == first.temperature \
+                    and self._queue[0].params.top_p == first.top_p and self._queue[0].params.top_k == first.top_k:
+                batch.append(self._queue.popleft())
+            self._busy = True
+            self._step_version = self._version
+            return batch
+
+    def _loop(self) -> None:
+        import time
+
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            t0 = time.perf_counter()
+            rows = [_Row(r) for r in batch]
+            try:
+                self._run(rows)
+            except BaseException as e:  # propagate to the caller of get()
+                with self._cv:
+                    for row in rows:
+                        if not row.done:
+                            self._finish(row, FinishReason.FAILED)
+                    self._error = e
+            finally:
+                with self._cv:
+                    self.busy_seconds += time.perf_counter() - t0
+                    self._busy = False
+                    self._cv.notify_all()
+
+    @torch.no_grad()
+    def _run(self, rows: list[_Row]) -> None:
+        ctx = [list(r.req.prompt_ids) + list(r.req.response_so_far) for r in rows]
+        n = max(len(c) for c in ctx)
+        ids = torch.tensor([[self.pad_id] * (n - len(c)) + c for c in ctx])
+        att = torch.tensor([[0] * (n - len(c)) + [1] * len(c) for c in ctx])
+        params = rows[0].req.params
+        transform = _SampleTransform(params)
+        ctl = _Control(self, rows, transform)
+        # rows already aborted before they started still return through the criterion after one token;
+        # a zero budget returns at once
+        for row in rows:
+            if row.req.params.max_new_tokens <= 0:
+                with self._cv:
+                    self._finish(row, FinishReason.LENGTH)
+        if all(r.done for r in rows):
+            return
+        self.model.generate(
+            input_ids=ids,
+            attention_mask=att,
+            max_new_tokens=max(r.req.params.max_new_tokens for r in rows),
+            do_sample=params.temperature > 0,
+            temperature=1.0,
+            top_k=None,
+            top_p=None,
+            logits_processor=LogitsProcessorList([transform]),
+            stopping_criteria=StoppingCriteriaList([ctl]),
+            pad_token_id=self.pad_id,
+            eos_token_id=list(self.eos_ids) or None,
+        )
+        with self._cv:
+            for row in rows:  # generate ended at its max length: rows it cut short hit their budget
+                if not row.done:
+                    self._finish(row, FinishReason.LENGTH)

@@ -1,0 +1,199 @@
+"""Assembling the components, and the synchronous on-policy loop.
+
+    sample prompts → generate G responses each → reward → advantages → update → publish (v + 1)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+from rich.console import Console
+
+from relayrl.checkpoint import RunState, latest_checkpoint, load_run_state, restore_rng, save_checkpoint
+from relayrl.config import Config, dump_config
+from relayrl.data import PromptSampler, load_prompts
+from relayrl.engine import make_engine
+from relayrl.evaluation import evaluate
+from relayrl.models import load_policy, load_tokenizer, resolve_model_path
+from relayrl.records import Group, SamplingParams
+from relayrl.rewards import RewardRunner
+from relayrl.rollout import generate_groups, group_advantages, make_groups, score_groups
+from relayrl.tracking import MetricsLog, ProgressBar, Timers
+from relayrl.trainer import Trainer, build_batch
+
+
+class ResumeError(RuntimeError):
+    pass
+
+
+@dataclass
+class Components:
+    tokenizer: object
+    policy: object
+    engine: object
+    trainer: Trainer
+    reward: RewardRunner
+    sampler: PromptSampler
+    eval_prompts: list | None
+    params: SamplingParams
+
+
+def build(cfg: Config, state: RunState, log) -> Components:
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    torch.manual_seed(cfg.run.seed)
+    d = cfg.data
+    fields = dict(prompt_field=d.prompt_field, answer_field=d.answer_field, id_field=d.id_field,
+                  metadata_fields=d.metadata_fields, system_prompt=cfg.model.system_prompt)
+    prompts = load_prompts(d.path, **fields)
+    eval_prompts = load_prompts(d.eval_path, limit=cfg.eval.size, **fields) if d.eval_path else None
+    reward = RewardRunner(cfg.reward.fn, cfg.reward.timeout_s)
+    path = resolve_model_path(cfg.model.path, log=log)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model.tokenizer, log=log) if cfg.model.tokenizer else path)
+    policy = load_policy(path, cfg.model.dtype)
+    engine_model = load_policy(path, cfg.model.dtype)
+    engine = make_engine(cfg.rollout, engine_model, tokenizer, version=state.version)
+    r = cfg.rollout
+    trainer = Trainer(policy, cfg.trainer, cfg.algo, r.temperature, cfg.run.steps, cfg.algo.norm_len or r.max_new_tokens)
+    sampler = PromptSampler(prompts, cfg.run.seed, d.shuffle, state.sampler)
+    params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
+    return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params)
+
+
+def restore(cfg: Config, c: Components, log) -> RunState:
+    ckpt = latest_checkpoint(cfg.run_dir)
+    if ckpt is None:
+        raise ResumeError(f"--resume: no checkpoint under {cfg.run_dir / 'checkpoints'}")
+    state, trainer_state = load_run_state(ckpt)
+    weights = load_policy(str(ckpt), cfg.model.dtype).state_dict()
+    c.policy.load_state_dict(weights)
+    c.engine.load_weights(weights, state.version)
+    c.trainer.load_state_dict(trainer_state)
+    c.sampler.state = state.sampler
+    c.sampler.__init__(c.sampler.prompts, c.sampler.seed, c.sampler.shuffle, state.sampler)
+    restore_rng(trainer_state)
+    log(f"resumed from {ckpt} (step {state.step}, {state.samples} samples)")
+    return state
+
+
+def step_metrics(groups: list[Group], gen_seconds: float, state: RunState) -> dict:
+    trajs = [t for g in groups for t in g.trajectories]
+    rewards = torch.tensor([t.reward for t in trajs])
+    lens = [len(t.response_ids) for t in trajs]
+    return {
+        "reward_mean": rewards.mean().item(),
+        "reward_std": rewards.std().item() if len(trajs) > 1 else 0.0,
+        "response_len_mean": sum(lens) / len(lens),
+        "response_len_max": max(lens),
+        "tokens_per_s": sum(lens) / max(gen_seconds, 1e-9),
+        "truncated_frac": sum(t.finish_reason.value == "length" for t in trajs) / len(trajs),
+        "reward_failures_total": state.reward_failures,
+    }
+
+
+def train(cfg: Config, resume: bool = False, console: Console | None = None) -> dict:
+    console = console or Console()
+    log = console.print
+    run_dir = cfg.run_dir
+    if not resume and (run_dir / "checkpoints").exists():
+        raise ResumeError(f"{run_dir} already has checkpoints: pass --resume, or choose another run.name")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, run_dir / "config.yaml")
+    state = RunState()
+    c = build(cfg, state, log)
+    if resume:
+        state = restore(cfg, c, log)
+    metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=state.step if resume else None)
+    t_start = time.perf_counter() - state.wall_seconds
+    if state.eval_before is None and c.eval_prompts:
+        state.eval_before = evaluate(c.engine, c.tokenizer, c.eval_prompts, c.reward, cfg)
+        log(f"eval before: {fmt_eval(state.eval_before)}")
+    timers = Timers()
+    try:
+        with ProgressBar(cfg.run.steps, state.step, cfg.run.progress, console) as bar:
+            while state.step < cfg.run.steps:
+                with timers("step"):
+                    prompts = c.sampler.take(cfg.rollout.prompts_per_step)
+                    groups = make_groups(prompts, c.tokenizer, cfg.rollout.group_size, tag=f"s{state.step}")
+                    with timers("generate"):
+                        generate_groups(c.engine, groups, c.params)
+                    with timers("reward"):
+                        score_groups(groups, c.reward, c.tokenizer)
+                    adv = group_advantages(groups, cfg.algo.advantage)
+                    batch = build_batch([t for g in groups for t in g.trajectories], adv, c.tokenizer.pad_token_id)
+                    with timers("train"):
+                        train_m = c.trainer.step(batch)
+                    with timers("publish"):
+                        c.engine.load_weights(c.policy.state_dict(), state.version + 1)
+                state.step, state.version = state.step + 1, state.version + 1
+                state.samples += batch.size
+                state.reward_failures = c.reward.stats.failures + c.reward.stats.timeouts
+                state.wall_seconds = time.perf_counter() - t_start
+                t = timers.pop()
+                m = {"step": state.step, "samples": state.samples, **step_metrics(groups, t["time/generate"], state),
+                     **train_m, **t, "step_time": t["time/step"], "wall_seconds": round(state.wall_seconds, 2)}
+                if cfg.eval.every and state.step % cfg.eval.every == 0 and c.eval_prompts:
+                    m.update({f"eval/{k}": v for k, v in evaluate(c.engine, c.tokenizer, c.eval_prompts, c.reward, cfg).items()})
+                metrics.write(m)
+                bar.update(m)
+                if (cfg.run.save_every and state.step % cfg.run.save_every == 0) or state.step == cfg.run.steps:
+                    save_checkpoint(run_dir, state, c.policy, c.tokenizer, c.trainer.state_dict(), cfg.run.keep_checkpoints)
+        return finish(cfg, c, state, log)
+    finally:
+        metrics.close()
+        c.engine.close()
+        c.reward.close()
+
+
+def fmt_eval(e: dict) -> str:
+    return f"accuracy {e['accuracy']:.1%} (sampled, T={e['temperature']}), greedy {e['accuracy_greedy']:.1%}"
+
+
+def finish(cfg: Config, c: Components, state: RunState, log) -> dict:
+    after = evaluate(c.engine, c.tokenizer, c.eval_prompts, c.reward, cfg) if c.eval_prompts else None
+    before = state.eval_before
+    summary = {
+        "steps": state.step,
+        "samples": state.samples,
+        "wall_seconds": round(state.wall_seconds, 1),
+        "eval_accuracy_before": before["accuracy"] if before else None,
+        "eval_accuracy_after": after["accuracy"] if after else None,
+        "eval_greedy_accuracy_before": before["accuracy_greedy"] if before else None,
+        "eval_greedy_accuracy_after": after["accuracy_greedy"] if after else None,
+        "eval_before": before,
+        "eval_after": after,
+        "reward_failures": state.reward_failures,
+        "reward_errors": c.reward.stats.errors[:5],
+    }
+    (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    log(f"[bold]done[/bold]: {state.step} steps, {state.samples} samples, {state.wall_seconds:.0f}s")
+    if before and after:
+        log(f"held-out accuracy: {before['accuracy']:.1%} → {after['accuracy']:.1%} "
+            f"(greedy {before['accuracy_greedy']:.1%} → {after['accuracy_greedy']:.1%})")
+    if state.reward_failures:
+        log(f"[yellow]{state.reward_failures} reward calls failed or timed out (scored 0); last: {c.reward.stats.last_error}")
+    log(f"run directory: {cfg.run_dir}")
+    return summary
+
+
+def evaluate_only(cfg: Config) -> dict:
+    from relayrl.engine import make_engine as _make
+
+    log = Console(stderr=True).print
+    d = cfg.data
+    if not d.eval_path:
+        raise ValueError("data.eval_path is not set: nothing to evaluate")
+    prompts = load_prompts(d.eval_path, d.prompt_field, d.answer_field, d.id_field, d.metadata_fields,
+                           cfg.model.system_prompt, limit=cfg.eval.size)
+    path = resolve_model_path(cfg.model.path, log=log)
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model.tokenizer, log=log) if cfg.model.tokenizer else path)
+    engine = _make(cfg.rollout, load_policy(path, cfg.model.dtype), tokenizer)
+    reward = RewardRunner(cfg.reward.fn, cfg.reward.timeout_s)
+    try:
+        return evaluate(engine, tokenizer, prompts, reward, cfg)
+    finally:
+        engine.close()
+        reward.close()

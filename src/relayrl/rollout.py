@@ -1,0 +1,55 @@
+"""Turning prompts into scored groups: requests for the engine, completions into trajectories,
+rewards, and the batch of advantages. Pure helpers; the pipeline decides when to call them."""
+
+from __future__ import annotations
+
+import torch
+
+from relayrl.algos import ADVANTAGES, lookup
+from relayrl.engine.base import Engine
+from relayrl.models import encode_prompt
+from relayrl.records import GenRequest, Group, Prompt, SamplingParams, Trajectory
+from relayrl.rewards import RewardRunner
+
+
+def make_groups(prompts: list[Prompt], tokenizer, group_size: int, tag: str) -> list[Group]:
+    """G empty trajectories per prompt; ``tag`` makes request ids unique across steps."""
+    groups = []
+    for p in prompts:
+        ids = encode_prompt(tokenizer, p.messages)
+        gid = f"{tag}/{p.id}"
+        groups.append(Group(p, gid, [Trajectory(p, gid, i, ids) for i in range(group_size)]))
+    return groups
+
+
+def generate_groups(engine: Engine, groups: list[Group], params: SamplingParams) -> None:
+    """Generate every unfinished trajectory of ``groups`` to completion (a synchronous barrier)."""
+    trajs = [t for g in groups for t in g.trajectories if not t.done]
+    reqs = [
+        GenRequest(
+            t.request_id,
+            t.prompt_ids,
+            SamplingParams(params.max_new_tokens - len(t.response_ids), params.temperature, params.top_p, params.top_k),
+            list(t.response_ids),
+        )
+        for t in trajs
+    ]
+    for t, c in zip(trajs, engine.generate(reqs)):
+        t.extend(c)
+
+
+def score_groups(groups: list[Group], runner: RewardRunner, tokenizer) -> None:
+    trajs = [t for g in groups for t in g.trajectories]
+    for t in trajs:
+        t.text = tokenizer.decode(t.response_ids, skip_special_tokens=True)
+    results = runner.score([(t.text, t.prompt.answer, dict(t.prompt.metadata)) for t in trajs])
+    for t, (reward, failed) in zip(trajs, results):
+        t.reward, t.reward_failed = reward, failed
+
+
+def group_advantages(groups: list[Group], estimator: str) -> torch.Tensor:
+    """Advantages for ``[t for g in groups for t in g.trajectories]``, in that order."""
+    fn = lookup(ADVANTAGES, estimator, "advantage estimator")
+    rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
+    gid = torch.tensor([i for i, g in enumerate(groups) for _ in g.trajectories], dtype=torch.long)
+    return fn(rewards, gid)

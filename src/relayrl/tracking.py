@@ -1,0 +1,79 @@
+"""Metrics file, phase timers and the progress bar."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class Timers:
+    """``with timers("generate"):`` accumulates wall seconds per phase; ``pop()`` returns and resets."""
+
+    def __init__(self):
+        self.t: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t0
+
+    def pop(self) -> dict[str, float]:
+        out, self.t = {f"time/{k}": round(v, 4) for k, v in self.t.items()}, {}
+        return out
+
+
+class MetricsLog:
+    """Appends one JSON object per step to ``metrics.jsonl``; on resume, drops lines past the checkpoint."""
+
+    def __init__(self, path: Path, resume_step: int | None = None):
+        self.path = path
+        if resume_step is not None and path.exists():
+            kept = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            path.write_text("".join(ln + "\n" for ln in kept))
+        self.f = path.open("a")
+
+    def write(self, record: dict) -> None:
+        self.f.write(json.dumps(record) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class ProgressBar:
+    def __init__(self, total: int, start: int, enabled: bool, console: Console):
+        self.enabled = enabled
+        self.progress = Progress(
+            TextColumn("[bold]step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=console,
+            disable=not enabled,
+        )
+        self.task = self.progress.add_task("train", total=total, completed=start, info="")
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.__exit__(*exc)
+
+    def update(self, m: dict) -> None:
+        info = (
+            f"reward {m['reward_mean']:.3f}  len {m['response_len_mean']:.0f}/{m['response_len_max']}"
+            f"  {m['tokens_per_s']:.0f} tok/s"
+        )
+        self.progress.update(self.task, advance=1, info=info)

@@ -1,0 +1,106 @@
+import threading
+import time
+
+import torch
+
+from relayrl.engine.hf import HFEngine
+from relayrl.models import token_logprobs
+from relayrl.records import FinishReason, GenRequest, SamplingParams
+
+
+def _req(tok, rid, n=32, temp=1.0, so_far=()):
+    ids = tok.apply_chat_template([{"role": "user", "content": "Add 3 4"}], add_generation_prompt=True)["input_ids"]
+    return GenRequest(rid, list(ids), SamplingParams(n, temp), list(so_far))
+
+
+def _no_eos(model, eng):
+    model.generation_config.eos_token_id = None
+    eng.eos_ids = set()
+
+
+def test_logprobs_match_a_forward_pass(tiny):
+    model, tok = tiny
+    eng = HFEngine(model, tok)
+    try:
+        reqs = [_req(tok, f"r{i}", 16, temp=0.7) for i in range(4)]
+        outs = eng.generate(reqs)
+        for r, c in zip(reqs, outs):
+            assert len(c.token_ids) == len(c.logprobs) == len(c.versions) > 0
+            assert set(c.versions) == {0}
+            ids = torch.tensor([r.prompt_ids + c.token_ids])
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[:, len(r.prompt_ids) - 1 : -1]
+            lp = token_logprobs(logits, ids[:, len(r.prompt_ids) :], 0.7)[0]
+            assert torch.allclose(lp, torch.tensor(c.logprobs), atol=1e-4)
+    finally:
+        eng.close()
+
+
+def test_budgets_per_row_and_finish_reasons(tiny):
+    model, tok = tiny
+    eng = HFEngine(model, tok)
+    _no_eos(model, eng)
+    try:
+        outs = eng.generate([_req(tok, "a", 3), _req(tok, "b", 9)])
+        assert [len(c.token_ids) for c in outs] == [3, 9]
+        assert all(c.finish_reason == FinishReason.LENGTH for c in outs)
+    finally:
+        eng.close()
+
+
+def test_abort_returns_tokens_so_far_and_continuation_works(tiny):
+    model, tok = tiny
+    eng = HFEngine(model, tok)
+    _no_eos(model, eng)
+    try:
+        with eng.pause():  # hold the batch at its first safe point so the abort lands mid-generation
+            eng.submit([_req(tok, "long", 200), _req(tok, "short", 2)])
+            time.sleep(0.2)
+        time.sleep(0.3)
+        eng.abort(["long"])
+        got = {c.request_id: c for c in eng.drain()}
+        assert got["short"].finish_reason == FinishReason.LENGTH
+        long = got["long"]
+        assert long.finish_reason == FinishReason.ABORTED
+        assert 0 < len(long.token_ids) < 200
+        # continue the partial response with its remaining budget
+        rest = eng.generate([_req(tok, "long2", 200 - len(long.token_ids), so_far=long.token_ids)])[0]
+        assert len(long.token_ids) + len(rest.token_ids) == 200
+    finally:
+        eng.close()
+
+
+def test_weight_swap_mid_generation_tags_versions(tiny):
+    model, tok = tiny
+    eng = HFEngine(model, tok)
+    _no_eos(model, eng)
+    new = {k: v + 0.01 for k, v in model.state_dict().items()}
+    try:
+        eng.submit([_req(tok, "x", 400)])
+        time.sleep(0.3)
+        eng.load_weights(new, version=7)
+        (c,) = list(eng.drain())
+        assert len(c.token_ids) == 400
+        v = c.versions
+        assert v[0] == 0 and v[-1] == 7 and v == sorted(v)  # old tokens keep version 0, then all 7
+        assert set(v) == {0, 7}
+        assert eng.version == 7
+    finally:
+        eng.close()
+
+
+def test_engine_failure_propagates(tiny):
+    model, tok = tiny
+    eng = HFEngine(model, tok)
+    try:
+        bad = GenRequest("bad", [10**7], SamplingParams(4))  # token id beyond the vocabulary
+        eng.submit([bad])
+        import pytest
+
+        with pytest.raises(Exception):
+            for _ in range(50):
+                eng.get(timeout=0.1)
+                if eng._error is not None:
+                    eng.get(timeout=0.1)
+    finally:
+        eng.close()
