@@ -27,14 +27,17 @@ def sample_terms(rng: random.Random) -> list[int]:
     return [rng.randint(1, 9) for _ in range(k)]
 
 
+TAGS = "abcdefghijkl"
+
+
 def prompt_text(terms: list[int]) -> str:
-    return "Add " + " ".join(str(t) for t in terms)
+    return "Sum mod 10: " + " ".join(f"{TAGS[i]}={t}" for i, t in enumerate(terms))
 
 
 def solution_text(terms: list[int]) -> str:
-    steps, total = [], terms[0]
-    for t in terms[1:]:
-        steps.append(f"{total}+{t}={(total + t) % 10}")
+    steps, total = [], 0
+    for i, t in enumerate(terms):
+        steps.append(f"{TAGS[i]}: {total}+{t}={(total + t) % 10}")
         total = (total + t) % 10
     return " ".join(steps) + f" \\boxed{{{total}}}"
 
