@@ -14,7 +14,6 @@ def _req(tok, rid, n=32, temp=1.0, so_far=()):
 
 
 def _no_eos(model, eng):
-    model.generation_config.eos_token_id = None
     eng.eos_ids = set()
 
 

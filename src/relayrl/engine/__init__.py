@@ -13,9 +13,11 @@ def make_engine(cfg, model, tokenizer, version: int = 0) -> Engine:
         return HFEngine(model, tokenizer, max_batch=cfg.max_batch, version=version)
     if cfg.engine == "hf-cb":
         from relayrl.engine.hf_cb import HFContinuousEngine
+        from relayrl.records import SamplingParams
 
+        params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
         return HFContinuousEngine(
-            model, tokenizer, version=version, num_blocks=cfg.cb_num_blocks, page_size=cfg.cb_page_size,
+            model, tokenizer, params, version=version, num_blocks=cfg.cb_num_blocks, page_size=cfg.cb_page_size,
             max_batch_tokens=cfg.cb_max_batch_tokens, max_batch=cfg.max_batch,
         )
     if cfg.engine == "vllm":

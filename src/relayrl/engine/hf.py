@@ -81,11 +81,16 @@ class _Control(StoppingCriteria):
 
 
 class HFEngine(Engine):
-    def __init__(self, model, tokenizer, max_batch: int = 256, version: int = 0):
+    def __init__(self, model, tokenizer, max_batch: int = 256, version: int = 0, batch_guard=None,
+                 eos_token_ids: list[int] | None = None):
         self.model = model.eval()
+        # entered around each generate call (the continuous-batching engine pauses its own loop with it)
+        self._guard = batch_guard or contextlib.nullcontext
         self.pad_id = tokenizer.pad_token_id
-        eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        if eos_token_ids is None:
+            eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
+            eos_token_ids = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = set(eos_token_ids)
         self.max_batch = max_batch
         self._version = version
         self._step_version = version
@@ -233,7 +238,8 @@ class HFEngine(Engine):
             t0 = time.perf_counter()
             rows = [_Row(r) for r in batch]
             try:
-                self._run(rows)
+                with self._guard():
+                    self._run(rows)
             except BaseException as e:  # propagate to the caller of get()
                 with self._cv:
                     for row in rows:
