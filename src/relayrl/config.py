@@ -63,10 +63,10 @@ class DataCfg(_Section):
 
 
 class RolloutCfg(_Section):
-    engine: Literal["hf", "hf-cb", "vllm"] = Field(
+    engine: Literal["hf", "hf-cb"] = Field(
         "hf",
         description="Inference engine: 'hf' (transformers batched generate), 'hf-cb' (transformers continuous "
-        "batching), 'vllm' (GPU only).",
+        "batching: requests join and leave the batch token by token).",
     )
     prompts_per_step: int = Field(8, ge=1, description="Prompts per training step.")
     group_size: int = Field(8, ge=1, description="Responses per prompt (G).")

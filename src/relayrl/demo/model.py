@@ -42,9 +42,10 @@ RECIPE = {
     "layers": 4,
     "heads": 4,
     "intermediate_size": 512,
-    "sft_steps": 110,
+    "sft_steps": 200,
     "sft_batch": 32,
-    "sft_lr": 2e-3,
+    "sft_lr": 1e-3,
+    "sft_slip": 0.25,
     "seed": 1234,
 }
 
@@ -115,7 +116,7 @@ def warm_start(model, tokenizer, recipe: dict, log=print) -> None:
     torch.manual_seed(recipe["seed"])
     opt = torch.optim.AdamW(model.parameters(), lr=recipe["sft_lr"], weight_decay=0.0)
     steps, bs = recipe["sft_steps"], recipe["sft_batch"]
-    pairs = task.corpus(steps * bs, recipe["seed"] + 1)
+    pairs = task.corpus(steps * bs, recipe["seed"] + 1, recipe["sft_slip"])
     model.train()
     t0 = time.time()
     for step in range(steps):

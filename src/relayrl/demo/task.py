@@ -34,11 +34,17 @@ def prompt_text(terms: list[int]) -> str:
     return "Sum mod 10: " + " ".join(f"{TAGS[i]}={t}" for i, t in enumerate(terms))
 
 
-def solution_text(terms: list[int]) -> str:
+def solution_text(terms: list[int], slip_rng: random.Random | None = None, slip: float = 0.0) -> str:
+    """The worked solution. With ``slip`` > 0 each addition is written wrong with that probability
+    (a random other digit, and the chain continues from it): warm-start data for a policy that
+    knows the method but makes arithmetic slips, which RL then has to remove."""
     steps, total = [], 0
     for i, t in enumerate(terms):
-        steps.append(f"{TAGS[i]}: {total}+{t}={(total + t) % 10}")
-        total = (total + t) % 10
+        result = (total + t) % 10
+        if slip and slip_rng.random() < slip:
+            result = (result + slip_rng.randint(1, 9)) % 10
+        steps.append(f"{TAGS[i]}: {total}+{t}={result}")
+        total = result
     return " ".join(steps) + f" \\boxed{{{total}}}"
 
 
@@ -59,11 +65,11 @@ def make_rows(n: int, seed: int, id_prefix: str) -> list[dict]:
     return rows
 
 
-def corpus(n: int, seed: int) -> list[tuple[str, str]]:
+def corpus(n: int, seed: int, slip: float = 0.0) -> list[tuple[str, str]]:
     """(prompt, solution) pairs for tokenizer training and the supervised warm start."""
     rng = random.Random(seed)
     pairs = []
     for _ in range(n):
         terms = sample_terms(rng)
-        pairs.append((prompt_text(terms), solution_text(terms)))
+        pairs.append((prompt_text(terms), solution_text(terms, rng, slip)))
     return pairs

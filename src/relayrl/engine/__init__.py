@@ -20,8 +20,4 @@ def make_engine(cfg, model, tokenizer, version: int = 0) -> Engine:
             model, tokenizer, params, version=version, num_blocks=cfg.cb_num_blocks, page_size=cfg.cb_page_size,
             max_batch_tokens=cfg.cb_max_batch_tokens, max_batch=cfg.max_batch,
         )
-    if cfg.engine == "vllm":
-        from relayrl.engine.vllm import VLLMEngine
-
-        return VLLMEngine(model, tokenizer, version=version)
-    raise ValueError(f"unknown engine {cfg.engine!r}; valid: hf, hf-cb, vllm")
+    raise ValueError(f"unknown engine {cfg.engine!r}; valid: hf, hf-cb")
