@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -24,6 +24,8 @@ class _Section(BaseModel):
 
 
 class RunCfg(_Section):
+    """The run: name, length, mode, checkpoints."""
+
     name: str = Field("demo", description="Run name; outputs go to <output_dir>/<name>/.")
     output_dir: str = Field("runs", description="Parent folder of run directories.")
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
@@ -38,6 +40,8 @@ class RunCfg(_Section):
 
 
 class ModelCfg(_Section):
+    """The policy and its tokenizer."""
+
     path: str = Field(
         "builtin:demo",
         description="Policy for from_pretrained (local path or hub id). 'builtin:demo' builds/caches the demo model.",
@@ -48,6 +52,8 @@ class ModelCfg(_Section):
 
 
 class DataCfg(_Section):
+    """Prompt datasets and their field mapping."""
+
     path: str = Field(
         "builtin:demo",
         description="Prompts: a .jsonl/.json/.parquet file, a datasets load_from_disk folder, or 'builtin:demo'.",
@@ -63,6 +69,8 @@ class DataCfg(_Section):
 
 
 class RolloutCfg(_Section):
+    """Generation: engine, group size, sampling."""
+
     engine: Literal["hf", "hf-cb"] = Field(
         "hf",
         description="Inference engine: 'hf' (transformers batched generate), 'hf-cb' (transformers continuous "
@@ -81,11 +89,15 @@ class RolloutCfg(_Section):
 
 
 class RewardCfg(_Section):
+    """The verifier."""
+
     fn: str = Field("math", description="Verifier: 'math', 'exact', or a user function 'module:function'.")
     timeout_s: float = Field(5.0, gt=0, description="Per-sample time limit; a hung or failing verifier scores 0.")
 
 
 class AlgoCfg(_Section):
+    """Advantages, policy loss, aggregation, KL."""
+
     advantage: str = Field("grpo", description="Advantage estimator: grpo, dr_grpo, rloo.")
     loss: str = Field("ppo_clip", description="Policy loss: ppo_clip.")
     agg: str = Field(
@@ -115,6 +127,8 @@ class AlgoCfg(_Section):
 
 
 class TrainerCfg(_Section):
+    """Optimiser, schedule, micro-batching."""
+
     lr: float = Field(2e-4, gt=0, description="Peak learning rate (AdamW).")
     schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="LR decay after warm-up.")
     warmup_steps: int = Field(3, ge=0, description="Linear LR warm-up steps.")
@@ -126,6 +140,8 @@ class TrainerCfg(_Section):
 
 
 class EvalCfg(_Section):
+    """Held-out evaluation."""
+
     size: int = Field(256, ge=1, description="Held-out prompts evaluated.")
     every: int = Field(0, ge=0, description="Evaluate every N steps (0: only before and after training).")
     samples: int = Field(1, ge=1, description="Sampled responses per prompt for sampled accuracy.")
@@ -219,6 +235,9 @@ def describe() -> str:
         out.append(f"{sec}:  {(cls.__doc__ or '').strip()}")
         for name, f in cls.model_fields.items():
             default = f.default_factory() if f.default_factory else f.default
-            typ = getattr(f.annotation, "__name__", None) or str(f.annotation).replace("typing.", "")
+            if get_origin(f.annotation) is Literal:
+                typ = "one of " + "|".join(map(str, get_args(f.annotation)))
+            else:
+                typ = getattr(f.annotation, "__name__", None) or str(f.annotation).replace("typing.", "")
             out.append(f"  {sec}.{name} ({typ}, default {default!r})\n      {f.description}")
     return "\n".join(out)

@@ -42,7 +42,7 @@ RECIPE = {
     "layers": 4,
     "heads": 4,
     "intermediate_size": 512,
-    "sft_steps": 200,
+    "sft_steps": 350,
     "sft_batch": 32,
     "sft_lr": 1e-3,
     "sft_slip": 0.25,
@@ -163,8 +163,15 @@ def recipe_key(recipe: dict | None = None) -> str:
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
+SHIPPED = Path(__file__).parent / "weights"
+
+
 def demo_model_path(log=print) -> Path:
-    """The cached demo model, built on first use (under $RELAYRL_CACHE or ~/.cache/relayrl)."""
+    """The demo model: the shipped weights if they match ``RECIPE``, else built once and cached
+    (under $RELAYRL_CACHE or ~/.cache/relayrl)."""
+    recipe_file = SHIPPED / "relayrl_recipe.json"
+    if recipe_file.exists() and json.loads(recipe_file.read_text()) == RECIPE:
+        return SHIPPED
     root = Path(os.environ.get("RELAYRL_CACHE", Path.home() / ".cache" / "relayrl"))
     path = root / f"demo-model-{recipe_key()}"
     if not (path / "config.json").exists():

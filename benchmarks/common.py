@@ -1,0 +1,47 @@
+"""Shared by the benchmark scripts: machine description and result tables (Markdown + JSON)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+
+def machine_info() -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = None
+    try:
+        mem = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem, "torch": torch.__version__,
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_results(out: Path, name: str, header: list[str], rows: list[list[str]], data: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    m = data["machine"]
+    table = markdown_table(header, rows)
+    note = f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, torch {m['torch']}, {m['date']}."
+    (out / f"{name}.md").write_text(f"{table}\n\n{note}\n")
+    (out / f"{name}.json").write_text(json.dumps({**data, "table": {"header": header, "rows": rows}}, indent=1))
+    print(table)
+    print(note)
+    print(f"written: {out / (name + '.md')}, {out / (name + '.json')}")

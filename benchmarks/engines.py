@@ -1,0 +1,83 @@
+"""Which CPU engine is faster on the default task: batched generate or continuous batching?
+
+Generates rollout batches of the default task (prompts × G requests, EOS on, the real long-tail
+lengths) with the ``hf`` engine and with ``hf-cb`` under several cache / batch-token budgets, and
+prints generated tokens/s for each, side by side, with the ratio to ``hf``.
+
+    python benchmarks/engines.py
+    python benchmarks/engines.py --requests 64 128 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine_info, write_results  # noqa: E402
+
+from relayrl.config import load_config  # noqa: E402
+from relayrl.data import load_prompts  # noqa: E402
+from relayrl.engine import make_engine  # noqa: E402
+from relayrl.models import encode_prompt, load_policy, load_tokenizer, resolve_model_path  # noqa: E402
+from relayrl.records import GenRequest, SamplingParams  # noqa: E402
+
+# (label, overrides): cb settings from the measured "small" one up to a cache that holds every request
+SETTINGS = [
+    ("hf (batched generate)", ["rollout.engine=hf"]),
+    ("hf-cb blocks 64, page 64, batch-tokens 512", ["rollout.engine=hf-cb", "rollout.cb_num_blocks=64",
+                                                    "rollout.cb_page_size=64", "rollout.cb_max_batch_tokens=512"]),
+    ("hf-cb blocks 256, page 32, batch-tokens 2048", ["rollout.engine=hf-cb", "rollout.cb_num_blocks=256",
+                                                      "rollout.cb_page_size=32", "rollout.cb_max_batch_tokens=2048"]),
+    ("hf-cb blocks 512, page 32, batch-tokens 8192", ["rollout.engine=hf-cb", "rollout.cb_num_blocks=512",
+                                                      "rollout.cb_page_size=32", "rollout.cb_max_batch_tokens=8192"]),
+]
+
+
+def measure(model_path: str, overrides: list[str], n: int, group: int, repeats: int) -> tuple[float, float]:
+    cfg = load_config(None, overrides + [f"rollout.max_batch={n}"])
+    tok = load_tokenizer(model_path)
+    eng = make_engine(cfg.rollout, load_policy(model_path), tok)
+    prompts = load_prompts("builtin:demo", limit=n // group * repeats + 1)
+    params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature)
+    try:
+        eng.generate([GenRequest("warm", encode_prompt(tok, prompts[-1].messages), SamplingParams(8, 1.0))])
+        tokens, seconds = 0, 0.0
+        for r in range(repeats):
+            batch = prompts[r * (n // group) : (r + 1) * (n // group)]
+            reqs = [GenRequest(f"{r}-{p.id}-{i}", encode_prompt(tok, p.messages), params)
+                    for p in batch for i in range(group)]
+            t0 = time.perf_counter()
+            outs = eng.generate(reqs)
+            seconds += time.perf_counter() - t0
+            tokens += sum(len(c.token_ids) for c in outs)
+        return tokens / seconds, seconds / repeats
+    finally:
+        eng.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="builtin:demo")
+    ap.add_argument("--requests", type=int, nargs="+", default=[64, 256], help="requests per batch")
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    model_path = resolve_model_path(args.model)
+    rows, data = [], {"machine": machine_info(), "model": args.model, "results": {}}
+    for n in args.requests:
+        base = None
+        for label, overrides in SETTINGS:
+            rate, per_batch = measure(model_path, overrides, n, args.group, args.repeats)
+            base = base or rate
+            rows.append([str(n), label, f"{rate:,.0f}", f"{per_batch:.2f}", f"{rate / base:.2f}x"])
+            data["results"][f"{n}/{label}"] = {"tokens_per_s": rate, "seconds_per_batch": per_batch}
+            print(rows[-1], flush=True)
+    write_results(Path(args.out), "engines", ["requests", "engine", "tokens/s", "s/batch", "vs hf"], rows, data)
+
+
+if __name__ == "__main__":
+    main()
