@@ -29,7 +29,7 @@ class RunCfg(_Section):
     name: str = Field("demo", description="Run name; outputs go to <output_dir>/<name>/.")
     output_dir: str = Field("runs", description="Parent folder of run directories.")
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
-    steps: int = Field(60, ge=1, description="Number of training steps (one policy update each).")
+    steps: int = Field(80, ge=1, description="Number of training steps (one policy update each).")
     mode: Literal["sync"] = Field(
         "sync", description="Pipeline mode. 'sync': generate, then train, on-policy (more modes come with the async core)."
     )
@@ -129,7 +129,7 @@ class AlgoCfg(_Section):
 class TrainerCfg(_Section):
     """Optimiser, schedule, micro-batching."""
 
-    lr: float = Field(2e-4, gt=0, description="Peak learning rate (AdamW).")
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate (AdamW). The default suits the tiny demo model; LLMs want ~1e-6.")
     schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="LR decay after warm-up.")
     warmup_steps: int = Field(3, ge=0, description="Linear LR warm-up steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
