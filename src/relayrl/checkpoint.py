@@ -32,6 +32,15 @@ class RunState:
     reward_failures: int = 0
     reward_timeouts: int = 0
 
+    def advance(self, batch_size: int, reward_stats, wall_seconds: float) -> None:
+        """One step done: the policy version moves with the step (one publish per step in sync mode)."""
+        self.step += 1
+        self.version += 1
+        self.samples += batch_size
+        self.reward_failures = reward_stats.failures
+        self.reward_timeouts = reward_stats.timeouts
+        self.wall_seconds = wall_seconds
+
     def to_json(self) -> dict:
         return asdict(self)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -41,7 +42,8 @@ class Components:
     params: SamplingParams
 
 
-def build(cfg: Config, state: RunState, log) -> Components:
+def build(cfg: Config, state: RunState, ckpt: Path | None, log) -> Components:
+    """Everything the loop needs; from checkpoint ``ckpt`` when resuming."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.run.seed)
@@ -51,32 +53,27 @@ def build(cfg: Config, state: RunState, log) -> Components:
     prompts = load_prompts(d.path, **fields)
     eval_prompts = load_prompts(d.eval_path, limit=cfg.eval.size, **fields) if d.eval_path else None
     reward = RewardRunner(cfg.reward.fn, cfg.reward.timeout_s)
-    path = resolve_model_path(cfg.model.path, log=log)
-    tokenizer = load_tokenizer(resolve_model_path(cfg.model.tokenizer, log=log) if cfg.model.tokenizer else path)
-    policy = load_policy(path, cfg.model.dtype)
-    engine_model = load_policy(path, cfg.model.dtype)
-    engine = make_engine(cfg.rollout, engine_model, tokenizer, version=state.version)
+    reward.stats.failures, reward.stats.timeouts = state.reward_failures, state.reward_timeouts
+    base = resolve_model_path(cfg.model.path, log=log)
+    weights = str(ckpt) if ckpt else base
+    tokenizer = load_tokenizer(resolve_model_path(cfg.model.tokenizer, log=log) if cfg.model.tokenizer else base)
+    policy = load_policy(weights, cfg.model.dtype)
+    engine = make_engine(cfg.rollout, load_policy(weights, cfg.model.dtype), tokenizer, version=state.version)
+    ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 else None
     r = cfg.rollout
-    trainer = Trainer(policy, cfg.trainer, cfg.algo, r.temperature, cfg.run.steps, cfg.algo.norm_len or r.max_new_tokens)
+    trainer = Trainer(policy, cfg.trainer, cfg.algo, r.temperature, cfg.run.steps,
+                      cfg.algo.norm_len or r.max_new_tokens, ref_model=ref)
     sampler = PromptSampler(prompts, cfg.run.seed, d.shuffle, state.sampler)
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
     return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params)
 
 
-def restore(cfg: Config, c: Components, log) -> RunState:
+def load_resume_state(cfg: Config) -> tuple[RunState, dict, Path]:
     ckpt = latest_checkpoint(cfg.run_dir)
     if ckpt is None:
         raise ResumeError(f"--resume: no checkpoint under {cfg.run_dir / 'checkpoints'}")
     state, trainer_state = load_run_state(ckpt)
-    weights = load_policy(str(ckpt), cfg.model.dtype).state_dict()
-    c.policy.load_state_dict(weights)
-    c.engine.load_weights(weights, state.version)
-    c.trainer.load_state_dict(trainer_state)
-    c.sampler.state = state.sampler
-    c.sampler.__init__(c.sampler.prompts, c.sampler.seed, c.sampler.shuffle, state.sampler)
-    restore_rng(trainer_state)
-    log(f"resumed from {ckpt} (step {state.step}, {state.samples} samples)")
-    return state
+    return state, trainer_state, ckpt
 
 
 def step_metrics(groups: list[Group], gen_seconds: float, state: RunState) -> dict:
@@ -90,11 +87,12 @@ def step_metrics(groups: list[Group], gen_seconds: float, state: RunState) -> di
         "response_len_max": max(lens),
         "tokens_per_s": sum(lens) / max(gen_seconds, 1e-9),
         "truncated_frac": sum(t.finish_reason.value == "length" for t in trajs) / len(trajs),
-        "reward_failures_total": state.reward_failures,
+        "reward_failures_total": state.reward_failures + state.reward_timeouts,
     }
 
 
 def train(cfg: Config, resume: bool = False, console: Console | None = None) -> dict:
+    """The synchronous on-policy loop. Returns the run summary."""
     console = console or Console()
     log = console.print
     run_dir = cfg.run_dir
@@ -102,16 +100,17 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
         raise ResumeError(f"{run_dir} already has checkpoints: pass --resume, or choose another run.name")
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(cfg, run_dir / "config.yaml")
-    state = RunState()
-    c = build(cfg, state, log)
-    if resume:
-        state = restore(cfg, c, log)
+    state, trainer_state, ckpt = load_resume_state(cfg) if resume else (RunState(), None, None)
+    c = build(cfg, state, ckpt, log)
+    if ckpt:
+        c.trainer.load_state_dict(trainer_state)
+        restore_rng(trainer_state)
+        log(f"resumed from {ckpt} (step {state.step}, {state.samples} samples)")
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=state.step if resume else None)
-    t_start = time.perf_counter() - state.wall_seconds
     if state.eval_before is None and c.eval_prompts:
         state.eval_before = evaluate(c.engine, c.tokenizer, c.eval_prompts, c.reward, cfg)
         log(f"eval before: {fmt_eval(state.eval_before)}")
-    timers = Timers()
+    timers, t_start = Timers(), time.perf_counter() - state.wall_seconds
     try:
         with ProgressBar(cfg.run.steps, state.step, cfg.run.progress, console) as bar:
             while state.step < cfg.run.steps:
@@ -122,22 +121,14 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
                         generate_groups(c.engine, groups, c.params)
                     with timers("reward"):
                         score_groups(groups, c.reward, c.tokenizer)
-                    adv = group_advantages(groups, cfg.algo.advantage)
-                    batch = build_batch([t for g in groups for t in g.trajectories], adv, c.tokenizer.pad_token_id)
+                    batch = build_batch(flatten(groups), group_advantages(groups, cfg.algo.advantage),
+                                        c.tokenizer.pad_token_id)
                     with timers("train"):
-                        train_m = c.trainer.step(batch)
+                        train_metrics = c.trainer.step(batch)
                     with timers("publish"):
                         c.engine.load_weights(c.policy.state_dict(), state.version + 1)
-                state.step, state.version = state.step + 1, state.version + 1
-                state.samples += batch.size
-                state.reward_failures = c.reward.stats.failures + c.reward.stats.timeouts
-                state.wall_seconds = time.perf_counter() - t_start
-                t = timers.pop()
-                m = {"step": state.step, "samples": state.samples, **step_metrics(groups, t["time/generate"], state),
-                     **train_m, **t, "step_time": t["time/step"], "wall_seconds": round(state.wall_seconds, 2)}
-                if cfg.eval.every and state.step % cfg.eval.every == 0 and c.eval_prompts:
-                    m.update({f"eval/{k}": v for k, v in evaluate(c.engine, c.tokenizer, c.eval_prompts, c.reward, cfg).items()})
-                metrics.write(m)
+                state.advance(batch.size, c.reward.stats, time.perf_counter() - t_start)
+                m = record_step(cfg, c, state, groups, train_metrics, timers.pop(), metrics)
                 bar.update(m)
                 if (cfg.run.save_every and state.step % cfg.run.save_every == 0) or state.step == cfg.run.steps:
                     save_checkpoint(run_dir, state, c.policy, c.tokenizer, c.trainer.state_dict(), cfg.run.keep_checkpoints)
@@ -146,6 +137,20 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
         metrics.close()
         c.engine.close()
         c.reward.close()
+
+
+def flatten(groups: list[Group]) -> list:
+    return [t for g in groups for t in g.trajectories]
+
+
+def record_step(cfg: Config, c: Components, state: RunState, groups, train_metrics: dict, times: dict,
+                metrics: MetricsLog) -> dict:
+    m = {"step": state.step, "samples": state.samples, **step_metrics(groups, times["time/generate"], state),
+         **train_metrics, **times, "step_time": times["time/step"], "wall_seconds": round(state.wall_seconds, 2)}
+    if cfg.eval.every and state.step % cfg.eval.every == 0 and c.eval_prompts:
+        m.update({f"eval/{k}": v for k, v in evaluate(c.engine, c.tokenizer, c.eval_prompts, c.reward, cfg).items()})
+    metrics.write(m)
+    return m
 
 
 def fmt_eval(e: dict) -> str:
@@ -166,6 +171,7 @@ def finish(cfg: Config, c: Components, state: RunState, log) -> dict:
         "eval_before": before,
         "eval_after": after,
         "reward_failures": state.reward_failures,
+        "reward_timeouts": state.reward_timeouts,
         "reward_errors": c.reward.stats.errors[:5],
     }
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -173,8 +179,9 @@ def finish(cfg: Config, c: Components, state: RunState, log) -> dict:
     if before and after:
         log(f"held-out accuracy: {before['accuracy']:.1%} → {after['accuracy']:.1%} "
             f"(greedy {before['accuracy_greedy']:.1%} → {after['accuracy_greedy']:.1%})")
-    if state.reward_failures:
-        log(f"[yellow]{state.reward_failures} reward calls failed or timed out (scored 0); last: {c.reward.stats.last_error}")
+    if state.reward_failures or state.reward_timeouts:
+        log(f"[yellow]{state.reward_failures} reward calls failed and {state.reward_timeouts} timed out (scored 0); "
+            f"last: {c.reward.stats.last_error}")
     log(f"run directory: {cfg.run_dir}")
     return summary
 

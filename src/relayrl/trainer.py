@@ -97,7 +97,8 @@ def lr_lambda(cfg: TrainerCfg, total_steps: int):
 
 
 class Trainer:
-    def __init__(self, model, tcfg: TrainerCfg, acfg: AlgoCfg, temperature: float, total_steps: int, norm_len: int):
+    def __init__(self, model, tcfg: TrainerCfg, acfg: AlgoCfg, temperature: float, total_steps: int, norm_len: int,
+                 ref_model=None):
         self.model, self.tcfg, self.acfg = model, tcfg, acfg
         self.temperature, self.norm_len = temperature, norm_len
         self.opt = torch.optim.AdamW(
@@ -105,8 +106,8 @@ class Trainer:
         )
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tcfg, total_steps * tcfg.updates_per_step))
         self.ref = None
-        if acfg.kl_coef > 0:
-            self.ref = copy.deepcopy(model).eval().requires_grad_(False)
+        if acfg.kl_coef > 0:  # frozen reference: the given model, else a copy of the policy as it is now
+            self.ref = (ref_model or copy.deepcopy(model)).eval().requires_grad_(False)
         self.loss_fn = lookup(POLICY_LOSSES, acfg.loss, "policy loss")
         self.agg_fn = lookup(AGGREGATIONS, acfg.agg, "aggregation")
         self.adv_fn = lookup(ADVANTAGES, acfg.advantage, "advantage estimator")
