@@ -10,9 +10,13 @@ process so a hung one can be killed (a thread cannot be).
 from __future__ import annotations
 
 import importlib
+import json
 import math
-import multiprocessing as mp
+import os
 import re
+import select
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -90,21 +94,25 @@ def resolve(spec: str) -> RewardFn:
     return fn
 
 
-def _worker(conn, spec: str) -> None:
+def _worker_main(spec: str) -> None:
+    """The child: JSON lines in on stdin, JSON lines out on a private copy of stdout.
+
+    A subprocess rather than multiprocessing: spawn/forkserver would re-import the user's
+    ``__main__``, which breaks scripts without a main guard."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    sys.stdout = sys.stderr  # a verifier that prints must not corrupt the protocol
     fn = resolve(spec)
     if fn is math_reward:
         import math_verify  # noqa: F401  (import before the first timed call)
-    conn.send("ready")
-    while True:
-        msg = conn.recv()
-        if msg is None:
-            return
-        completion, answer, metadata = msg
+    out.write('"ready"\n')
+    for line in sys.stdin:
+        completion, answer, metadata = json.loads(line)
         try:
             value = float(fn(completion, answer, metadata))
-            conn.send((True, value) if math.isfinite(value) else (False, f"non-finite reward {value}"))
+            msg = [True, value] if math.isfinite(value) else [False, f"non-finite reward {value}"]
         except Exception as e:  # a user's verifier failing must not kill the run
-            conn.send((False, f"{type(e).__name__}: {e}"))
+            msg = [False, f"{type(e).__name__}: {e}"]
+        out.write(json.dumps(msg) + "\n")
 
 
 @dataclass
@@ -122,31 +130,40 @@ class RewardRunner:
         resolve(spec)  # fail fast, in the parent, on an unknown name
         self.spec, self.timeout_s = spec, timeout_s
         self.stats = RewardStats()
-        self._ctx = mp.get_context("spawn")
-        self._proc = None
+        self._proc: subprocess.Popen | None = None
         self._start()
 
     def _start(self) -> None:
-        self._conn, child = self._ctx.Pipe()
-        self._proc = self._ctx.Process(target=_worker, args=(child, self.spec), daemon=True)
-        self._proc.start()
-        child.close()
-        if not self._conn.poll(120) or self._conn.recv() != "ready":
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from relayrl.rewards import _worker_main; _worker_main(sys.argv[1])",
+             self.spec],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+        )
+        if self._read(120) != "ready":
             raise RuntimeError(f"reward worker for {self.spec!r} failed to start")
+
+    def _read(self, timeout: float):
+        """One JSON message from the child, or None on timeout or death."""
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+        if not ready:
+            return None
+        line = self._proc.stdout.readline()
+        return json.loads(line) if line else None
 
     def _restart(self) -> None:
         self._proc.kill()
-        self._proc.join()
+        self._proc.wait()
         self._start()
 
     def score(self, items: list[tuple[str, str | None, dict]]) -> list[tuple[float, bool]]:
         """(reward, failed) per item; failures and timeouts score 0.0."""
         out = []
         for item in items:
-            limit = self.timeout_s
-            self._conn.send(item)
-            if self._conn.poll(limit):
-                ok, value = self._conn.recv()
+            self._proc.stdin.write(json.dumps(item, default=str) + "\n")
+            self._proc.stdin.flush()
+            msg = self._read(self.timeout_s)
+            if msg is not None:
+                ok, value = msg
                 if ok:
                     out.append((value, False))
                     continue
@@ -154,7 +171,7 @@ class RewardRunner:
                 self._note(value)
             else:
                 self.stats.timeouts += 1
-                self._note(f"timed out after {limit:.1f}s")
+                self._note(f"timed out after {self.timeout_s:.1f}s (or the verifier process died)")
                 self._restart()
             out.append((0.0, True))
         return out
@@ -165,12 +182,10 @@ class RewardRunner:
             self.stats.errors.append(err)
 
     def close(self) -> None:
-        if self._proc is not None and self._proc.is_alive():
+        if self._proc is not None and self._proc.poll() is None:
             try:
-                self._conn.send(None)
-                self._proc.join(timeout=2)
-            except (BrokenPipeError, OSError):
-                pass
-            if self._proc.is_alive():
+                self._proc.stdin.close()
+                self._proc.wait(timeout=2)
+            except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
                 self._proc.kill()
         self._proc = None
