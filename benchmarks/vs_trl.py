@@ -17,6 +17,7 @@ TRL settings, and why (what a competent TRL user would set on CPU):
   loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.0, scale_rewards="group"
                                   — the same objective as relayrl's defaults
   lr_scheduler_type="constant_with_warmup", warmup_steps, adam_beta2=0.99, weight_decay=0
+  gradient_checkpointing=False   — TRL turns it on by default; it only costs compute for a small model
   report_to="none", save_strategy="no", logging_steps=1
 
     python benchmarks/vs_trl.py                        # ~10 minutes on 2 cores
@@ -103,7 +104,7 @@ def child_trl(model: str, steps: int, workdir: str) -> dict:
         learning_rate=LR, lr_scheduler_type="constant_with_warmup", warmup_steps=WARMUP, adam_beta2=0.99,
         weight_decay=0.0, max_grad_norm=1.0, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.0,
         scale_rewards="group", num_iterations=1, max_steps=steps, logging_steps=1, report_to="none",
-        save_strategy="no", seed=0, disable_dropout=True,
+        save_strategy="no", seed=0, disable_dropout=True, gradient_checkpointing=False,
     )
     t0 = time.perf_counter()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds)
