@@ -139,8 +139,13 @@ class RewardRunner:
              self.spec],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
         )
-        if self._read(120) != "ready":
-            raise RuntimeError(f"reward worker for {self.spec!r} failed to start")
+        self._ready = False  # the child imports in the background; the first score() waits for it
+
+    def _wait_ready(self) -> None:
+        if not self._ready:
+            if self._read(120) != "ready":
+                raise RuntimeError(f"reward worker for {self.spec!r} failed to start")
+            self._ready = True
 
     def _read(self, timeout: float):
         """One JSON message from the child, or None on timeout or death."""
@@ -159,6 +164,7 @@ class RewardRunner:
         """(reward, failed) per item; failures and timeouts score 0.0."""
         out = []
         for item in items:
+            self._wait_ready()
             self._proc.stdin.write(json.dumps(item, default=str) + "\n")
             self._proc.stdin.flush()
             msg = self._read(self.timeout_s)

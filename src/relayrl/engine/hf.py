@@ -187,6 +187,42 @@ class HFEngine(Engine):
         with self._cv:
             return len(self._pending)
 
+    def generate(self, requests: list[GenRequest]) -> list[Completion]:
+        """Synchronous use: when nothing else is queued or running, decode in the calling thread.
+
+        Same code path as the worker (pause and abort still apply); it only saves the hand-off
+        to the background thread, which costs CPU time on small machines."""
+        with self._cv:
+            inline = not self._busy and not self._queue and not self._pending and self._pause_depth == 0
+            if inline:
+                self._busy = True
+                self._pending |= {r.request_id for r in requests}
+        if not inline:
+            return super().generate(requests)
+        return self._generate_inline(requests)
+
+    def _generate_inline(self, requests: list[GenRequest]) -> list[Completion]:
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            for i in range(0, len(requests), self.max_batch):
+                rows = [_Row(r) for r in requests[i : i + self.max_batch]]
+                with self._cv:
+                    self._step_version = self._version
+                with self._guard():
+                    self._run(rows)
+        finally:
+            with self._cv:
+                self.busy_seconds += time.perf_counter() - t0
+                self._busy = False
+                self._cv.notify_all()
+        got = {}
+        while len(got) < len(requests):
+            for c in self.get(timeout=0):
+                got[c.request_id] = c
+        return [got[r.request_id] for r in requests]
+
     def close(self) -> None:
         with self._cv:
             self._closed = True
