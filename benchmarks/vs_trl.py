@@ -68,8 +68,6 @@ def shared_overrides(model: str, steps: int, out: str, name: str) -> list[str]:
 
 
 def child_relayrl(mode: str, model: str, steps: int, workdir: str) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (library import, untimed as TRL's)
-
     from relayrl.config import load_config
     from relayrl.pipeline import train
 
@@ -80,7 +78,8 @@ def child_relayrl(mode: str, model: str, steps: int, workdir: str) -> dict:
     rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     tokens = sum(r["tokens_per_s"] * r["time/generate"] for r in rows)
     final = cfg.run_dir / "checkpoints" / f"step_{steps:06d}"
-    return {"wall": wall, "samples": summary["samples"], "tokens": tokens, "weights": str(final)}
+    return {"wall": wall, "samples": summary["samples"], "tokens": tokens, "weights": str(final),
+            "gen_seconds": sum(r["time/generate"] for r in rows)}
 
 
 def child_trl(model: str, steps: int, workdir: str) -> dict:
@@ -112,6 +111,16 @@ def child_trl(model: str, steps: int, workdir: str) -> dict:
     )
     t0 = time.perf_counter()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds)
+    generate, gen_time = trainer.model.generate, [0.0]
+
+    def timed_generate(*a, **kw):  # generation time, to compare phases with relayrl's time/generate
+        g0 = time.perf_counter()
+        try:
+            return generate(*a, **kw)
+        finally:
+            gen_time[0] += time.perf_counter() - g0
+
+    trainer.model.generate = timed_generate
     trainer.train()
     wall = time.perf_counter() - t0
     final = Path(workdir) / "final"
@@ -119,7 +128,8 @@ def child_trl(model: str, steps: int, workdir: str) -> dict:
     trainer.processing_class.save_pretrained(str(final))
     if not counted["tokens"]:  # older TRL: no completion_ids for reward functions
         counted["tokens"] = float("nan")
-    return {"wall": wall, "samples": counted["samples"], "tokens": counted["tokens"], "weights": str(final)}
+    return {"wall": wall, "samples": counted["samples"], "tokens": counted["tokens"], "weights": str(final),
+            "gen_seconds": gen_time[0]}
 
 
 def evaluate_weights(path: str, eval_size: int) -> float:
@@ -131,9 +141,19 @@ def evaluate_weights(path: str, eval_size: int) -> float:
     return evaluate_only(cfg)
 
 
+def warm_imports(model: str) -> None:
+    """Import the model's transformers modules before the clock starts, for both systems alike:
+    library import time (seconds, once per process) is not RL throughput."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    AutoTokenizer.from_pretrained(model)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+
+
 def run_child(args) -> None:
     import torch
 
+    warm_imports(args.model)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as d:
         if args.child == "trl":
@@ -188,14 +208,16 @@ def main() -> None:
             "accuracy": sum(x["eval"]["accuracy"] for x in results[s]) / len(results[s]),
             "accuracy_greedy": sum(x["eval"]["accuracy_greedy"] for x in results[s]) / len(results[s]),
             "peak_rss_gib": max(x["peak_rss_gib"] for x in results[s]),
+            "gen_seconds": mean(s, "gen_seconds"),
         }
     base = stats.get("trl")
-    header = ["system", "samples/s", "gen tokens/s", "wall s", "accuracy (T=1)", "greedy acc", "peak RSS GiB",
-              "samples/s vs TRL"]
+    header = ["system", "samples/s", "gen tokens/s", "wall s", "of which generating s", "accuracy (T=1)",
+              "greedy acc", "peak RSS GiB", "samples/s vs TRL"]
     rows = []
     for s, v in stats.items():
         ratio = f"{v['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "n/a"
         rows.append([s, f"{v['samples_per_s']:.2f}", f"{v['tokens_per_s']:,.0f}", f"{v['wall']:.1f}",
+                     f"{v['gen_seconds']:.1f}",
                      f"{v['accuracy']:.1%}", f"{v['accuracy_greedy']:.1%}", f"{v['peak_rss_gib']:.2f}", ratio])
     data = {"machine": machine_info(), "model": args.model, "steps": args.steps, "runs": args.runs,
             "workload": {"prompts_per_step": PROMPTS, "group_size": G, "max_new_tokens": MAX_NEW,
