@@ -44,8 +44,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _quiet_libraries() -> None:
+    """relayrl draws its own progress; drop transformers' per-load bars and advisory warnings."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
+    _quiet_libraries()
     try:
         if ns.cmd == "build-demo-model":
             from relayrl.demo.model import build_demo_model
