@@ -22,6 +22,14 @@ class EngineError(RuntimeError):
     pass
 
 
+def copy_weights(model, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy ``state_dict`` into ``model`` in place (the engine's own copy of the policy)."""
+    with torch.no_grad():
+        missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    if unexpected or [k for k in missing if "rotary" not in k]:
+        raise EngineError(f"weight mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
 class Engine(abc.ABC):
     @property
     @abc.abstractmethod

@@ -20,7 +20,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from relayrl.engine.base import Engine, EngineError
+from relayrl.engine.base import Engine, EngineError, copy_weights
 from relayrl.records import Completion, FinishReason, GenRequest, SamplingParams
 
 
@@ -176,10 +176,8 @@ class HFEngine(Engine):
                 self._cv.notify_all()
 
     def load_weights(self, state_dict, version: int) -> None:
-        with self.pause(), torch.no_grad():
-            missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
-            if unexpected or [k for k in missing if "rotary" not in k]:
-                raise EngineError(f"weight mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        with self.pause():
+            copy_weights(self.model, state_dict)
             self._version = version
             self._step_version = version
 

@@ -19,9 +19,8 @@ import queue
 import threading
 from typing import Iterable
 
-import torch
 
-from relayrl.engine.base import Engine, EngineError
+from relayrl.engine.base import Engine, EngineError, copy_weights
 from relayrl.engine.hf import HFEngine
 from relayrl.records import Completion, FinishReason, GenRequest, SamplingParams
 
@@ -183,10 +182,8 @@ class HFContinuousEngine(Engine):
             yield
 
     def load_weights(self, state_dict, version: int) -> None:
-        with self.pause(), torch.no_grad():
-            missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
-            if unexpected or [k for k in missing if "rotary" not in k]:
-                raise EngineError(f"weight mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        with self.pause():
+            copy_weights(self.model, state_dict)
             self._version = version
             self._fallback._version = self._fallback._step_version = version
 
