@@ -1,0 +1,45 @@
+"""Scheduling policies and length estimates, by hand."""
+
+import pytest
+
+from relayrl.scheduling import LengthModel, Pending, expected_remaining, gittins_index, order
+
+
+def _model():
+    m = LengthModel(default=50)
+    m.observe("short", "g-short", 10)
+    m.observe("long", "g-long-old", 100)
+    m.observe("long", "g-long-old", 80)
+    return m
+
+
+def test_estimates_prefer_siblings_then_prompt_history_then_recent():
+    m = _model()
+    m.observe("long", "g-long", 40)  # a finished sibling in the current group wins over history
+    assert m.samples("long", "g-long") == [40]
+    assert m.samples("long", "g-new") == [100, 80, 40]
+    assert m.samples("unseen", "g-x") == [10, 100, 80, 40]
+    assert LengthModel(default=7).samples("a", "b") == [7]
+
+
+def test_policies_order_by_hand():
+    m = _model()
+    ps = [Pending("a", "short", "g-short", arrival=0), Pending("b", "long", "g-long", arrival=1),
+          Pending("c", "long", "g-long", generated=30, arrival=2, partial=True)]
+    assert [p.request_id for p in order(ps, "fifo", m)] == ["a", "b", "c"]
+    assert [p.request_id for p in order(ps, "partial_first", m)] == ["c", "a", "b"]
+    # expected totals: short 10, long 90 → long ones first (ties by arrival)
+    assert [p.request_id for p in order(ps, "longest_first", m)] == ["b", "c", "a"]
+    # expected remaining: a 10, b 90, c (100-30 + 80-30)/2 = 60
+    assert [p.request_id for p in order(ps, "srpt", m)] == ["a", "c", "b"]
+    with pytest.raises(ValueError, match="fifo"):
+        order(ps, "lifo", m)
+
+
+def test_expected_remaining_and_gittins_by_hand():
+    assert expected_remaining([10, 20, 60], 15) == pytest.approx((5 + 45) / 2)
+    assert expected_remaining([10], 25) == 25  # past all history: as much again
+    # R = {5, 45}: Δ=5 → (1/2)/((5+5)/2) = 0.1; Δ=45 → 1/((5+45)/2) = 0.04 → index 0.1
+    assert gittins_index([10, 20, 60], 15) == pytest.approx(0.1)
+    # a request certain to need 5 more beats one that needs 5 or 95 equally likely (same SRPT mean 50 vs 5)
+    assert gittins_index([5], 0) > gittins_index([5, 95], 0)
