@@ -7,6 +7,7 @@ updates, so a response may mix versions, and the losses correct for it.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,3 +108,25 @@ class Group:
     @property
     def rewards(self) -> list[float]:
         return [t.reward for t in self.trajectories]
+
+
+def group_to_dict(g: Group) -> dict:
+    """JSON-safe form of a group (for checkpointing the partial-rollout buffer)."""
+    return {
+        "prompt": dataclasses.asdict(g.prompt),
+        "group_id": g.group_id,
+        "trajectories": [
+            {k: (v.value if isinstance(v, FinishReason) else v) for k, v in dataclasses.asdict(t).items() if k != "prompt"}
+            for t in g.trajectories
+        ],
+    }
+
+
+def group_from_dict(d: dict) -> Group:
+    prompt = Prompt(**d["prompt"])
+    trajs = []
+    for t in d["trajectories"]:
+        t = dict(t)
+        t["finish_reason"] = FinishReason(t["finish_reason"]) if t["finish_reason"] is not None else None
+        trajs.append(Trajectory(prompt=prompt, **t))
+    return Group(prompt, d["group_id"], trajs)

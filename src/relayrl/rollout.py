@@ -22,18 +22,18 @@ def make_groups(prompts: list[Prompt], tokenizer, group_size: int, tag: str) -> 
     return groups
 
 
+def continuation(t: Trajectory, params: SamplingParams) -> GenRequest:
+    """The request that continues ``t`` (or starts it) with what is left of its token budget."""
+    left = params.max_new_tokens - len(t.response_ids)
+    return GenRequest(t.request_id, t.prompt_ids, SamplingParams(left, params.temperature, params.top_p, params.top_k),
+                      list(t.response_ids))
+
+
 def generate_groups(engine: Engine, groups: list[Group], params: SamplingParams) -> None:
-    """Generate every unfinished trajectory of ``groups`` to completion (a synchronous barrier)."""
+    """Generate every unfinished trajectory of ``groups`` to completion (a synchronous barrier).
+    Finished members of a group are not regenerated."""
     trajs = [t for g in groups for t in g.trajectories if not t.done]
-    reqs = [
-        GenRequest(
-            t.request_id,
-            t.prompt_ids,
-            SamplingParams(params.max_new_tokens - len(t.response_ids), params.temperature, params.top_p, params.top_k),
-            list(t.response_ids),
-        )
-        for t in trajs
-    ]
+    reqs = [continuation(t, params) for t in trajs]
     for t, c in zip(trajs, engine.generate(reqs)):
         t.extend(c)
 
