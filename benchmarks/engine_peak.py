@@ -57,7 +57,7 @@ def achieved(steps: int, extra: list[str]) -> dict:
                                  "data.eval_path=null", "run.save_every=0", *extra])
         train(cfg)
         rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
-    gen_tokens = sum(r["tokens_per_s"] * r["time/generate"] for r in rows)
+    gen_tokens = sum(r["generated_tokens"] for r in rows)
     gen_time = sum(r["time/generate"] for r in rows)
     wall = sum(r["time/step"] for r in rows)
     return {"tokens": gen_tokens, "gen_seconds": gen_time, "wall_seconds": wall}

@@ -76,7 +76,7 @@ def child_relayrl(mode: str, model: str, steps: int, workdir: str) -> dict:
     summary = train(cfg)
     wall = time.perf_counter() - t0
     rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
-    tokens = sum(r["tokens_per_s"] * r["time/generate"] for r in rows)
+    tokens = sum(r["generated_tokens"] for r in rows)
     final = cfg.run_dir / "checkpoints" / f"step_{steps:06d}"
     return {"wall": wall, "samples": summary["samples"], "tokens": tokens, "weights": str(final),
             "gen_seconds": sum(r["time/generate"] for r in rows)}

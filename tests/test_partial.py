@@ -3,8 +3,6 @@ and a real engine continuing a cut-off response to exactly its budget."""
 
 import json
 
-import pytest
-
 from relayrl.engine.hf import HFEngine
 from relayrl.partial import PartialBuffer
 from relayrl.records import FinishReason, Group, Prompt, SamplingParams, Trajectory
@@ -21,15 +19,12 @@ def _group(gid, n_done=1):
     return Group(p, gid, ts)
 
 
-def test_fifo_and_complete_groups_rejected():
+def test_fifo():
     b = PartialBuffer()
     b.put(_group("a"))
     b.put(_group("b"))
-    assert [g.group_id for g in b.take(5)] == ["a", "b"] and len(b) == 0
-    g = _group("c", n_done=3)
-    g.trajectories[-1].finish_reason = FinishReason.LENGTH
-    with pytest.raises(ValueError, match="complete"):
-        b.put(g)
+    assert [g.group_id for g in b.take(1)] == ["a"] and len(b) == 1
+    assert [g.group_id for g in b.take(5)] == ["b"] and len(b) == 0
 
 
 def test_state_roundtrip_keeps_tokens_logprobs_versions():
@@ -64,5 +59,31 @@ def test_engine_continues_only_unfinished_members(tiny):
         assert len(last.response_ids) == 10 and last.response_ids[:3] == [9, 9, 9]
         assert last.versions[:3] == [0, 1, 1] and len(last.versions) == len(last.behav_logprobs) == 10
         assert last.finish_reason == FinishReason.LENGTH
+    finally:
+        eng.close()
+
+
+def test_generate_until_aborts_the_rest_once_enough_groups_complete(tiny):
+    from relayrl.rollout import generate_until, make_groups
+
+    model, tok = tiny
+    eng = HFEngine(model, tok)
+    try:
+        prompts = [Prompt(f"p{i}", [{"role": "user", "content": f"Add {i} 1"}], "1") for i in range(4)]
+        groups = make_groups(prompts, tok, 2, tag="s0")
+        # group 0 can finish fast (budget 2), the others would run to 300 tokens
+        eos = tok.eos_token_id
+        eng.eos_ids = {eos}
+        params = SamplingParams(300, 1.0)
+        for t in groups[0].trajectories:
+            t.response_ids, t.behav_logprobs, t.versions = [5] * 299, [-1.0] * 299, [0] * 299
+        complete, rest = generate_until(eng, groups, params, need=1)
+        assert [g.group_id for g in complete][:1] == ["s0/p0"]
+        assert len(complete) >= 1 and len(rest) == 4 - len(complete)
+        cut = [t for g in rest for t in g.trajectories if not t.done]
+        assert cut and all(t.finish_reason == FinishReason.ABORTED for t in cut)
+        assert all(0 < len(t.response_ids) < 300 for t in cut)
+        assert all(len(t.response_ids) == len(t.behav_logprobs) == len(t.versions) for t in cut)
+        assert eng.num_pending() == 0
     finally:
         eng.close()

@@ -31,6 +31,8 @@ class RunState:
     eval_before: dict | None = None
     reward_failures: int = 0
     reward_timeouts: int = 0
+    partial_buffer: list = field(default_factory=list)  # PartialBuffer.state_dict(): carried groups
+    partial_resumed: int = 0  # cumulative groups continued from the buffer
 
     def advance(self, batch_size: int, reward_stats, wall_seconds: float) -> None:
         """One step done: the policy version moves with the step (one publish per step in sync mode)."""

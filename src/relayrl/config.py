@@ -83,6 +83,12 @@ class RolloutCfg(_Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold (1: off).")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
     max_batch: int = Field(256, ge=1, description="Most sequences the engine decodes at once.")
+    partial: bool = Field(
+        False,
+        description="Partial rollouts (APRIL): over-provision groups, stop once the step has prompts_per_step "
+        "complete groups, carry the unfinished ones (tokens, log-probs, versions) into the next step.",
+    )
+    over_provision: float = Field(1.5, ge=1.0, description="With partial: groups in flight per step / prompts_per_step.")
     cb_num_blocks: int = Field(256, ge=1, description="hf-cb: KV-cache blocks.")
     cb_page_size: int = Field(32, ge=4, description="hf-cb: tokens per cache page.")
     cb_max_batch_tokens: int = Field(2048, ge=1, description="hf-cb: token budget per forward pass.")

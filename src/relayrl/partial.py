@@ -22,8 +22,7 @@ class PartialBuffer:
         return len(self._groups)
 
     def put(self, group: Group) -> None:
-        if all(t.done for t in group.trajectories):
-            raise ValueError(f"group {group.group_id} is complete: it belongs in the batch, not the buffer")
+        """A cut-off group, or a complete one the step had no room for (it is served first next step)."""
         self._groups.append(group)
 
     def take(self, n: int) -> list[Group]:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,8 @@ from relayrl.evaluation import evaluate
 from relayrl.models import load_policy, load_tokenizer, resolve_model_path
 from relayrl.records import Group, SamplingParams
 from relayrl.rewards import RewardRunner
-from relayrl.rollout import generate_groups, group_advantages, make_groups, score_groups
+from relayrl.partial import PartialBuffer
+from relayrl.rollout import generate_groups, generate_until, group_advantages, make_groups, score_groups
 from relayrl.tracking import MetricsLog, ProgressBar, Timers
 from relayrl.trainer import Trainer, build_batch
 
@@ -40,6 +42,7 @@ class Components:
     sampler: PromptSampler
     eval_prompts: list | None
     params: SamplingParams
+    buffer: PartialBuffer
 
 
 def build(cfg: Config, state: RunState, ckpt: Path | None, log) -> Components:
@@ -65,7 +68,9 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, log) -> Components:
                       cfg.algo.norm_len or r.max_new_tokens, ref_model=ref)
     sampler = PromptSampler(prompts, cfg.run.seed, d.shuffle, state.sampler)
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
-    return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params)
+    buffer = PartialBuffer()
+    buffer.load_state_dict(state.partial_buffer)
+    return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params, buffer)
 
 
 def load_resume_state(cfg: Config) -> tuple[RunState, dict, Path]:
@@ -76,7 +81,7 @@ def load_resume_state(cfg: Config) -> tuple[RunState, dict, Path]:
     return state, trainer_state, ckpt
 
 
-def step_metrics(groups: list[Group], gen_seconds: float, state: RunState) -> dict:
+def step_metrics(groups: list[Group], generated: int, gen_seconds: float, state: RunState) -> dict:
     trajs = [t for g in groups for t in g.trajectories]
     rewards = torch.tensor([t.reward for t in trajs])
     lens = [len(t.response_ids) for t in trajs]
@@ -85,9 +90,12 @@ def step_metrics(groups: list[Group], gen_seconds: float, state: RunState) -> di
         "reward_std": rewards.std().item() if len(trajs) > 1 else 0.0,
         "response_len_mean": sum(lens) / len(lens),
         "response_len_max": max(lens),
-        "tokens_per_s": sum(lens) / max(gen_seconds, 1e-9),
+        "generated_tokens": generated,
+        "tokens_per_s": generated / max(gen_seconds, 1e-9),
         "truncated_frac": sum(t.finish_reason.value == "length" for t in trajs) / len(trajs),
         "reward_failures_total": state.reward_failures + state.reward_timeouts,
+        "offpolicy_token_frac": sum(v < state.version - 1 for t in trajs for v in t.versions) / max(1, sum(lens)),
+        "partial_resumed_total": state.partial_resumed,
     }
 
 
@@ -107,6 +115,7 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
         restore_rng(trainer_state)
         log(f"resumed from {ckpt} (step {state.step}, {state.samples} samples)")
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=state.step if resume else None)
+    trained_log = MetricsLog(run_dir / "trained_prompts.jsonl", resume_step=state.step if resume else None)
     if state.eval_before is None and c.eval_prompts:
         state.eval_before = evaluate(c.engine, c.tokenizer, c.eval_prompts, c.reward, cfg)
         log(f"eval before: {fmt_eval(state.eval_before)}")
@@ -115,38 +124,60 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
         with ProgressBar(cfg.run.steps, state.step, cfg.run.progress, console) as bar:
             while state.step < cfg.run.steps:
                 with timers("step"):
-                    prompts = c.sampler.take(cfg.rollout.prompts_per_step)
-                    groups = make_groups(prompts, c.tokenizer, cfg.rollout.group_size, tag=f"s{state.step}")
                     with timers("generate"):
-                        generate_groups(c.engine, groups, c.params)
+                        groups, generated = rollout_step(cfg, c, state)
                     with timers("reward"):
                         score_groups(groups, c.reward, c.tokenizer)
                     batch = build_batch(flatten(groups), group_advantages(groups, cfg.algo.advantage),
                                         c.tokenizer.pad_token_id)
                     with timers("train"):
-                        train_metrics = c.trainer.step(batch)
+                        train_metrics = c.trainer.step(batch, version=state.version)
                     with timers("publish"):
                         c.engine.load_weights(c.policy.state_dict(), state.version + 1)
                 state.advance(batch.size, c.reward.stats, time.perf_counter() - t_start)
-                m = record_step(cfg, c, state, groups, train_metrics, timers.pop(), metrics)
+                m = record_step(cfg, c, state, groups, generated, train_metrics, timers.pop(), metrics)
+                trained_log.write({"step": state.step, "prompt_ids": [g.prompt.id for g in groups]})
                 bar.update(m)
                 if (cfg.run.save_every and state.step % cfg.run.save_every == 0) or state.step == cfg.run.steps:
+                    state.partial_buffer = c.buffer.state_dict()
                     save_checkpoint(run_dir, state, c.policy, c.tokenizer, c.trainer.state_dict(), cfg.run.keep_checkpoints)
         return finish(cfg, c, state, log)
     finally:
         metrics.close()
+        trained_log.close()
         c.engine.close()
         c.reward.close()
+
+
+def rollout_step(cfg: Config, c: Components, state: RunState) -> tuple[list[Group], int]:
+    """This step's groups, and the tokens generated for them and for the carried-over rest:
+    a synchronous barrier, or APRIL's over-provisioned partial rollouts."""
+    r, tag = cfg.rollout, f"s{state.step}"
+    if not r.partial:
+        groups = make_groups(c.sampler.take(r.prompts_per_step), c.tokenizer, r.group_size, tag)
+        generate_groups(c.engine, groups, c.params)
+        return groups, sum(len(t.response_ids) for t in flatten(groups))
+    target = math.ceil(r.over_provision * r.prompts_per_step)
+    carried = c.buffer.take(target)
+    state.partial_resumed += sum(any(not t.done for t in g.trajectories) for g in carried)
+    fresh = make_groups(c.sampler.take(max(0, target - len(carried))), c.tokenizer, r.group_size, tag)
+    before = sum(len(t.response_ids) for t in flatten(carried))
+    complete, rest = generate_until(c.engine, carried + fresh, c.params, r.prompts_per_step)
+    for g in complete[r.prompts_per_step :] + rest:
+        c.buffer.put(g)
+    generated = sum(len(t.response_ids) for t in flatten(complete + rest)) - before
+    return complete[: r.prompts_per_step], generated
 
 
 def flatten(groups: list[Group]) -> list:
     return [t for g in groups for t in g.trajectories]
 
 
-def record_step(cfg: Config, c: Components, state: RunState, groups, train_metrics: dict, times: dict,
-                metrics: MetricsLog) -> dict:
-    m = {"step": state.step, "samples": state.samples, **step_metrics(groups, times["time/generate"], state),
-         **train_metrics, **times, "step_time": times["time/step"], "wall_seconds": round(state.wall_seconds, 2)}
+def record_step(cfg: Config, c: Components, state: RunState, groups, generated: int, train_metrics: dict,
+                times: dict, metrics: MetricsLog) -> dict:
+    m = {"step": state.step, "samples": state.samples, **step_metrics(groups, generated, times["time/generate"], state),
+         **train_metrics, **times, "step_time": times["time/step"], "wall_seconds": round(state.wall_seconds, 2),
+         "partial_buffer_groups": len(c.buffer)}
     if cfg.eval.every and state.step % cfg.eval.every == 0 and c.eval_prompts:
         m.update({f"eval/{k}": v for k, v in evaluate(c.engine, c.tokenizer, c.eval_prompts, c.reward, cfg).items()})
     metrics.write(m)

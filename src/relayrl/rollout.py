@@ -8,7 +8,7 @@ import torch
 from relayrl.algos import ADVANTAGES, lookup
 from relayrl.engine.base import Engine
 from relayrl.models import encode_prompt
-from relayrl.records import GenRequest, Group, Prompt, SamplingParams, Trajectory
+from relayrl.records import Completion, FinishReason, GenRequest, Group, Prompt, SamplingParams, Trajectory
 from relayrl.rewards import RewardRunner
 
 
@@ -53,3 +53,25 @@ def group_advantages(groups: list[Group], estimator: str) -> torch.Tensor:
     rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
     gid = torch.tensor([i for i, g in enumerate(groups) for _ in g.trajectories], dtype=torch.long)
     return fn(rewards, gid)
+
+
+def generate_until(engine: Engine, groups: list[Group], params: SamplingParams, need: int
+                   ) -> tuple[list[Group], list[Group]]:
+    """APRIL's step: generate the unfinished members of ``groups`` until ``need`` groups are
+    complete, then abort everything still running. Returns (complete groups in completion
+    order, the rest); aborted members keep their tokens, log-probs and versions."""
+    trajs = {t.request_id: (g, t) for g in groups for t in g.trajectories if not t.done}
+    complete = [g for g in groups if all(t.done for t in g.trajectories)]
+
+    def on_complete(c: Completion) -> None:
+        g, t = trajs.pop(c.request_id)
+        t.extend(c)
+        if c.finish_reason != FinishReason.ABORTED and all(x.done for x in g.trajectories):
+            complete.append(g)
+            if len(complete) == need and trajs:
+                engine.abort(list(trajs))
+
+    if len(complete) < need and trajs:
+        engine.generate([continuation(t, params) for _, t in trajs.values()], on_complete=on_complete)
+    done = {id(g) for g in complete}
+    return complete, [g for g in groups if id(g) not in done]

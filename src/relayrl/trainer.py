@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from relayrl.algos import ADVANTAGES, AGGREGATIONS, POLICY_LOSSES, kl_penalty, lookup
+from relayrl.algos.offpolicy import decoupled_ppo
 from relayrl.config import AlgoCfg, TrainerCfg
 from relayrl.models import entropy_from_logits, token_logprobs
 from relayrl.records import Trajectory
@@ -128,9 +129,15 @@ class Trainer:
         return out * batch.loss_mask
 
     # -- one optimiser step ----------------------------------------------------------------
-    def accumulate(self, batch: TrainBatch, old_logp, ref_logp, num_tokens: float, num_seqs: float) -> dict:
-        """Forward/backward over micro-batches of ``batch``; loss normalised by the global counts given."""
-        sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "mismatch_sum": 0.0, "mismatch_max": 0.0}
+    def accumulate(self, batch: TrainBatch, old_logp, ref_logp, num_tokens: float, num_seqs: float,
+                   version: int | None = None) -> dict:
+        """Forward/backward over micro-batches of ``batch``; loss normalised by the global counts given.
+
+        Tokens sampled by an older policy than ``version`` (continued partial rollouts) are
+        trained with decoupled PPO: the trust region around π_old (the proximal policy) and an
+        importance weight π_old/π_behav, bounded (algorithms.md §2)."""
+        sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "mismatch_sum": 0.0, "mismatch_max": 0.0,
+                "mismatch_tokens": 0.0}
         a = self.acfg
         for idx in micro_batches(batch, self.tcfg.micro_batch_tokens):
             mb = batch.select(idx)
@@ -141,11 +148,18 @@ class Trainer:
             adv = mb.advantages[:, None].expand_as(logp)
             # on-policy single update: π_old is the current policy, so this forward gives it for free
             old = logp.detach() if old_logp is None else old_logp[t, :L]
+            stale = (mb.versions < version) & mb.loss_mask.bool() if version is not None else None
             with torch.no_grad():
-                diff = ((logp.detach() - mb.behav_logp).abs() * mb.loss_mask)
+                fresh = mb.loss_mask if stale is None else mb.loss_mask * (~stale)
+                diff = (logp.detach() - mb.behav_logp).abs() * fresh
                 sums["mismatch_sum"] += diff.sum().item()
+                sums["mismatch_tokens"] += fresh.sum().item()
                 sums["mismatch_max"] = max(sums["mismatch_max"], diff.max().item())
-            per_tok, m = self.loss_fn(logp, old, adv, mb.loss_mask, a.clip_low, a.clip_high, a.dual_clip)
+            if stale is not None and stale.any():
+                per_tok, m = decoupled_ppo(logp, old, mb.behav_logp, adv, mb.loss_mask, a.clip_low, a.clip_high,
+                                           a.dual_clip)
+            else:
+                per_tok, m = self.loss_fn(logp, old, adv, mb.loss_mask, a.clip_low, a.clip_high, a.dual_clip)
             agg = lambda x: self.agg_fn(x, mb.loss_mask, num_tokens, num_seqs, self.norm_len)  # noqa: E731
             loss = agg(per_tok)
             if ref_logp is not None:
@@ -165,7 +179,7 @@ class Trainer:
             sums["clip_frac"] += m["clip_frac"].item() * share
         return sums
 
-    def step(self, batch: TrainBatch) -> dict:
+    def step(self, batch: TrainBatch, version: int | None = None) -> dict:
         """π_old (and π_ref) log-probs, then ``updates_per_step`` optimiser steps over mini-batches.
 
         With one update per batch of on-policy data, π_old equals the current policy: it is taken
@@ -191,12 +205,12 @@ class Trainer:
             n_tok = mini.loss_mask.sum().item()
             sums = self.accumulate(
                 mini, None if single else old_logp[t], None if ref_logp is None else ref_logp[t], n_tok,
-                float(mini.size),
+                float(mini.size), version,
             )
             if single:
-                metrics = {"logprob_mismatch_mean": sums["mismatch_sum"] / max(n_tok, 1.0),
+                metrics = {"logprob_mismatch_mean": sums["mismatch_sum"] / max(sums["mismatch_tokens"], 1.0),
                            "logprob_mismatch_max": sums["mismatch_max"]}
-            del sums["mismatch_sum"], sums["mismatch_max"]
+            del sums["mismatch_sum"], sums["mismatch_max"], sums["mismatch_tokens"]
             gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
             sums["grad_norm"] = gn.item()
             sums["lr"] = self.sched.get_last_lr()[0]

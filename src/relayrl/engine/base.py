@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import time
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -64,8 +64,10 @@ class Engine(abc.ABC):
     def close(self) -> None:
         pass
 
-    def generate(self, requests: list[GenRequest]) -> list[Completion]:
-        """Submit and wait for all; results in request order."""
+    def generate(self, requests: list[GenRequest], on_complete: Callable[[Completion], None] | None = None
+                 ) -> list[Completion]:
+        """Submit and wait for all; results in request order. ``on_complete`` is called with each
+        completion as it arrives and may call ``abort`` (e.g. once a step has enough groups)."""
         self.submit(requests)
         want = {r.request_id for r in requests}
         got: dict[str, Completion] = {}
@@ -73,6 +75,8 @@ class Engine(abc.ABC):
             for c in self.get(timeout=None):
                 if c.request_id in want:
                     got[c.request_id] = c
+                    if on_complete is not None:
+                        on_complete(c)
         return [got[r.request_id] for r in requests]
 
     def drain(self, timeout: float = 30.0) -> Iterator[Completion]:

@@ -185,24 +185,26 @@ class HFEngine(Engine):
         with self._cv:
             return len(self._pending)
 
-    def generate(self, requests: list[GenRequest]) -> list[Completion]:
+    def generate(self, requests: list[GenRequest], on_complete=None) -> list[Completion]:
         """Synchronous use: when nothing else is queued or running, decode in the calling thread.
 
         Same code path as the worker (pause and abort still apply); it only saves the hand-off
-        to the background thread, which costs CPU time on small machines."""
+        to the background thread, which costs CPU time on small machines. ``on_complete`` runs
+        as each row finishes, inside the decoding loop, and may call ``abort``."""
         with self._cv:
             inline = not self._busy and not self._queue and not self._pending and self._pause_depth == 0
             if inline:
                 self._busy = True
                 self._pending |= {r.request_id for r in requests}
         if not inline:
-            return super().generate(requests)
-        return self._generate_inline(requests)
+            return super().generate(requests, on_complete)
+        return self._generate_inline(requests, on_complete)
 
-    def _generate_inline(self, requests: list[GenRequest]) -> list[Completion]:
+    def _generate_inline(self, requests: list[GenRequest], on_complete) -> list[Completion]:
         import time
 
         t0 = time.perf_counter()
+        self._on_complete = on_complete
         try:
             for i in range(0, len(requests), self.max_batch):
                 rows = [_Row(r) for r in requests[i : i + self.max_batch]]
@@ -211,6 +213,7 @@ class HFEngine(Engine):
                 with self._guard():
                     self._run(rows)
         finally:
+            self._on_complete = None
             with self._cv:
                 self.busy_seconds += time.perf_counter() - t0
                 self._busy = False
@@ -232,9 +235,14 @@ class HFEngine(Engine):
         if self._error is not None:
             raise EngineError(f"engine thread failed: {self._error!r}") from self._error
 
+    _on_complete = None  # set only during an inline generate
+
     def _finish(self, row: _Row, reason: FinishReason) -> None:
         row.done = True
-        self._out.put(Completion(row.req.request_id, row.tokens, row.logprobs, row.versions, reason))
+        c = Completion(row.req.request_id, row.tokens, row.logprobs, row.versions, reason)
+        self._out.put(c)
+        if self._on_complete is not None:
+            self._on_complete(c)
 
     def _safe_point(self) -> None:
         """Called with the lock held after each decoding step: wait here while paused."""
