@@ -1,0 +1,75 @@
+"""Pipeline modes side by side on the default long-tail task.
+
+Same model, prompts, group size, number of training samples and held-out set in each mode;
+prints samples/s, generated tokens/s, engine idle %, trainer idle %, held-out accuracy, and each
+mode's speed ratio to ``sync``. Modes not built yet are listed by ``--help`` and skipped.
+
+    python benchmarks/async_vs_sync.py                 # the full default run per mode (~2.5 min each)
+    python benchmarks/async_vs_sync.py --steps 30 --modes sync sync+partial
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine_info, write_results  # noqa: E402
+
+MODES = {
+    "sync": ["run.mode=sync", "rollout.partial=false"],
+    "sync+partial": ["run.mode=sync", "rollout.partial=true"],
+}
+
+
+def run_mode(name: str, steps: int, extra: list[str]) -> dict:
+    from relayrl.config import load_config
+    from relayrl.pipeline import train
+
+    with tempfile.TemporaryDirectory() as d:
+        cfg = load_config(None, [f"run.output_dir={d}", f"run.name={name}", f"run.steps={steps}",
+                                 "run.progress=false", *MODES[name], *extra])
+        t0 = time.perf_counter()
+        summary = train(cfg)
+        rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    wall = sum(r["time/step"] for r in rows)  # the training loop, without the before/after evaluations
+    gen = sum(r["time/generate"] for r in rows)
+    trn = sum(r["time/train"] for r in rows)
+    return {
+        "samples_per_s": summary["samples"] / wall,
+        "tokens_per_s": sum(r["generated_tokens"] for r in rows) / wall,
+        "engine_idle": 1 - gen / wall,
+        "trainer_idle": 1 - trn / wall,
+        "accuracy": summary["eval_accuracy_after"],
+        "accuracy_before": summary["eval_accuracy_before"],
+        "loop_seconds": wall,
+        "total_seconds": time.perf_counter() - t0,
+        "partial_resumed": rows[-1].get("partial_resumed_total", 0),
+        "offpolicy_token_frac": sum(r.get("offpolicy_token_frac", 0) for r in rows) / len(rows),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("overrides", nargs="*", help="extra section.key=value for every mode")
+    args = ap.parse_args()
+    res = {m: run_mode(m, args.steps, args.overrides) for m in args.modes}
+    base = res.get("sync")
+    header = ["mode", "samples/s", "gen tokens/s", "engine idle", "trainer idle", "accuracy after", "off-policy tokens",
+              "vs sync"]
+    rows = [[m, f"{v['samples_per_s']:.1f}", f"{v['tokens_per_s']:,.0f}", f"{v['engine_idle']:.0%}",
+             f"{v['trainer_idle']:.0%}", f"{v['accuracy']:.1%}", f"{v['offpolicy_token_frac']:.1%}",
+             f"{v['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "n/a"] for m, v in res.items()]
+    write_results(Path(args.out), "async_vs_sync", header, rows,
+                  {"machine": machine_info(), "steps": args.steps, "results": res})
+
+
+if __name__ == "__main__":
+    main()
