@@ -100,7 +100,8 @@ def step_metrics(groups: list[Group], generated: int, gen_seconds: float, state:
 
 
 def train(cfg: Config, resume: bool = False, console: Console | None = None) -> dict:
-    """The synchronous on-policy loop. Returns the run summary."""
+    """The synchronous loop (on-policy; with partial rollouts, carried tokens are importance-corrected).
+    Returns the run summary."""
     console = console or Console()
     log = console.print
     run_dir = cfg.run_dir
