@@ -23,6 +23,8 @@ from common import machine_info, write_results  # noqa: E402
 MODES = {
     "sync": ["run.mode=sync", "rollout.partial=false"],
     "sync+partial": ["run.mode=sync", "rollout.partial=true"],
+    "periodic": ["run.mode=periodic", "rollout.partial=false"],
+    "periodic+partial": ["run.mode=periodic", "rollout.partial=true"],
 }
 
 

@@ -30,8 +30,10 @@ class RunCfg(_Section):
     output_dir: str = Field("runs", description="Parent folder of run directories.")
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
     steps: int = Field(80, ge=1, description="Number of training steps (one policy update each).")
-    mode: Literal["sync"] = Field(
-        "sync", description="Pipeline mode. 'sync': generate, then train, on-policy (more modes come with the async core)."
+    mode: Literal["sync", "periodic"] = Field(
+        "sync",
+        description="Pipeline mode. 'sync': generate, then train. 'periodic': the next batch is generated while "
+        "this one trains; weights are published between batches (one version of lag, corrected).",
     )
     save_every: int = Field(10, ge=0, description="Checkpoint every N steps (0: only at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="How many recent checkpoints to keep.")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from relayrl.data import PromptSampler, load_prompts
 from relayrl.engine import make_engine
 from relayrl.evaluation import evaluate
 from relayrl.models import load_policy, load_tokenizer, resolve_model_path
-from relayrl.records import Group, SamplingParams
+from relayrl.records import Group, SamplingParams, group_to_dict
 from relayrl.rewards import RewardRunner
 from relayrl.partial import PartialBuffer
 from relayrl.rollout import generate_groups, generate_until, group_advantages, make_groups, score_groups
@@ -120,13 +121,15 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
     if state.eval_before is None and c.eval_prompts:
         state.eval_before = evaluate(c.engine, c.tokenizer, c.eval_prompts, c.reward, cfg)
         log(f"eval before: {fmt_eval(state.eval_before)}")
-    timers, t_start = Timers(), time.perf_counter() - state.wall_seconds
+    timers, t_start, ahead = Timers(), time.perf_counter() - state.wall_seconds, Prefetch()
     try:
         with ProgressBar(cfg.run.steps, state.step, cfg.run.progress, console) as bar:
             while state.step < cfg.run.steps:
                 with timers("step"):
-                    with timers("generate"):
-                        groups, generated = rollout_step(cfg, c, state)
+                    with timers("generate"):  # all of it when synchronous; what training did not hide when periodic
+                        groups, generated = ahead.take() if ahead.pending else rollout_step(cfg, c, state, state.step)
+                    if cfg.run.mode == "periodic" and state.step + 1 < cfg.run.steps:
+                        ahead.start(rollout_step, cfg, c, state, state.step + 1)
                     with timers("reward"):
                         score_groups(groups, c.reward, c.tokenizer)
                     batch = build_batch(flatten(groups), group_advantages(groups, cfg.algo.advantage),
@@ -134,30 +137,36 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
                     with timers("train"):
                         train_metrics = c.trainer.step(batch, version=state.version)
                     with timers("publish"):
+                        ahead.wait()  # weights change only between batches: each batch has one version
                         c.engine.load_weights(c.policy.state_dict(), state.version + 1)
                 state.advance(batch.size, c.reward.stats, time.perf_counter() - t_start)
                 m = record_step(cfg, c, state, groups, generated, train_metrics, timers.pop(), metrics)
                 trained_log.write({"step": state.step, "prompt_ids": [g.prompt.id for g in groups]})
                 bar.update(m)
                 if (cfg.run.save_every and state.step % cfg.run.save_every == 0) or state.step == cfg.run.steps:
-                    state.partial_buffer = c.buffer.state_dict()
+                    state.partial_buffer = [group_to_dict(g) for g in ahead.peek_groups()] + c.buffer.state_dict()
                     save_checkpoint(run_dir, state, c.policy, c.tokenizer, c.trainer.state_dict(), cfg.run.keep_checkpoints)
         return finish(cfg, c, state, log)
     finally:
+        ahead.close()
         metrics.close()
         trained_log.close()
         c.engine.close()
         c.reward.close()
 
 
-def rollout_step(cfg: Config, c: Components, state: RunState) -> tuple[list[Group], int]:
-    """This step's groups, and the tokens generated for them and for the carried-over rest:
-    a synchronous barrier, or APRIL's over-provisioned partial rollouts."""
-    r, tag = cfg.rollout, f"s{state.step}"
+def rollout_step(cfg: Config, c: Components, state: RunState, step: int) -> tuple[list[Group], int]:
+    """Groups for training step ``step``, and the tokens generated for them and for the carried-over
+    rest: a synchronous barrier, or APRIL's over-provisioned partial rollouts. Groups carried in
+    the buffer (cut off, or prefetched before a checkpoint) are served first."""
+    r, tag = cfg.rollout, f"s{step}"
     if not r.partial:
-        groups = make_groups(c.sampler.take(r.prompts_per_step), c.tokenizer, r.group_size, tag)
+        carried = c.buffer.take(r.prompts_per_step)
+        before = sum(len(t.response_ids) for t in flatten(carried))
+        groups = carried + make_groups(c.sampler.take(r.prompts_per_step - len(carried)), c.tokenizer,
+                                       r.group_size, tag)
         generate_groups(c.engine, groups, c.params)
-        return groups, sum(len(t.response_ids) for t in flatten(groups))
+        return groups, sum(len(t.response_ids) for t in flatten(groups)) - before
     target = math.ceil(r.over_provision * r.prompts_per_step)
     carried = c.buffer.take(target)
     state.partial_resumed += sum(any(not t.done for t in g.trajectories) for g in carried)
@@ -168,6 +177,44 @@ def rollout_step(cfg: Config, c: Components, state: RunState) -> tuple[list[Grou
         c.buffer.put(g)
     generated = sum(len(t.response_ids) for t in flatten(complete + rest)) - before
     return complete[: r.prompts_per_step], generated
+
+
+class Prefetch:
+    """Periodic asynchrony: the next step's rollout runs in a thread while this step trains.
+    Its groups all come from the weights loaded when it started (one version behind the trainer)."""
+
+    def __init__(self):
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="relayrl-rollout")
+        self.future = None
+        self.seconds = 0.0
+
+    @property
+    def pending(self) -> bool:
+        return self.future is not None
+
+    def start(self, fn, *args) -> None:
+        def timed():
+            t0 = time.perf_counter()
+            out = fn(*args)
+            self.seconds = time.perf_counter() - t0
+            return out
+
+        self.future = self.pool.submit(timed)
+
+    def wait(self) -> None:
+        if self.future is not None:
+            self.future.result()  # re-raises a failure of the rollout thread
+
+    def take(self):
+        out, self.future = self.future.result(), None
+        return out
+
+    def peek_groups(self) -> list[Group]:
+        """Groups of a finished prefetch, for the checkpoint (they are served first after a resume)."""
+        return self.future.result()[0] if self.future is not None else []
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
 
 
 def flatten(groups: list[Group]) -> list:
