@@ -39,13 +39,12 @@ def run_mode(name: str, steps: int, extra: list[str]) -> dict:
         summary = train(cfg)
         rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     wall = sum(r["time/step"] for r in rows)  # the training loop, without the before/after evaluations
-    gen = sum(r["time/generate"] for r in rows)
-    trn = sum(r["time/train"] for r in rows)
+    weighted = lambda k: sum(r[k] * r["time/step"] for r in rows) / wall  # noqa: E731
     return {
         "samples_per_s": summary["samples"] / wall,
         "tokens_per_s": sum(r["generated_tokens"] for r in rows) / wall,
-        "engine_idle": 1 - gen / wall,
-        "trainer_idle": 1 - trn / wall,
+        "engine_idle": weighted("engine_idle_frac"),
+        "trainer_idle": weighted("trainer_idle_frac"),
         "accuracy": summary["eval_accuracy_after"],
         "accuracy_before": summary["eval_accuracy_before"],
         "loop_seconds": wall,

@@ -47,7 +47,8 @@ def test_reward_goes_up_on_an_easy_task(tiny_path, tmp_path):
 
     ckpt = cfg.run_dir / "checkpoints" / "step_000025"
     AutoModelForCausalLM.from_pretrained(ckpt)
-    assert (cfg.run_dir / "config.yaml").exists()
+    assert (cfg.run_dir / "config.yaml").exists() and (cfg.run_dir / "timeline.png").exists()
+    assert 0 <= m[-1]["engine_idle_frac"] <= 1 and 0 <= m[-1]["trainer_idle_frac"] <= 1
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from relayrl.records import Group, SamplingParams, group_to_dict
 from relayrl.rewards import RewardRunner
 from relayrl.partial import PartialBuffer
 from relayrl.rollout import generate_groups, generate_until, group_advantages, make_groups, score_groups
+from relayrl.timeline import Timeline
 from relayrl.tracking import MetricsLog, ProgressBar, Timers
 from relayrl.trainer import Trainer, build_batch
 
@@ -121,31 +122,36 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
     if state.eval_before is None and c.eval_prompts:
         state.eval_before = evaluate(c.engine, c.tokenizer, c.eval_prompts, c.reward, cfg)
         log(f"eval before: {fmt_eval(state.eval_before)}")
-    timers, t_start, ahead = Timers(), time.perf_counter() - state.wall_seconds, Prefetch()
+    timers, t_start, ahead, tl = Timers(), time.perf_counter() - state.wall_seconds, Prefetch(), Timeline()
     try:
         with ProgressBar(cfg.run.steps, state.step, cfg.run.progress, console) as bar:
             while state.step < cfg.run.steps:
+                step_start = tl.now()
                 with timers("step"):
                     with timers("generate"):  # all of it when synchronous; what training did not hide when periodic
-                        groups, generated = ahead.take() if ahead.pending else rollout_step(cfg, c, state, state.step)
+                        groups, generated = ahead.take() if ahead.pending else rollout(tl, cfg, c, state, state.step)
                     if cfg.run.mode == "periodic" and state.step + 1 < cfg.run.steps:
-                        ahead.start(rollout_step, cfg, c, state, state.step + 1)
+                        ahead.start(rollout, tl, cfg, c, state, state.step + 1)
                     with timers("reward"):
                         score_groups(groups, c.reward, c.tokenizer)
                     batch = build_batch(flatten(groups), group_advantages(groups, cfg.algo.advantage),
                                         c.tokenizer.pad_token_id)
-                    with timers("train"):
+                    with timers("train"), tl.busy("trainer"):
                         train_metrics = c.trainer.step(batch, version=state.version)
                     with timers("publish"):
                         ahead.wait()  # weights change only between batches: each batch has one version
                         c.engine.load_weights(c.policy.state_dict(), state.version + 1)
                 state.advance(batch.size, c.reward.stats, time.perf_counter() - t_start)
-                m = record_step(cfg, c, state, groups, generated, train_metrics, timers.pop(), metrics)
+                span = max(tl.now() - step_start, 1e-9)
+                idle = {f"{ln}_idle_frac": 1 - tl.busy_between(ln, step_start, step_start + span) / span
+                        for ln in ("engine", "trainer")}
+                m = record_step(cfg, c, state, groups, generated, {**train_metrics, **idle}, timers.pop(), metrics)
                 trained_log.write({"step": state.step, "prompt_ids": [g.prompt.id for g in groups]})
                 bar.update(m)
                 if (cfg.run.save_every and state.step % cfg.run.save_every == 0) or state.step == cfg.run.steps:
                     state.partial_buffer = [group_to_dict(g) for g in ahead.peek_groups()] + c.buffer.state_dict()
                     save_checkpoint(run_dir, state, c.policy, c.tokenizer, c.trainer.state_dict(), cfg.run.keep_checkpoints)
+        log(f"timeline: {tl.save(run_dir)}")
         return finish(cfg, c, state, log)
     finally:
         ahead.close()
@@ -177,6 +183,11 @@ def rollout_step(cfg: Config, c: Components, state: RunState, step: int) -> tupl
         c.buffer.put(g)
     generated = sum(len(t.response_ids) for t in flatten(complete + rest)) - before
     return complete[: r.prompts_per_step], generated
+
+
+def rollout(tl: Timeline, cfg: Config, c: Components, state: RunState, step: int):
+    with tl.busy("engine"):
+        return rollout_step(cfg, c, state, step)
 
 
 class Prefetch:
