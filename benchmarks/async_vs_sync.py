@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -28,7 +29,7 @@ MODES = {
 }
 
 
-def run_mode(name: str, steps: int, extra: list[str]) -> dict:
+def run_mode(name: str, steps: int, extra: list[str], out: Path) -> dict:
     from relayrl.config import load_config
     from relayrl.pipeline import train
 
@@ -38,6 +39,8 @@ def run_mode(name: str, steps: int, extra: list[str]) -> dict:
         t0 = time.perf_counter()
         summary = train(cfg)
         rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(cfg.run_dir / "timeline.png", out / f"timeline_{name.replace('+', '_')}.png")
     wall = sum(r["time/step"] for r in rows)  # the training loop, without the before/after evaluations
     weighted = lambda k: sum(r[k] * r["time/step"] for r in rows) / wall  # noqa: E731
     return {
@@ -61,7 +64,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("overrides", nargs="*", help="extra section.key=value for every mode")
     args = ap.parse_args()
-    res = {m: run_mode(m, args.steps, args.overrides) for m in args.modes}
+    res = {m: run_mode(m, args.steps, args.overrides, Path(args.out)) for m in args.modes}
     base = res.get("sync")
     header = ["mode", "samples/s", "gen tokens/s", "engine idle", "trainer idle", "accuracy after", "off-policy tokens",
               "vs sync"]
