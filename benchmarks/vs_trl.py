@@ -41,11 +41,11 @@ from common import machine_info, write_results  # noqa: E402
 PROMPTS, G, MAX_NEW, TEMP, LR, WARMUP = 8, 8, 128, 1.0, 1e-4, 3
 
 # relayrl rows: name -> config overrides on top of the shared workload
-# Until the asynchronous core lands, the fastest correct mode is sync with the hf engine; the
-# second row shows the continuous-batching engine in the same loop.
+# relayrl's plain sync mode, and its fastest correct mode measured so far (benchmarks/async_vs_sync.py):
+# periodic (next batch generated while this one trains) with partial rollouts.
 RELAYRL_MODES = {
-    "relayrl sync": ["run.mode=sync", "rollout.engine=hf"],
-    "relayrl sync, hf-cb engine": ["run.mode=sync", "rollout.engine=hf-cb"],
+    "relayrl sync": ["run.mode=sync", "rollout.partial=false"],
+    "relayrl periodic+partial": ["run.mode=periodic", "rollout.partial=true"],
 }
 
 
