@@ -102,3 +102,16 @@ def test_engine_failure_propagates(tiny):
                     eng.get(timeout=0.1)
     finally:
         eng.close()
+
+
+def test_mixed_sampling_settings_in_one_call(tiny):
+    model, tok = tiny
+    eng = HFEngine(model, tok)
+    _no_eos(model, eng)
+    try:
+        outs = eng.generate([_req(tok, "greedy", 6, temp=0.0), _req(tok, "hot", 6, temp=1.0),
+                             _req(tok, "greedy2", 6, temp=0.0)])
+        assert [len(c.token_ids) for c in outs] == [6, 6, 6]
+        assert outs[0].token_ids == outs[2].token_ids  # greedy is deterministic: same prompt, same tokens
+    finally:
+        eng.close()

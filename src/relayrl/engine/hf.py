@@ -191,8 +191,9 @@ class HFEngine(Engine):
         Same code path as the worker (pause and abort still apply); it only saves the hand-off
         to the background thread, which costs CPU time on small machines. ``on_complete`` runs
         as each row finishes, inside the decoding loop, and may call ``abort``."""
+        one_setting = len({(r.params.temperature, r.params.top_p, r.params.top_k) for r in requests}) <= 1
         with self._cv:
-            inline = not self._busy and not self._queue and not self._pending and self._pause_depth == 0
+            inline = one_setting and not self._busy and not self._queue and not self._pending and self._pause_depth == 0
             if inline:
                 self._busy = True
                 self._pending |= {r.request_id for r in requests}
