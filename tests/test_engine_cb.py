@@ -61,7 +61,8 @@ def test_cb_weight_swap_mid_flight_tags_versions(engine):
     eng, model, tok = engine
     new = {k: v + 0.01 for k, v in model.state_dict().items()}
     eng.submit([GenRequest("x", _ids(tok), P)])
-    time.sleep(0.5)
+    while len(eng._live["x"].tokens) < 5:  # swap mid-flight
+        time.sleep(0.001)
     eng.load_weights(new, version=3)
     (c,) = list(eng.drain(timeout=120))
     assert len(c.token_ids) == 400

@@ -12,6 +12,13 @@ def _req(tok, rid, n=32, temp=1.0, so_far=()):
     return GenRequest(rid, list(ids), SamplingParams(n, temp), list(so_far))
 
 
+def _wait_busy(eng):
+    deadline = time.time() + 30
+    while not eng._busy:
+        assert time.time() < deadline
+        time.sleep(0.0005)
+
+
 def _no_eos(model, eng):
     eng.eos_ids = set()
 
@@ -51,11 +58,10 @@ def test_abort_returns_tokens_so_far_and_continuation_works(tiny):
     eng = HFEngine(model, tok)
     _no_eos(model, eng)
     try:
-        with eng.pause():  # hold the batch at its first safe point so the abort lands mid-generation
-            eng.submit([_req(tok, "long", 200), _req(tok, "short", 2)])
-            time.sleep(0.2)
-        time.sleep(0.3)
-        eng.abort(["long"])
+        eng.submit([_req(tok, "long", 200), _req(tok, "short", 2)])
+        _wait_busy(eng)
+        with eng.pause():  # held at a token boundary mid-generation: the abort lands there
+            eng.abort(["long"])
         got = {c.request_id: c for c in eng.drain()}
         assert got["short"].finish_reason == FinishReason.LENGTH
         long = got["long"]
@@ -75,8 +81,8 @@ def test_weight_swap_mid_generation_tags_versions(tiny):
     new = {k: v + 0.01 for k, v in model.state_dict().items()}
     try:
         eng.submit([_req(tok, "x", 400)])
-        time.sleep(0.3)
-        eng.load_weights(new, version=7)
+        _wait_busy(eng)
+        eng.load_weights(new, version=7)  # pauses at the next token boundary, swaps, resumes
         (c,) = list(eng.drain())
         assert len(c.token_ids) == 400
         v = c.versions
