@@ -20,7 +20,7 @@ TRL settings, and why (what a competent TRL user would set on CPU):
   gradient_checkpointing=False   — TRL turns it on by default; it only costs compute for a small model
   report_to="none", save_strategy="no", logging_steps=1
 
-    python benchmarks/vs_trl.py                        # ~10 minutes on 2 cores
+    python benchmarks/vs_trl.py                        # ~6 minutes on 2 cores
     python benchmarks/vs_trl.py --runs 5 --steps 20 --model PATH
 """
 
