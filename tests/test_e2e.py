@@ -60,16 +60,13 @@ def test_raising_reward_does_not_stop_the_run(tiny_path, tmp_path):
     assert "flaky verifier" in summary["reward_errors"][0]
 
 
-@pytest.mark.slow
-def test_kill_and_resume_continues_counts(tiny_path, tmp_path):
-    args = EASY + [f"model.path={tiny_path}", f"run.output_dir={tmp_path}", "run.steps=8", "run.save_every=2",
-                   "run.name=killed"]
+def kill_at_checkpoint_then_resume(args: list[str], run_dir: Path, step: int) -> None:
+    """Run the CLI, SIGKILL it once checkpoint ``step`` exists, then finish it with --resume."""
     cmd = [sys.executable, "-m", "relayrl.cli", "train", *args]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    ckpt_dir = tmp_path / "killed" / "checkpoints"
     deadline = time.time() + 240
-    while not (ckpt_dir / "step_000004").exists():
+    while not (run_dir / "checkpoints" / f"step_{step:06d}").exists():
         assert proc.poll() is None, proc.stderr.read().decode()
         assert time.time() < deadline
         time.sleep(0.05)
@@ -77,6 +74,14 @@ def test_kill_and_resume_continues_counts(tiny_path, tmp_path):
     proc.wait()
     done = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.slow
+def test_kill_and_resume_continues_counts(tiny_path, tmp_path):
+    args = EASY + [f"model.path={tiny_path}", f"run.output_dir={tmp_path}", "run.steps=8", "run.save_every=2",
+                   "run.name=killed"]
+    kill_at_checkpoint_then_resume(args, tmp_path / "killed", step=4)
+    ckpt_dir = tmp_path / "killed" / "checkpoints"
     summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["samples"] == 8 * 32
     steps = [m["step"] for m in _metrics(tmp_path / "killed")]
@@ -100,19 +105,8 @@ def test_carried_work_survives_kill_and_resume(tmp_path, mode):
     generated ahead (periodic) are checkpointed, and a kill -9 + --resume neither loses nor
     duplicates a prompt."""
     args = SMALL + mode + [f"run.output_dir={tmp_path}", "run.steps=8", "run.save_every=2", "run.name=p"]
-    cmd = [sys.executable, "-m", "relayrl.cli", "train", *args]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    kill_at_checkpoint_then_resume(args, tmp_path / "p", step=4)
     ckpt_dir = tmp_path / "p" / "checkpoints"
-    deadline = time.time() + 240
-    while not (ckpt_dir / "step_000004").exists():
-        assert proc.poll() is None, proc.stderr.read().decode()
-        assert time.time() < deadline
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    done = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
     run = tmp_path / "p"
     trained = [json.loads(x) for x in (run / "trained_prompts.jsonl").read_text().splitlines()]
     assert [t["step"] for t in trained] == list(range(1, 9))

@@ -197,20 +197,13 @@ class Prefetch:
     def __init__(self):
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="relayrl-rollout")
         self.future = None
-        self.seconds = 0.0
 
     @property
     def pending(self) -> bool:
         return self.future is not None
 
     def start(self, fn, *args) -> None:
-        def timed():
-            t0 = time.perf_counter()
-            out = fn(*args)
-            self.seconds = time.perf_counter() - t0
-            return out
-
-        self.future = self.pool.submit(timed)
+        self.future = self.pool.submit(fn, *args)
 
     def wait(self) -> None:
         if self.future is not None:
@@ -277,8 +270,6 @@ def finish(cfg: Config, c: Components, state: RunState, log) -> dict:
 
 
 def evaluate_only(cfg: Config) -> dict:
-    from relayrl.engine import make_engine as _make
-
     log = Console(stderr=True).print
     d = cfg.data
     if not d.eval_path:
@@ -287,7 +278,7 @@ def evaluate_only(cfg: Config) -> dict:
                            cfg.model.system_prompt, limit=cfg.eval.size)
     path = resolve_model_path(cfg.model.path, log=log)
     tokenizer = load_tokenizer(resolve_model_path(cfg.model.tokenizer, log=log) if cfg.model.tokenizer else path)
-    engine = _make(cfg.rollout, load_policy(path, cfg.model.dtype), tokenizer)
+    engine = make_engine(cfg.rollout, load_policy(path, cfg.model.dtype), tokenizer)
     reward = RewardRunner(cfg.reward.fn, cfg.reward.timeout_s)
     try:
         return evaluate(engine, tokenizer, prompts, reward, cfg)

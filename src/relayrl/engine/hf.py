@@ -104,7 +104,6 @@ class HFEngine(Engine):
         self._at_safe_point = False
         self._error: BaseException | None = None
         self._closed = False
-        self.busy_seconds = 0.0
         self._thread = threading.Thread(target=self._loop, name="relayrl-hf-engine", daemon=True)
         self._thread.start()
 
@@ -202,9 +201,6 @@ class HFEngine(Engine):
         return self._generate_inline(requests, on_complete)
 
     def _generate_inline(self, requests: list[GenRequest], on_complete) -> list[Completion]:
-        import time
-
-        t0 = time.perf_counter()
         self._on_complete = on_complete
         try:
             for i in range(0, len(requests), self.max_batch):
@@ -216,7 +212,6 @@ class HFEngine(Engine):
         finally:
             self._on_complete = None
             with self._cv:
-                self.busy_seconds += time.perf_counter() - t0
                 self._busy = False
                 self._cv.notify_all()
         got = {}
@@ -272,13 +267,10 @@ class HFEngine(Engine):
             return batch
 
     def _loop(self) -> None:
-        import time
-
         while True:
             batch = self._next_batch()
             if batch is None:
                 return
-            t0 = time.perf_counter()
             rows = [_Row(r) for r in batch]
             try:
                 with self._guard():
@@ -291,7 +283,6 @@ class HFEngine(Engine):
                     self._error = e
             finally:
                 with self._cv:
-                    self.busy_seconds += time.perf_counter() - t0
                     self._busy = False
                     self._cv.notify_all()
 
