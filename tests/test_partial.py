@@ -78,7 +78,7 @@ def test_generate_until_aborts_the_rest_once_enough_groups_complete(tiny):
         for t in groups[0].trajectories:
             t.response_ids, t.behav_logprobs, t.versions = [5] * 299, [-1.0] * 299, [0] * 299
         complete, rest = generate_until(eng, groups, params, need=1)
-        assert [g.group_id for g in complete][:1] == ["s0/p0"]
+        assert [g.group_id for g in complete][:1] == ["s0.0/p0"]
         assert len(complete) >= 1 and len(rest) == 4 - len(complete)
         cut = [t for g in rest for t in g.trajectories if not t.done]
         assert cut and all(t.finish_reason == FinishReason.ABORTED for t in cut)

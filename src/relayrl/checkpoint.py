@@ -5,6 +5,11 @@ with the tokenizer: loadable by ``from_pretrained``), ``trainer.pt`` (optimiser,
 RNG) and ``state.json`` (step, samples, data cursor, policy version). A checkpoint is written
 to a temporary folder and renamed into place, then ``latest`` is replaced atomically, so a
 kill at any moment leaves the previous checkpoint intact.
+
+``CheckpointWriter`` writes in the background (DataStates-LLM's idea): the caller's thread only
+takes an in-memory snapshot (tensors cloned, state serialised, RNG captured), and a writer
+thread puts it on disk while training and generation go on. One write at a time; the next
+``save`` (or ``close``) waits for the previous one and re-raises its failure.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import json
 import os
 import random
 import shutil
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,6 +39,7 @@ class RunState:
     reward_timeouts: int = 0
     partial_buffer: list = field(default_factory=list)  # PartialBuffer.state_dict(): carried groups
     partial_resumed: int = 0  # cumulative groups continued from the buffer
+    staleness: dict = field(default_factory=dict)  # async mode: cumulative resumed/requeued/discarded counts
 
     def advance(self, batch_size: int, reward_stats, wall_seconds: float) -> None:
         """One step done: the policy version moves with the step (one publish per step in sync mode)."""
@@ -59,19 +66,31 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(run_dir: Path, state: RunState, model, tokenizer, trainer_state: dict, keep: int) -> Path:
+def snapshot(state: RunState, model, trainer_state: dict) -> dict:
+    """Everything a checkpoint holds, copied in memory now (so training may go on while it is written)."""
+    import copy
+
+    return {
+        "step": state.step,
+        "state_json": json.dumps(state.to_json(), indent=1),
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "trainer": copy.deepcopy(trainer_state),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+    }
+
+
+def write_snapshot(run_dir: Path, snap: dict, model, tokenizer, keep: int) -> Path:
     ckpts = run_dir / "checkpoints"
     ckpts.mkdir(parents=True, exist_ok=True)
-    final = ckpts / f"step_{state.step:06d}"
-    tmp = ckpts / f".tmp-step_{state.step:06d}"
+    final = ckpts / f"step_{snap['step']:06d}"
+    tmp = ckpts / f".tmp-step_{snap['step']:06d}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, state_dict=snap["weights"], safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    torch.save({**trainer_state, "rng": rng}, tmp / "trainer.pt")
-    (tmp / "state.json").write_text(json.dumps(state.to_json(), indent=1))
+    torch.save({**snap["trainer"], "rng": snap["rng"]}, tmp / "trainer.pt")
+    (tmp / "state.json").write_text(snap["state_json"])
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -80,6 +99,36 @@ def save_checkpoint(run_dir: Path, state: RunState, model, tokenizer, trainer_st
     for p in old[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
     return final
+
+
+class CheckpointWriter:
+    def __init__(self, run_dir: Path, model, tokenizer, keep: int, background: bool = True):
+        self.run_dir, self.model, self.tokenizer, self.keep, self.background = run_dir, model, tokenizer, keep, background
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, state: RunState, trainer_state: dict) -> None:
+        self.wait()
+        snap = snapshot(state, self.model, trainer_state)
+        if not self.background:
+            write_snapshot(self.run_dir, snap, self.model, self.tokenizer, self.keep)
+            return
+        self._thread = threading.Thread(target=self._write, args=(snap,), name="relayrl-checkpoint", daemon=True)
+        self._thread.start()
+
+    def _write(self, snap: dict) -> None:
+        try:
+            write_snapshot(self.run_dir, snap, self.model, self.tokenizer, self.keep)
+        except BaseException as e:  # re-raised by the next save or close
+            self._error = e
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"writing a checkpoint under {self.run_dir} failed: {err!r}") from err
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

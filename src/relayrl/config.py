@@ -30,10 +30,11 @@ class RunCfg(_Section):
     output_dir: str = Field("runs", description="Parent folder of run directories.")
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
     steps: int = Field(80, ge=1, description="Number of training steps (one policy update each).")
-    mode: Literal["sync", "periodic"] = Field(
+    mode: Literal["sync", "periodic", "async"] = Field(
         "sync",
         description="Pipeline mode. 'sync': generate, then train. 'periodic': the next batch is generated while "
-        "this one trains; weights are published between batches (one version of lag, corrected).",
+        "this one trains; weights are published between batches (one version of lag, corrected). 'async': "
+        "generation streams continuously, at most rollout.max_staleness versions ahead of training.",
     )
     save_every: int = Field(10, ge=0, description="Checkpoint every N steps (0: only at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="How many recent checkpoints to keep.")
@@ -90,7 +91,18 @@ class RolloutCfg(_Section):
         description="Partial rollouts (APRIL): over-provision groups, stop once the step has prompts_per_step "
         "complete groups, carry the unfinished ones (tokens, log-probs, versions) into the next step.",
     )
-    over_provision: float = Field(1.5, ge=1.0, description="With partial: groups in flight per step / prompts_per_step.")
+    over_provision: float = Field(
+        1.5, ge=1.0, description="sync/periodic with partial: groups in flight per step / prompts_per_step (async "
+        "mode over-provisions by its staleness bound instead).")
+    max_staleness: int = Field(
+        2, ge=0, description="async: η, how many policy versions generation may run ahead of training; a group whose "
+        "oldest token is older than η versions is not trained on. 0 behaves synchronously.")
+    stale: Literal["requeue", "discard"] = Field(
+        "requeue", description="async: a group beyond the staleness bound is regenerated from its prompt (requeue, "
+        "nothing lost from the epoch) or dropped (discard). Both are counted.")
+    schedule: Literal["fifo", "partial_first", "longest_first", "srpt", "gittins"] = Field(
+        "fifo", description="Order requests are handed to the engine: arrival, continued responses first, longest "
+        "expected first (for a step barrier), shortest expected remaining, or Gittins index (for streaming).")
     cb_num_blocks: int = Field(256, ge=1, description="hf-cb: KV-cache blocks.")
     cb_page_size: int = Field(32, ge=4, description="hf-cb: tokens per cache page.")
     cb_max_batch_tokens: int = Field(2048, ge=1, description="hf-cb: token budget per forward pass.")

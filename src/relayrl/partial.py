@@ -29,6 +29,9 @@ class PartialBuffer:
         """Up to ``n`` groups, oldest first."""
         return [self._groups.popleft() for _ in range(min(n, len(self._groups)))]
 
+    def peek(self) -> list[Group]:
+        return list(self._groups)
+
     def unfinished_tokens(self) -> int:
         return sum(len(t.response_ids) for g in self._groups for t in g.trajectories if not t.done)
 

@@ -1,21 +1,19 @@
-"""Assembling the components, and the synchronous on-policy loop.
+"""Assembling the components, and the training loop.
 
-    sample prompts → generate G responses each → reward → advantages → update → publish (v + 1)
+    take a batch of groups (source) → reward → advantages → update → publish (v + 1) → checkpoint
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from rich.console import Console
 
-from relayrl.checkpoint import RunState, latest_checkpoint, load_run_state, restore_rng, save_checkpoint
+from relayrl.checkpoint import CheckpointWriter, RunState, latest_checkpoint, load_run_state, restore_rng
 from relayrl.config import Config, dump_config
 from relayrl.data import PromptSampler, load_prompts
 from relayrl.engine import make_engine
@@ -24,7 +22,9 @@ from relayrl.models import load_policy, load_tokenizer, resolve_model_path
 from relayrl.records import Group, SamplingParams, group_to_dict
 from relayrl.rewards import RewardRunner
 from relayrl.partial import PartialBuffer
-from relayrl.rollout import generate_groups, generate_until, group_advantages, make_groups, score_groups
+from relayrl.rollout import group_advantages, score_groups
+from relayrl.sources import SOURCES, flatten
+from relayrl.async_rollout import oldest_version
 from relayrl.timeline import Timeline
 from relayrl.tracking import MetricsLog, ProgressBar, Timers
 from relayrl.trainer import Trainer, build_batch
@@ -83,26 +83,30 @@ def load_resume_state(cfg: Config) -> tuple[RunState, dict, Path]:
     return state, trainer_state, ckpt
 
 
-def step_metrics(groups: list[Group], generated: int, gen_seconds: float, state: RunState) -> dict:
+def step_metrics(groups: list[Group], generated: int, step_seconds: float, state: RunState) -> dict:
     trajs = [t for g in groups for t in g.trajectories]
     rewards = torch.tensor([t.reward for t in trajs])
     lens = [len(t.response_ids) for t in trajs]
+    trained_at = state.version - 1  # called after the step advanced the version
+    stale = [trained_at - oldest_version(g) for g in groups]
     return {
         "reward_mean": rewards.mean().item(),
         "reward_std": rewards.std().item() if len(trajs) > 1 else 0.0,
         "response_len_mean": sum(lens) / len(lens),
         "response_len_max": max(lens),
         "generated_tokens": generated,
-        "tokens_per_s": generated / max(gen_seconds, 1e-9),
+        "tokens_per_s": generated / max(step_seconds, 1e-9),  # over the whole step
         "truncated_frac": sum(t.finish_reason.value == "length" for t in trajs) / len(trajs),
         "reward_failures_total": state.reward_failures + state.reward_timeouts,
-        "offpolicy_token_frac": sum(v < state.version - 1 for t in trajs for v in t.versions) / max(1, sum(lens)),
-        "partial_resumed_total": state.partial_resumed,
+        "offpolicy_token_frac": sum(v < trained_at for t in trajs for v in t.versions) / max(1, sum(lens)),
+        "staleness_max": max(stale),
+        "staleness_mean": sum(stale) / len(stale),
+        "staleness_hist": [stale.count(k) for k in range(max(stale) + 1)],  # groups by versions behind
     }
 
 
 def train(cfg: Config, resume: bool = False, console: Console | None = None) -> dict:
-    """The synchronous loop (on-policy; with partial rollouts, carried tokens are importance-corrected).
+    """The loop, the same for every mode (``run.mode`` picks where groups come from: ``sources``).
     Returns the run summary."""
     console = console or Console()
     log = console.print
@@ -122,16 +126,16 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
     if state.eval_before is None and c.eval_prompts:
         state.eval_before = evaluate(c.engine, c.tokenizer, c.eval_prompts, c.reward, cfg)
         log(f"eval before: {fmt_eval(state.eval_before)}")
-    timers, t_start, ahead, tl = Timers(), time.perf_counter() - state.wall_seconds, Prefetch(), Timeline()
+    timers, t_start, tl = Timers(), time.perf_counter() - state.wall_seconds, Timeline()
+    writer = CheckpointWriter(run_dir, c.policy, c.tokenizer, cfg.run.keep_checkpoints)
+    source = SOURCES[cfg.run.mode](cfg, c, state, tl)
     try:
         with ProgressBar(cfg.run.steps, state.step, cfg.run.progress, console) as bar:
             while state.step < cfg.run.steps:
                 step_start = tl.now()
                 with timers("step"):
-                    with timers("generate"):  # all of it when synchronous; what training did not hide when periodic
-                        groups, generated = ahead.take() if ahead.pending else rollout(tl, cfg, c, state, state.step)
-                    if cfg.run.mode == "periodic" and state.step + 1 < cfg.run.steps:
-                        ahead.start(rollout, tl, cfg, c, state, state.step + 1)
+                    with timers("generate"):  # all of it when synchronous; what training did not hide otherwise
+                        groups, generated = source.next_batch()
                     with timers("reward"):
                         score_groups(groups, c.reward, c.tokenizer)
                     batch = build_batch(flatten(groups), group_advantages(groups, cfg.algo.advantage),
@@ -139,97 +143,37 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
                     with timers("train"), tl.busy("trainer"):
                         train_metrics = c.trainer.step(batch, version=state.version)
                     with timers("publish"):
-                        ahead.wait()  # weights change only between batches: each batch has one version
-                        c.engine.load_weights(c.policy.state_dict(), state.version + 1)
+                        source.publish(lambda: c.engine.load_weights(c.policy.state_dict(), state.version + 1))
                 state.advance(batch.size, c.reward.stats, time.perf_counter() - t_start)
                 span = max(tl.now() - step_start, 1e-9)
                 idle = {f"{ln}_idle_frac": 1 - tl.busy_between(ln, step_start, step_start + span) / span
                         for ln in ("engine", "trainer")}
-                m = record_step(cfg, c, state, groups, generated, {**train_metrics, **idle}, timers.pop(), metrics)
+                m = record_step(cfg, c, state, groups, generated, {**train_metrics, **idle, **source.metrics()},
+                                timers.pop(), metrics)
                 trained_log.write({"step": state.step, "prompt_ids": [g.prompt.id for g in groups]})
                 bar.update(m)
                 if (cfg.run.save_every and state.step % cfg.run.save_every == 0) or state.step == cfg.run.steps:
-                    state.partial_buffer = [group_to_dict(g) for g in ahead.peek_groups()] + c.buffer.state_dict()
-                    save_checkpoint(run_dir, state, c.policy, c.tokenizer, c.trainer.state_dict(), cfg.run.keep_checkpoints)
+                    state.partial_buffer = [group_to_dict(g) for g in source.held()]  # generation stops here...
+                    state.staleness = source.counters()
+                    writer.save(state, c.trainer.state_dict())  # ...while an in-memory copy is taken
+                    source.release()
+        source.close()
+        writer.wait()
         log(f"timeline: {tl.save(run_dir)}")
         return finish(cfg, c, state, log)
     finally:
-        ahead.close()
+        source.close()
+        writer.wait()
         metrics.close()
         trained_log.close()
         c.engine.close()
         c.reward.close()
 
 
-def rollout_step(cfg: Config, c: Components, state: RunState, step: int) -> tuple[list[Group], int]:
-    """Groups for training step ``step``, and the tokens generated for them and for the carried-over
-    rest: a synchronous barrier, or APRIL's over-provisioned partial rollouts. Groups carried in
-    the buffer (cut off, or prefetched before a checkpoint) are served first."""
-    r, tag = cfg.rollout, f"s{step}"
-    if not r.partial:
-        carried = c.buffer.take(r.prompts_per_step)
-        before = sum(len(t.response_ids) for t in flatten(carried))
-        groups = carried + make_groups(c.sampler.take(r.prompts_per_step - len(carried)), c.tokenizer,
-                                       r.group_size, tag)
-        generate_groups(c.engine, groups, c.params)
-        return groups, sum(len(t.response_ids) for t in flatten(groups)) - before
-    target = math.ceil(r.over_provision * r.prompts_per_step)
-    carried = c.buffer.take(target)
-    state.partial_resumed += sum(any(not t.done for t in g.trajectories) for g in carried)
-    fresh = make_groups(c.sampler.take(max(0, target - len(carried))), c.tokenizer, r.group_size, tag)
-    before = sum(len(t.response_ids) for t in flatten(carried))
-    complete, rest = generate_until(c.engine, carried + fresh, c.params, r.prompts_per_step)
-    for g in complete[r.prompts_per_step :] + rest:
-        c.buffer.put(g)
-    generated = sum(len(t.response_ids) for t in flatten(complete + rest)) - before
-    return complete[: r.prompts_per_step], generated
-
-
-def rollout(tl: Timeline, cfg: Config, c: Components, state: RunState, step: int):
-    with tl.busy("engine"):
-        return rollout_step(cfg, c, state, step)
-
-
-class Prefetch:
-    """Periodic asynchrony: the next step's rollout runs in a thread while this step trains.
-    Its groups all come from the weights loaded when it started (one version behind the trainer)."""
-
-    def __init__(self):
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="relayrl-rollout")
-        self.future = None
-
-    @property
-    def pending(self) -> bool:
-        return self.future is not None
-
-    def start(self, fn, *args) -> None:
-        self.future = self.pool.submit(fn, *args)
-
-    def wait(self) -> None:
-        if self.future is not None:
-            self.future.result()  # re-raises a failure of the rollout thread
-
-    def take(self):
-        out, self.future = self.future.result(), None
-        return out
-
-    def peek_groups(self) -> list[Group]:
-        """Groups of a finished prefetch, for the checkpoint (they are served first after a resume)."""
-        return self.future.result()[0] if self.future is not None else []
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
-
-
-def flatten(groups: list[Group]) -> list:
-    return [t for g in groups for t in g.trajectories]
-
-
 def record_step(cfg: Config, c: Components, state: RunState, groups, generated: int, train_metrics: dict,
                 times: dict, metrics: MetricsLog) -> dict:
-    m = {"step": state.step, "samples": state.samples, **step_metrics(groups, generated, times["time/generate"], state),
-         **train_metrics, **times, "step_time": times["time/step"], "wall_seconds": round(state.wall_seconds, 2),
-         "partial_buffer_groups": len(c.buffer)}
+    m = {"step": state.step, "samples": state.samples, **step_metrics(groups, generated, times["time/step"], state),
+         **train_metrics, **times, "step_time": times["time/step"], "wall_seconds": round(state.wall_seconds, 2)}
     if cfg.eval.every and state.step % cfg.eval.every == 0 and c.eval_prompts:
         m.update({f"eval/{k}": v for k, v in evaluate(c.engine, c.tokenizer, c.eval_prompts, c.reward, cfg).items()})
     metrics.write(m)

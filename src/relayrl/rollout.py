@@ -13,11 +13,12 @@ from relayrl.rewards import RewardRunner
 
 
 def make_groups(prompts: list[Prompt], tokenizer, group_size: int, tag: str) -> list[Group]:
-    """G empty trajectories per prompt; ``tag`` makes request ids unique across steps."""
+    """G empty trajectories per prompt; ``tag`` makes request ids unique across calls, the index
+    within a call (a prompt may come twice when a call spans an epoch boundary)."""
     groups = []
-    for p in prompts:
+    for k, p in enumerate(prompts):
         ids = encode_prompt(tokenizer, p.messages)
-        gid = f"{tag}/{p.id}"
+        gid = f"{tag}.{k}/{p.id}"
         groups.append(Group(p, gid, [Trajectory(p, gid, i, ids) for i in range(group_size)]))
     return groups
 

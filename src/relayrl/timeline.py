@@ -31,6 +31,12 @@ class Timeline:
                 if len(self.intervals) < self.max_intervals:
                     self.intervals.append((lane, start - self.t0, time.perf_counter() - self.t0))
 
+    def record(self, lane: str, start: float, end: float) -> None:
+        """An interval measured by the caller (seconds since ``t0``, as ``now`` gives)."""
+        with self._lock:
+            if len(self.intervals) < self.max_intervals:
+                self.intervals.append((lane, start, end))
+
     def busy_seconds(self, lane: str) -> float:
         with self._lock:
             return sum(e - s for ln, s, e in self.intervals if ln == lane)
