@@ -21,7 +21,12 @@ from common import machine_info, write_results  # noqa: E402
 from relayrl.config import load_config  # noqa: E402
 from relayrl.data import load_prompts  # noqa: E402
 from relayrl.engine import make_engine  # noqa: E402
-from relayrl.models import encode_prompt, load_policy, load_tokenizer, resolve_model_path  # noqa: E402
+from relayrl.models import (  # noqa: E402
+    encode_prompt,
+    load_policy,
+    load_tokenizer,
+    resolve_model_path,
+)
 from relayrl.records import GenRequest, SamplingParams  # noqa: E402
 
 # (label, overrides): cb settings from the measured "small" one up to a cache that holds every request

@@ -87,6 +87,6 @@ def test_eta_zero_is_synchronous(partial, seed):
 
 def test_partial_responses_span_versions():
     """With partial rollouts and η ≥ 1, responses cut at a publish continue under the next version."""
-    batches, held, drawn, ro = run(2, True, "requeue", seed=1, steps=10, train_s=0.02, delay=0.002)
+    batches, _, _, ro = run(2, True, "requeue", seed=1, steps=10, train_s=0.02, delay=0.002)
     mixed = [t for _, gs in batches for g in gs for t in g.trajectories if len(set(t.versions)) > 1]
     assert mixed and ro.resumed > 0

@@ -3,6 +3,7 @@ and a killed run resumes where its checkpoint left it."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from relayrl.config import load_config
 from relayrl.pipeline import train
@@ -60,8 +62,9 @@ def test_raising_reward_does_not_stop_the_run(tiny_path, tmp_path):
     assert "flaky verifier" in summary["reward_errors"][0]
 
 
-def kill_at_checkpoint_then_resume(args: list[str], run_dir: Path, step: int) -> None:
-    """Run the CLI, SIGKILL it once checkpoint ``step`` exists, then finish it with --resume."""
+def kill_at_checkpoint_then_resume(args: list[str], run_dir: Path, step: int) -> str:
+    """Run the CLI, SIGKILL it once checkpoint ``step`` exists, then finish it with --resume
+    (returns the resumed run's output)."""
     cmd = [sys.executable, "-m", "relayrl.cli", "train", *args]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -74,6 +77,7 @@ def kill_at_checkpoint_then_resume(args: list[str], run_dir: Path, step: int) ->
     proc.wait()
     done = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 @pytest.mark.slow
@@ -99,13 +103,15 @@ SMALL = ["data.eval_path=null", "rollout.prompts_per_step=4", "rollout.group_siz
     ["run.mode=sync", "rollout.partial=true"],
     ["run.mode=periodic", "rollout.partial=false"],
     ["run.mode=periodic", "rollout.partial=true"],
-], ids=["sync+partial", "periodic", "periodic+partial"])
+    ["run.mode=async", "rollout.partial=true", "rollout.max_staleness=2"],
+], ids=["sync+partial", "periodic", "periodic+partial", "async+partial"])
 def test_carried_work_survives_kill_and_resume(tmp_path, mode):
     """On the demo model (long-tail lengths): partial groups carried across steps and batches
     generated ahead (periodic) are checkpointed, and a kill -9 + --resume neither loses nor
     duplicates a prompt."""
-    args = SMALL + mode + [f"run.output_dir={tmp_path}", "run.steps=8", "run.save_every=2", "run.name=p"]
-    kill_at_checkpoint_then_resume(args, tmp_path / "p", step=4)
+    args = SMALL + mode + [f"run.output_dir={tmp_path}", "run.steps=8", "run.save_every=2", "run.name=p",
+                           "run.keep_checkpoints=8"]
+    out = kill_at_checkpoint_then_resume(args, tmp_path / "p", step=4)
     ckpt_dir = tmp_path / "p" / "checkpoints"
     run = tmp_path / "p"
     trained = [json.loads(x) for x in (run / "trained_prompts.jsonl").read_text().splitlines()]
@@ -121,3 +127,26 @@ def test_carried_work_survives_kill_and_resume(tmp_path, mode):
         assert m[-1]["partial_resumed_total"] > 0  # the long tail was carried over and continued
     assert any(x["offpolicy_token_frac"] > 0 for x in m)  # continued or generated-ahead tokens are one version old
     assert all(x["logprob_mismatch_mean"] < 1e-3 for x in m)
+    if "run.mode=async" in mode:  # the resume started from a checkpoint holding cut-off responses
+        resumed_from = re.search(r"resumed from \S*(step_\d+)", out.replace("\n", "")).group(1)
+        held = json.loads((ckpt_dir / resumed_from / "state.json").read_text())["partial_buffer"]
+        assert any(t["finish_reason"] == "aborted" and t["response_ids"] for g in held for t in g["trajectories"])
+        assert max(x["staleness_max"] for x in m) <= 2 and all(x["stale_discarded_total"] == 0 for x in m)
+
+
+@pytest.mark.slow
+def test_async_with_eta_zero_equals_sync(tiny_path, tmp_path):
+    """η = 0: the asynchronous pipeline trains exactly what the synchronous one does, bit for bit."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for mode in ("sync", "async"):
+        cfg = load_config(None, EASY + [f"model.path={tiny_path}", f"run.output_dir={tmp_path}", f"run.name={mode}",
+                                        f"run.mode={mode}", "rollout.max_staleness=0", "run.steps=3"])
+        train(cfg)
+        runs[mode] = (_metrics(cfg.run_dir), load_file(cfg.run_dir / "checkpoints" / "step_000003" / "model.safetensors"))
+    (ms, ws), (ma, wa) = runs["sync"], runs["async"]
+    assert [(m["reward_mean"], m["loss"], m["generated_tokens"]) for m in ms] == \
+        [(m["reward_mean"], m["loss"], m["generated_tokens"]) for m in ma]
+    assert all(m["staleness_max"] == 0 for m in ma)
+    assert all(torch.equal(ws[k], wa[k]) for k in ws)

@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from relayrl.algos.offpolicy import approx_prox_logp, decoupled_ppo, ess_lr_scale, m2po, tis_weights
+from relayrl.algos.offpolicy import (
+    approx_prox_logp,
+    decoupled_ppo,
+    ess_lr_scale,
+    m2po,
+    tis_weights,
+)
 
 L = math.log
 

@@ -2,7 +2,13 @@
 
 import pytest
 
-from relayrl.scheduling import LengthModel, Pending, expected_remaining, gittins_index, order
+from relayrl.scheduling import (
+    LengthModel,
+    Pending,
+    expected_remaining,
+    gittins_index,
+    order,
+)
 
 
 def _model():

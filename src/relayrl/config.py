@@ -135,7 +135,7 @@ class AlgoCfg(_Section):
 
     @model_validator(mode="after")
     def _names(self) -> "AlgoCfg":
-        from relayrl.algos import AGGREGATIONS, ADVANTAGES, POLICY_LOSSES
+        from relayrl.algos import ADVANTAGES, AGGREGATIONS, POLICY_LOSSES
 
         for key, reg in (("advantage", ADVANTAGES), ("loss", POLICY_LOSSES), ("agg", AGGREGATIONS)):
             val = getattr(self, key)

@@ -13,18 +13,24 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from relayrl.checkpoint import CheckpointWriter, RunState, latest_checkpoint, load_run_state, restore_rng
+from relayrl.async_rollout import oldest_version
+from relayrl.checkpoint import (
+    CheckpointWriter,
+    RunState,
+    latest_checkpoint,
+    load_run_state,
+    restore_rng,
+)
 from relayrl.config import Config, dump_config
 from relayrl.data import PromptSampler, load_prompts
 from relayrl.engine import make_engine
 from relayrl.evaluation import evaluate
 from relayrl.models import load_policy, load_tokenizer, resolve_model_path
+from relayrl.partial import PartialBuffer
 from relayrl.records import Group, SamplingParams, group_to_dict
 from relayrl.rewards import RewardRunner
-from relayrl.partial import PartialBuffer
 from relayrl.rollout import group_advantages, score_groups
 from relayrl.sources import SOURCES, flatten
-from relayrl.async_rollout import oldest_version
 from relayrl.timeline import Timeline
 from relayrl.tracking import MetricsLog, ProgressBar, Timers
 from relayrl.trainer import Trainer, build_batch

@@ -8,7 +8,15 @@ import torch
 from relayrl.algos import ADVANTAGES, lookup
 from relayrl.engine.base import Engine
 from relayrl.models import encode_prompt
-from relayrl.records import Completion, FinishReason, GenRequest, Group, Prompt, SamplingParams, Trajectory
+from relayrl.records import (
+    Completion,
+    FinishReason,
+    GenRequest,
+    Group,
+    Prompt,
+    SamplingParams,
+    Trajectory,
+)
 from relayrl.rewards import RewardRunner
 
 

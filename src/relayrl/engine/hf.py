@@ -17,7 +17,12 @@ from collections import deque
 from typing import Iterable
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from relayrl.engine.base import Engine, EngineError, copy_weights

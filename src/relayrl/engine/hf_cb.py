@@ -19,7 +19,6 @@ import queue
 import threading
 from typing import Iterable
 
-
 from relayrl.engine.base import Engine, EngineError, copy_weights
 from relayrl.engine.hf import HFEngine
 from relayrl.records import Completion, FinishReason, GenRequest, SamplingParams
