@@ -26,7 +26,13 @@ MODES = {
     "sync+partial": ["run.mode=sync", "rollout.partial=true"],
     "periodic": ["run.mode=periodic", "rollout.partial=false"],
     "periodic+partial": ["run.mode=periodic", "rollout.partial=true"],
+    "async η=2+partial": ["run.mode=async", "rollout.max_staleness=2", "rollout.partial=true"],
+    "async η=4+partial": ["run.mode=async", "rollout.max_staleness=4", "rollout.partial=true"],
 }
+
+
+def slug(mode: str) -> str:
+    return mode.replace("+", "_").replace(" ", "_").replace("η=", "eta")
 
 
 def run_mode(name: str, steps: int, extra: list[str], out: Path) -> dict:
@@ -40,7 +46,7 @@ def run_mode(name: str, steps: int, extra: list[str], out: Path) -> dict:
         summary = train(cfg)
         rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
         out.mkdir(parents=True, exist_ok=True)
-        shutil.copy(cfg.run_dir / "timeline.png", out / f"timeline_{name.replace('+', '_')}.png")
+        shutil.copy(cfg.run_dir / "timeline.png", out / f"timeline_{slug(name)}.png")
     wall = sum(r["time/step"] for r in rows)  # the training loop, without the before/after evaluations
     weighted = lambda k: sum(r[k] * r["time/step"] for r in rows) / wall  # noqa: E731
     return {

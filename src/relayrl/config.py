@@ -79,6 +79,10 @@ class RolloutCfg(_Section):
         description="Inference engine: 'hf' (transformers batched generate), 'hf-cb' (transformers continuous "
         "batching: requests join and leave the batch token by token).",
     )
+    engine_process: bool = Field(
+        False, description="Run the engine in its own process (own cores, no GIL shared with the trainer): what "
+        "overlapped modes (periodic, async) want on a CPU machine. Weights travel through shared memory.")
+    engine_threads: int = Field(0, ge=0, description="torch threads of the engine process (0: torch's default).")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per training step.")
     group_size: int = Field(8, ge=1, description="Responses per prompt (G).")
     max_new_tokens: int = Field(128, ge=1, description="Maximum response length in tokens.")
@@ -155,7 +159,9 @@ class TrainerCfg(_Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
-    micro_batch_tokens: int = Field(8192, ge=1, description="Token budget per micro-batch (padded tokens).")
+    micro_batch_tokens: int = Field(
+        1024, ge=1, description="Token budget per micro-batch (padded rows × longest row). Smaller means less padding "
+        "(rows are grouped by length); 1024 was fastest for the demo on CPU, GPUs want far more.")
     updates_per_step: int = Field(1, ge=1, description="Optimiser steps per rollout batch (mini-batches).")
 
 

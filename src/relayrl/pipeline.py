@@ -24,6 +24,7 @@ from relayrl.checkpoint import (
 from relayrl.config import Config, dump_config
 from relayrl.data import PromptSampler, load_prompts
 from relayrl.engine import make_engine
+from relayrl.engine.process import ProcessEngine
 from relayrl.evaluation import evaluate
 from relayrl.models import load_policy, load_tokenizer, resolve_model_path
 from relayrl.partial import PartialBuffer
@@ -67,9 +68,14 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, log) -> Components:
     reward.stats.failures, reward.stats.timeouts = state.reward_failures, state.reward_timeouts
     base = resolve_model_path(cfg.model.path, log=log)
     weights = str(ckpt) if ckpt else base
-    tokenizer = load_tokenizer(resolve_model_path(cfg.model.tokenizer, log=log) if cfg.model.tokenizer else base)
+    tok_path = resolve_model_path(cfg.model.tokenizer, log=log) if cfg.model.tokenizer else base
+    tokenizer = load_tokenizer(tok_path)
     policy = load_policy(weights, cfg.model.dtype)
-    engine = make_engine(cfg.rollout, load_policy(weights, cfg.model.dtype), tokenizer, version=state.version)
+    if cfg.rollout.engine_process:  # seeded per resume point, so a resumed run does not repeat its samples
+        engine = ProcessEngine(cfg.rollout, weights, tok_path, cfg.model.dtype, policy.state_dict(), state.version,
+                               cfg.rollout.engine_threads, seed=cfg.run.seed * 1_000_003 + state.step)
+    else:
+        engine = make_engine(cfg.rollout, load_policy(weights, cfg.model.dtype), tokenizer, version=state.version)
     ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 else None
     r = cfg.rollout
     trainer = Trainer(policy, cfg.trainer, cfg.algo, r.temperature, cfg.run.steps,

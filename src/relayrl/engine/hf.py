@@ -1,11 +1,14 @@
-"""CPU engine on transformers' batched ``model.generate``, run by a background thread.
+"""CPU engine: a batched decoding loop over a transformers model, run by a background thread.
 
-``generate`` is wrapped, not re-implemented: a logits processor applies the sampling
-transform and keeps the step's log-probs; a stopping criterion, called after every new token,
-records each row's token, log-prob and policy version, finishes rows (EOS, own budget,
-abort) and streams them out at once, and is the safe point where a pause holds the loop so
-weights can be swapped. Tokens after a swap carry the new version; the KV cache computed
-under the old weights is kept (as in AReaL's interruptible generation).
+The loop is relayrl's own (prefill, then one forward per token with a KV cache), so it can do
+what ``model.generate`` cannot: rows that finish leave the batch at once (their KV-cache rows
+are dropped), so a long-tail batch costs what its live rows cost, not what its longest row
+costs; and when requests are waiting and few rows are left, the batch hands its live rows to the
+next one (re-prefilled with their tokens so far) so the waiting requests join them. After every
+token each row's token, log-prob and policy version are recorded, rows finish (EOS, budget,
+abort) and stream out, and the loop passes a safe point where a pause holds it so weights can
+be swapped: tokens after a swap carry the new version; the KV cache computed under the old
+weights is kept (as in AReaL's interruptible generation).
 """
 
 from __future__ import annotations
@@ -17,12 +20,7 @@ from collections import deque
 from typing import Iterable
 
 import torch
-from transformers import (
-    LogitsProcessor,
-    LogitsProcessorList,
-    StoppingCriteria,
-    StoppingCriteriaList,
-)
+from transformers import DynamicCache, LogitsProcessor
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from relayrl.engine.base import Engine, EngineError, copy_weights
@@ -52,37 +50,14 @@ class _SampleTransform(LogitsProcessor):
 
 
 class _Row:
-    __slots__ = ("req", "tokens", "logprobs", "versions", "done")
+    __slots__ = ("done", "logprobs", "req", "tokens", "versions")
 
     def __init__(self, req: GenRequest):
         self.req, self.tokens, self.logprobs, self.versions, self.done = req, [], [], [], False
 
-
-class _Control(StoppingCriteria):
-    def __init__(self, engine: "HFEngine", rows: list[_Row], transform: _SampleTransform):
-        self.engine, self.rows, self.transform = engine, rows, transform
-
-    def __call__(self, input_ids, scores, **kw):
-        eng = self.engine
-        new = input_ids[:, -1].tolist()
-        lps = self.transform.logprobs.gather(1, input_ids[:, -1:]).squeeze(1).tolist()
-        version = eng._step_version
-        out = []
-        with eng._cv:
-            for i, row in enumerate(self.rows):
-                if not row.done:
-                    row.tokens.append(new[i])
-                    row.logprobs.append(lps[i])
-                    row.versions.append(version)
-                    if new[i] in eng.eos_ids:
-                        eng._finish(row, FinishReason.STOP)
-                    elif len(row.tokens) >= row.req.params.max_new_tokens:
-                        eng._finish(row, FinishReason.LENGTH)
-                    elif row.req.request_id in eng._aborted:
-                        eng._finish(row, FinishReason.ABORTED)
-                out.append(row.done)
-            eng._safe_point()
-        return torch.tensor(out, dtype=torch.bool, device=input_ids.device)
+    @property
+    def context(self) -> list[int]:
+        return list(self.req.prompt_ids) + list(self.req.response_so_far) + self.tokens
 
 
 class HFEngine(Engine):
@@ -255,31 +230,33 @@ class HFEngine(Engine):
             self._at_safe_point = False
             self._step_version = self._version
 
-    def _next_batch(self) -> list[GenRequest] | None:
+    def _next_batch(self, carry: list[_Row]) -> list[_Row] | None:
+        """Rows handed over by the last batch first, then queued requests with the same sampling
+        setting (one batch per setting; budgets may differ per row)."""
         with self._cv:
-            while not self._closed and (self._pause_depth > 0 or not self._queue):
+            while not self._closed and (self._pause_depth > 0 or not (self._queue or carry)):
                 self._cv.wait()
             if self._closed:
                 return None
-            first = self._queue[0].params
-            batch = []
-            # one generate call per sampling setting; budgets may differ per row
-            while self._queue and len(batch) < self.max_batch and self._queue[0].params.temperature == first.temperature \
-                    and self._queue[0].params.top_p == first.top_p and self._queue[0].params.top_k == first.top_k:
-                batch.append(self._queue.popleft())
+            setting = lambda p: (p.temperature, p.top_p, p.top_k)  # noqa: E731
+            first = setting(carry[0].req.params if carry else self._queue[0].params)
+            rows = list(carry)
+            while self._queue and len(rows) < self.max_batch and setting(self._queue[0].params) == first:
+                rows.append(_Row(self._queue.popleft()))
             self._busy = True
             self._step_version = self._version
-            return batch
+            return rows
 
     def _loop(self) -> None:
+        carry: list[_Row] = []
         while True:
-            batch = self._next_batch()
-            if batch is None:
+            rows = self._next_batch(carry)
+            if rows is None:
                 return
-            rows = [_Row(r) for r in batch]
+            carry = []
             try:
                 with self._guard():
-                    self._run(rows)
+                    carry = self._run(rows, hand_over=True)
             except BaseException as e:  # propagate to the caller of get()
                 with self._cv:
                     for row in rows:
@@ -291,37 +268,63 @@ class HFEngine(Engine):
                     self._busy = False
                     self._cv.notify_all()
 
+    def _record(self, rows: list[_Row], tokens: list[int], logprobs: list[float]) -> None:
+        """One new token per live row: record it, finish rows, then the safe point (lock held)."""
+        version = self._step_version
+        for row, tok, lp in zip(rows, tokens, logprobs):
+            row.tokens.append(tok)
+            row.logprobs.append(lp)
+            row.versions.append(version)
+            if tok in self.eos_ids:
+                self._finish(row, FinishReason.STOP)
+            elif len(row.tokens) >= row.req.params.max_new_tokens:
+                self._finish(row, FinishReason.LENGTH)
+            elif row.req.request_id in self._aborted:
+                self._finish(row, FinishReason.ABORTED)
+        self._safe_point()
+
     @torch.no_grad()
-    def _run(self, rows: list[_Row]) -> None:
-        ctx = [list(r.req.prompt_ids) + list(r.req.response_so_far) for r in rows]
+    def _run(self, rows: list[_Row], hand_over: bool = False) -> list[_Row]:
+        """Decode ``rows`` until each finishes. With ``hand_over``, once a quarter or less of the rows
+        are left and at least as many requests are waiting, returns the live rows unfinished so
+        the next batch takes them along with the waiting requests."""
+        with self._cv:
+            for row in rows:
+                if len(row.tokens) >= row.req.params.max_new_tokens:  # a zero budget returns at once
+                    self._finish(row, FinishReason.LENGTH)
+        live = [r for r in rows if not r.done]
+        if not live:
+            return []
+        ctx = [r.context for r in live]
         n = max(len(c) for c in ctx)
         ids = torch.tensor([[self.pad_id] * (n - len(c)) + c for c in ctx])
         att = torch.tensor([[0] * (n - len(c)) + [1] * len(c) for c in ctx])
-        params = rows[0].req.params
+        pos = (att.cumsum(-1) - 1).clamp(min=0)
+        params = live[0].req.params
         transform = _SampleTransform(params)
-        ctl = _Control(self, rows, transform)
-        # rows already aborted before they started still return through the criterion after one token;
-        # a zero budget returns at once
-        for row in rows:
-            if row.req.params.max_new_tokens <= 0:
-                with self._cv:
-                    self._finish(row, FinishReason.LENGTH)
-        if all(r.done for r in rows):
-            return
-        self.model.generate(
-            input_ids=ids,
-            attention_mask=att,
-            max_new_tokens=max(r.req.params.max_new_tokens for r in rows),
-            do_sample=params.temperature > 0,
-            temperature=1.0,
-            top_k=None,
-            top_p=None,
-            logits_processor=LogitsProcessorList([transform]),
-            stopping_criteria=StoppingCriteriaList([ctl]),
-            pad_token_id=self.pad_id,
-            eos_token_id=list(self.eos_ids) or None,
-        )
-        with self._cv:
-            for row in rows:  # generate ended at its max length: rows it cut short hit their budget
-                if not row.done:
-                    self._finish(row, FinishReason.LENGTH)
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=ids, attention_mask=att, position_ids=pos, past_key_values=cache,
+                            use_cache=True).logits[:, -1, :]
+        pos, started = pos[:, -1], len(live)
+        while True:
+            scores = transform(None, logits)
+            if params.temperature > 0:
+                tok = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
+            else:
+                tok = scores.argmax(-1)
+            lps = transform.logprobs.gather(1, tok[:, None]).squeeze(1)
+            with self._cv:
+                self._record(live, tok.tolist(), lps.tolist())
+                keep = [i for i, r in enumerate(live) if not r.done]
+                if hand_over and keep and len(keep) <= max(1, started // 4) and len(self._queue) >= len(keep):
+                    return [live[i] for i in keep]
+            if not keep:
+                return []
+            if len(keep) < len(live):  # finished rows leave the batch and the KV cache
+                idx = torch.tensor(keep)
+                cache.batch_select_indices(idx)
+                live, tok, att, pos = [live[i] for i in keep], tok[idx], att[idx], pos[idx]
+            att = torch.cat([att, att.new_ones(len(live), 1)], dim=1)
+            pos = pos + 1
+            logits = self.model(input_ids=tok[:, None], attention_mask=att, position_ids=pos[:, None],
+                                past_key_values=cache, use_cache=True).logits[:, -1, :]

@@ -1,0 +1,183 @@
+"""Any engine, run in a child process (``rollout.engine_process=true``).
+
+Generation and training then use separate cores and separate interpreters: on a small machine
+a generation *thread* competes with the trainer for the GIL (decoding a small model is mostly
+Python), and overlapped modes lose much of what they overlap. In its own process the engine is
+what it will be on a cluster, a separate worker the trainer talks to.
+
+Protocol: requests, aborts, pause/resume and weight loads go down one command queue and are
+applied in order; completions come back on one queue, acknowledgements on another. Weights
+travel through tensors in shared memory, allocated once: ``load_weights`` copies the policy into
+them, and the child copies them into its model under its engine's own pause, then acknowledges,
+so when ``load_weights`` returns, every later token is sampled by the new version. The child
+exits when told to, or when its parent is gone (a ``kill -9`` of the run leaves no orphan).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+from typing import Iterable
+
+import torch
+import torch.multiprocessing as mp
+
+from relayrl.engine.base import Engine, EngineError
+from relayrl.records import Completion, GenRequest
+
+
+def _serve(spec: dict, shared: dict, cmd, out, ack) -> None:
+    """The child: build the engine, forward completions, apply commands in order."""
+    try:
+        if spec["threads"]:
+            torch.set_num_threads(spec["threads"])
+        torch.manual_seed(spec["seed"])
+        from relayrl.engine import make_engine
+        from relayrl.models import load_policy, load_tokenizer
+
+        engine = make_engine(spec["rollout"], load_policy(spec["weights"], spec["dtype"]),
+                             load_tokenizer(spec["tokenizer"]), version=spec["version"])
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
+        ack.put(("error", f"engine process failed to start: {e!r}"))
+        return
+    ack.put(("ready", None))
+    parent, stop = os.getppid(), threading.Event()
+
+    def forward() -> None:
+        while not stop.is_set():
+            try:
+                done = engine.get(timeout=0.05)
+            except BaseException as e:  # noqa: BLE001
+                out.put(("error", repr(e)))
+                return
+            if done:
+                out.put(("done", done))
+
+    fwd = threading.Thread(target=forward, daemon=True)
+    fwd.start()
+    paused = contextlib.ExitStack()
+    try:
+        while True:
+            try:
+                op, arg = cmd.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent:
+                    return  # the parent died
+                continue
+            if op == "submit":
+                engine.submit(arg)
+            elif op == "abort":
+                engine.abort(arg)
+            elif op == "load":
+                engine.load_weights(shared, arg)
+                ack.put(("loaded", arg))
+            elif op == "pause":
+                paused.enter_context(engine.pause())
+                ack.put(("paused", None))
+            elif op == "resume":
+                paused.close()
+            elif op == "close":
+                return
+    finally:
+        paused.close()
+        stop.set()
+        fwd.join(timeout=5)
+        engine.close()
+
+
+class ProcessEngine(Engine):
+    def __init__(self, rollout_cfg, weights: str, tokenizer: str, dtype: str, state_dict: dict[str, torch.Tensor],
+                 version: int = 0, threads: int = 0, seed: int = 0, start_timeout: float = 300.0):
+        ctx = mp.get_context("spawn")
+        self._cmd, self._out, self._ack = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        # the shared weight buffers, allocated once; every later update is an in-place copy
+        self._shared = {k: v.detach().clone().share_memory_() for k, v in state_dict.items()}
+        spec = {"rollout": rollout_cfg, "weights": weights, "tokenizer": tokenizer, "dtype": dtype,
+                "version": version, "threads": threads, "seed": seed}
+        self._proc = ctx.Process(target=_serve, args=(spec, self._shared, self._cmd, self._out, self._ack),
+                                 name="relayrl-engine", daemon=True)
+        self._proc.start()
+        self._version = version
+        self._pending: set[str] = set()
+        self._lock = threading.Lock()
+        self._expect("ready", start_timeout)
+
+    def _expect(self, what: str, timeout: float = 120.0):
+        try:
+            kind, arg = self._ack.get(timeout=timeout)
+        except queue.Empty:
+            raise EngineError(f"engine process: no '{what}' within {timeout:.0f}s (alive: {self._proc.is_alive()})") \
+                from None
+        if kind == "error":
+            raise EngineError(arg)
+        if kind != what:
+            raise EngineError(f"engine process: expected '{what}', got '{kind}'")
+        return arg
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, requests: list[GenRequest]) -> None:
+        with self._lock:
+            for r in requests:
+                if r.request_id in self._pending:
+                    raise EngineError(f"request id {r.request_id!r} is already pending")
+                self._pending.add(r.request_id)
+        self._cmd.put(("submit", list(requests)))
+
+    def get(self, timeout: float | None = None) -> list[Completion]:
+        items: list[Completion] = []
+        wait = 0.2 if timeout is None else timeout
+        while True:
+            try:
+                kind, arg = self._out.get(timeout=wait) if not items else self._out.get_nowait()
+            except queue.Empty:
+                if items or timeout is not None or not self.num_pending():
+                    break
+                if not self._proc.is_alive():
+                    raise EngineError(f"engine process died (exit code {self._proc.exitcode})") from None
+                continue
+            if kind == "error":
+                raise EngineError(f"engine process failed: {arg}")
+            items += arg
+        with self._lock:
+            for c in items:
+                self._pending.discard(c.request_id)
+        return items
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        with self._lock:
+            ids = [i for i in request_ids if i in self._pending]
+        if ids:
+            self._cmd.put(("abort", ids))
+
+    @contextlib.contextmanager
+    def pause(self):
+        self._cmd.put(("pause", None))
+        self._expect("paused")
+        try:
+            yield
+        finally:
+            self._cmd.put(("resume", None))
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        with torch.no_grad():
+            for k, v in state_dict.items():
+                self._shared[k].copy_(v)
+        self._cmd.put(("load", version))
+        self._expect("loaded")
+        self._version = version
+
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            self._cmd.put(("close", None))
+            self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            self._proc.terminate()
