@@ -121,3 +121,34 @@ def test_mixed_sampling_settings_in_one_call(tiny):
         assert outs[0].token_ids == outs[2].token_ids  # greedy is deterministic: same prompt, same tokens
     finally:
         eng.close()
+
+
+def _forward_logprobs(model, prompt_ids, token_ids, temp):
+    ids = torch.tensor([prompt_ids + token_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, len(prompt_ids) - 1 : -1]
+    return token_logprobs(logits, ids[:, len(prompt_ids) :], temp)[0]
+
+
+def test_rows_leave_the_batch_and_hand_over_to_waiting_requests(tiny):
+    """A long row outlives its batch-mates; once it is alone and requests wait, it is re-batched with
+    them (context re-prefilled). Budgets, log-probs and ordering stay exact throughout."""
+    model, tok = tiny
+    eng = HFEngine(model, tok)
+    _no_eos(model, eng)
+    try:
+        first = [_req(tok, f"s{i}", 3 + i) for i in range(7)] + [_req(tok, "long", 120)]
+        eng.submit(first)
+        _wait_busy(eng)
+        with eng.pause():
+            later = [_req(tok, f"t{i}", 5) for i in range(4)]
+            eng.submit(later)
+        got = {c.request_id: c for c in eng.drain()}
+        assert eng.handovers >= 1
+        for r in first + later:
+            c = got[r.request_id]
+            assert len(c.token_ids) == r.params.max_new_tokens and c.finish_reason == FinishReason.LENGTH
+            lp = _forward_logprobs(model, r.prompt_ids, c.token_ids, 1.0)
+            assert torch.allclose(lp, torch.tensor(c.logprobs), atol=1e-4), r.request_id
+    finally:
+        eng.close()

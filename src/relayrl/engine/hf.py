@@ -84,6 +84,7 @@ class HFEngine(Engine):
         self._at_safe_point = False
         self._error: BaseException | None = None
         self._closed = False
+        self.handovers = 0  # batches that handed their last rows to the next one
         self._thread = threading.Thread(target=self._loop, name="relayrl-hf-engine", daemon=True)
         self._thread.start()
 
@@ -317,6 +318,7 @@ class HFEngine(Engine):
                 self._record(live, tok.tolist(), lps.tolist())
                 keep = [i for i, r in enumerate(live) if not r.done]
                 if hand_over and keep and len(keep) <= max(1, started // 4) and len(self._queue) >= len(keep):
+                    self.handovers += 1
                     return [live[i] for i in keep]
             if not keep:
                 return []
