@@ -28,6 +28,8 @@ MODES = {
     "periodic+partial": ["run.mode=periodic", "rollout.partial=true"],
     "async η=2+partial": ["run.mode=async", "rollout.max_staleness=2", "rollout.partial=true"],
     "async η=4+partial": ["run.mode=async", "rollout.max_staleness=4", "rollout.partial=true"],
+    "async η=2": ["run.mode=async", "rollout.max_staleness=2", "rollout.partial=false"],
+    "async η=4": ["run.mode=async", "rollout.max_staleness=4", "rollout.partial=false"],
 }
 
 

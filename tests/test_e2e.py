@@ -136,13 +136,15 @@ def test_carried_work_survives_kill_and_resume(tmp_path, mode):
 
 @pytest.mark.slow
 def test_async_with_eta_zero_equals_sync(tiny_path, tmp_path):
-    """η = 0: the asynchronous pipeline trains exactly what the synchronous one does, bit for bit."""
+    """η = 0: the asynchronous pipeline trains exactly what the synchronous one does, bit for bit
+    (with the engine in-process, so both draw samples from the same random stream)."""
     from safetensors.torch import load_file
 
     runs = {}
     for mode in ("sync", "async"):
         cfg = load_config(None, EASY + [f"model.path={tiny_path}", f"run.output_dir={tmp_path}", f"run.name={mode}",
-                                        f"run.mode={mode}", "rollout.max_staleness=0", "run.steps=3"])
+                                        f"run.mode={mode}", "rollout.max_staleness=0", "run.steps=3",
+                                        "rollout.engine_process=false"])
         train(cfg)
         runs[mode] = (_metrics(cfg.run_dir), load_file(cfg.run_dir / "checkpoints" / "step_000003" / "model.safetensors"))
     (ms, ws), (ma, wa) = runs["sync"], runs["async"]

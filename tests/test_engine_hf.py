@@ -130,21 +130,20 @@ def _forward_logprobs(model, prompt_ids, token_ids, temp):
     return token_logprobs(logits, ids[:, len(prompt_ids) :], temp)[0]
 
 
-def test_rows_leave_the_batch_and_hand_over_to_waiting_requests(tiny):
-    """A long row outlives its batch-mates; once it is alone and requests wait, it is re-batched with
-    them (context re-prefilled). Budgets, log-probs and ordering stay exact throughout."""
+def test_rows_leave_the_batch_and_requests_queue_meanwhile(tiny):
+    """Rows of different budgets leave the batch (and its KV cache) one by one; requests submitted
+    while it runs form the next batch. Budgets and log-probs stay exact for every row."""
     model, tok = tiny
     eng = HFEngine(model, tok)
     _no_eos(model, eng)
     try:
-        first = [_req(tok, f"s{i}", 3 + i) for i in range(7)] + [_req(tok, "long", 120)]
+        first = [_req(tok, f"s{i}", 3 + 5 * i) for i in range(7)] + [_req(tok, "long", 60)]
         eng.submit(first)
         _wait_busy(eng)
         with eng.pause():
             later = [_req(tok, f"t{i}", 5) for i in range(4)]
             eng.submit(later)
         got = {c.request_id: c for c in eng.drain()}
-        assert eng.handovers >= 1
         for r in first + later:
             c = got[r.request_id]
             assert len(c.token_ids) == r.params.max_new_tokens and c.finish_reason == FinishReason.LENGTH

@@ -39,7 +39,9 @@ class RunCfg(_Section):
     save_every: int = Field(10, ge=0, description="Checkpoint every N steps (0: only at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="How many recent checkpoints to keep.")
     progress: bool = Field(True, description="Show a live progress bar.")
-    threads: int = Field(0, ge=0, description="torch intra-op threads (0: torch's default).")
+    threads: int = Field(
+        0, ge=0, description="torch threads of the trainer (0: all cores; with an engine process in an overlapped "
+        "mode, the cores the engine does not take).")
 
 
 class ModelCfg(_Section):
@@ -79,10 +81,12 @@ class RolloutCfg(_Section):
         description="Inference engine: 'hf' (transformers batched generate), 'hf-cb' (transformers continuous "
         "batching: requests join and leave the batch token by token).",
     )
-    engine_process: bool = Field(
-        False, description="Run the engine in its own process (own cores, no GIL shared with the trainer): what "
-        "overlapped modes (periodic, async) want on a CPU machine. Weights travel through shared memory.")
-    engine_threads: int = Field(0, ge=0, description="torch threads of the engine process (0: torch's default).")
+    engine_process: bool | None = Field(
+        None, description="Run the engine in its own process (own cores, no GIL shared with the trainer); weights "
+        "travel through shared memory. null: on for the overlapped modes (periodic, async), off for sync.")
+    engine_threads: int = Field(
+        0, ge=0, description="torch threads of the engine process (0: with an engine process in an overlapped mode, "
+        "half the cores, and run.threads defaults to the other half; else torch's default).")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per training step.")
     group_size: int = Field(8, ge=1, description="Responses per prompt (G).")
     max_new_tokens: int = Field(128, ge=1, description="Maximum response length in tokens.")

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,10 +55,22 @@ class Components:
     buffer: PartialBuffer
 
 
+def placement(cfg: Config) -> tuple[bool, int, int]:
+    """(engine in its own process?, engine threads, trainer threads). Overlapped modes put the
+    engine in its own process and split the cores between the two; otherwise both use all cores."""
+    r = cfg.rollout
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    own = r.engine_process if r.engine_process is not None else cfg.run.mode != "sync"
+    if not (own and cfg.run.mode != "sync"):
+        return own, r.engine_threads, cfg.run.threads or cores
+    engine = r.engine_threads or max(1, cores // 2)
+    return own, engine, cfg.run.threads or max(1, cores - engine)
+
+
 def build(cfg: Config, state: RunState, ckpt: Path | None, log) -> Components:
     """Everything the loop needs; from checkpoint ``ckpt`` when resuming."""
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
+    own_process, engine_threads, trainer_threads = placement(cfg)
+    torch.set_num_threads(trainer_threads)
     torch.manual_seed(cfg.run.seed)
     d = cfg.data
     fields = dict(prompt_field=d.prompt_field, answer_field=d.answer_field, id_field=d.id_field,
@@ -71,9 +84,9 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, log) -> Components:
     tok_path = resolve_model_path(cfg.model.tokenizer, log=log) if cfg.model.tokenizer else base
     tokenizer = load_tokenizer(tok_path)
     policy = load_policy(weights, cfg.model.dtype)
-    if cfg.rollout.engine_process:  # seeded per resume point, so a resumed run does not repeat its samples
+    if own_process:  # seeded per resume point, so a resumed run does not repeat its samples
         engine = ProcessEngine(cfg.rollout, weights, tok_path, cfg.model.dtype, policy.state_dict(), state.version,
-                               cfg.rollout.engine_threads, seed=cfg.run.seed * 1_000_003 + state.step)
+                               engine_threads, seed=cfg.run.seed * 1_000_003 + state.step)
     else:
         engine = make_engine(cfg.rollout, load_policy(weights, cfg.model.dtype), tokenizer, version=state.version)
     ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 else None

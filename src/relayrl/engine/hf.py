@@ -3,8 +3,9 @@
 The loop is relayrl's own (prefill, then one forward per token with a KV cache), so it can do
 what ``model.generate`` cannot: rows that finish leave the batch at once (their KV-cache rows
 are dropped), so a long-tail batch costs what its live rows cost, not what its longest row
-costs; and when requests are waiting and few rows are left, the batch hands its live rows to the
-next one (re-prefilled with their tokens so far) so the waiting requests join them. After every
+costs (about 2x faster than ``generate`` on the demo task). Requests that arrive while a batch
+runs wait for the next batch: joining them by re-prefilling the live rows was tried and lost
+(the padded prefill cost more than it saved on CPU). After every
 token each row's token, log-prob and policy version are recorded, rows finish (EOS, budget,
 abort) and stream out, and the loop passes a safe point where a pause holds it so weights can
 be swapped: tokens after a swap carry the new version; the KV cache computed under the old
@@ -84,7 +85,6 @@ class HFEngine(Engine):
         self._at_safe_point = False
         self._error: BaseException | None = None
         self._closed = False
-        self.handovers = 0  # batches that handed their last rows to the next one
         self._thread = threading.Thread(target=self._loop, name="relayrl-hf-engine", daemon=True)
         self._thread.start()
 
@@ -231,17 +231,17 @@ class HFEngine(Engine):
             self._at_safe_point = False
             self._step_version = self._version
 
-    def _next_batch(self, carry: list[_Row]) -> list[_Row] | None:
-        """Rows handed over by the last batch first, then queued requests with the same sampling
-        setting (one batch per setting; budgets may differ per row)."""
+    def _next_batch(self) -> list[_Row] | None:
+        """Queued requests with the first one's sampling setting (one batch per setting; budgets
+        may differ per row)."""
         with self._cv:
-            while not self._closed and (self._pause_depth > 0 or not (self._queue or carry)):
+            while not self._closed and (self._pause_depth > 0 or not self._queue):
                 self._cv.wait()
             if self._closed:
                 return None
             setting = lambda p: (p.temperature, p.top_p, p.top_k)  # noqa: E731
-            first = setting(carry[0].req.params if carry else self._queue[0].params)
-            rows = list(carry)
+            first = setting(self._queue[0].params)
+            rows = []
             while self._queue and len(rows) < self.max_batch and setting(self._queue[0].params) == first:
                 rows.append(_Row(self._queue.popleft()))
             self._busy = True
@@ -249,15 +249,13 @@ class HFEngine(Engine):
             return rows
 
     def _loop(self) -> None:
-        carry: list[_Row] = []
         while True:
-            rows = self._next_batch(carry)
+            rows = self._next_batch()
             if rows is None:
                 return
-            carry = []
             try:
                 with self._guard():
-                    carry = self._run(rows, hand_over=True)
+                    self._run(rows)
             except BaseException as e:  # propagate to the caller of get()
                 with self._cv:
                     for row in rows:
@@ -285,17 +283,15 @@ class HFEngine(Engine):
         self._safe_point()
 
     @torch.no_grad()
-    def _run(self, rows: list[_Row], hand_over: bool = False) -> list[_Row]:
-        """Decode ``rows`` until each finishes. With ``hand_over``, once a quarter or less of the rows
-        are left and at least as many requests are waiting, returns the live rows unfinished so
-        the next batch takes them along with the waiting requests."""
+    def _run(self, rows: list[_Row]) -> None:
+        """Decode ``rows`` until each finishes (EOS, budget, abort)."""
         with self._cv:
             for row in rows:
                 if len(row.tokens) >= row.req.params.max_new_tokens:  # a zero budget returns at once
                     self._finish(row, FinishReason.LENGTH)
         live = [r for r in rows if not r.done]
         if not live:
-            return []
+            return
         ctx = [r.context for r in live]
         n = max(len(c) for c in ctx)
         ids = torch.tensor([[self.pad_id] * (n - len(c)) + c for c in ctx])
@@ -306,7 +302,7 @@ class HFEngine(Engine):
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=ids, attention_mask=att, position_ids=pos, past_key_values=cache,
                             use_cache=True).logits[:, -1, :]
-        pos, started = pos[:, -1], len(live)
+        pos = pos[:, -1]
         while True:
             scores = transform(None, logits)
             if params.temperature > 0:
@@ -316,12 +312,9 @@ class HFEngine(Engine):
             lps = transform.logprobs.gather(1, tok[:, None]).squeeze(1)
             with self._cv:
                 self._record(live, tok.tolist(), lps.tolist())
-                keep = [i for i, r in enumerate(live) if not r.done]
-                if hand_over and keep and len(keep) <= max(1, started // 4) and len(self._queue) >= len(keep):
-                    self.handovers += 1
-                    return [live[i] for i in keep]
+            keep = [i for i, r in enumerate(live) if not r.done]
             if not keep:
-                return []
+                return
             if len(keep) < len(live):  # finished rows leave the batch and the KV cache
                 idx = torch.tensor(keep)
                 cache.batch_select_indices(idx)
