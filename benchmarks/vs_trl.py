@@ -41,11 +41,11 @@ from common import machine_info, write_results  # noqa: E402
 PROMPTS, G, MAX_NEW, TEMP, LR, WARMUP = 8, 8, 128, 1.0, 1e-4, 3
 
 # relayrl rows: name -> config overrides on top of the shared workload
-# relayrl's plain sync mode, and its fastest correct mode measured so far (benchmarks/async_vs_sync.py):
-# periodic (next batch generated while this one trains) with partial rollouts.
+# relayrl's plain sync mode, and its fastest mode in benchmarks/async_vs_sync.py: asynchronous with
+# staleness bound 4 (the engine in its own process, one core each).
 RELAYRL_MODES = {
     "relayrl sync": ["run.mode=sync", "rollout.partial=false"],
-    "relayrl periodic+partial": ["run.mode=periodic", "rollout.partial=true"],
+    "relayrl async η=4": ["run.mode=async", "rollout.max_staleness=4", "rollout.partial=false"],
 }
 
 

@@ -42,7 +42,7 @@ def test_reward_goes_up_on_an_easy_task(tiny_path, tmp_path):
     assert last > first + 0.15, (first, last)
     assert summary["steps"] == 25 and summary["samples"] == 25 * 32
     for key in ("reward_std", "response_len_max", "tokens_per_s", "step_time", "logprob_mismatch_mean",
-                "clip_frac", "grad_norm", "kl", "entropy"):
+                "clip_frac", "grad_norm", "kl", "entropy", "ess_frac", "staleness_max", "staleness_hist"):
         assert key in m[-1]
     assert m[-1]["logprob_mismatch_mean"] < 1e-3  # engine and trainer agree on log-probs
     from transformers import AutoModelForCausalLM

@@ -38,11 +38,6 @@ def oldest_version(g: Group) -> int:
     return min((v for t in g.trajectories for v in t.versions), default=0)
 
 
-def fresh_copy(g: Group, new_groups: Callable) -> Group:
-    """The same prompt with empty responses (a stale group regenerated)."""
-    return new_groups([g.prompt])[0]
-
-
 class AsyncRollout:
     def __init__(self, engine: Engine, take_prompts: Callable[[int], list], new_groups: Callable[[list], list[Group]],
                  params: SamplingParams, batch: int, eta: int, *, partial: bool = False, stale: str = "requeue",
@@ -88,7 +83,7 @@ class AsyncRollout:
                     self.mgr.drop_stale(1)
                     if self.stale == "requeue":
                         self.stale_requeued += 1
-                        self.waiting.appendleft(fresh_copy(g, self.new_groups))
+                        self.waiting.appendleft(self.new_groups([g.prompt])[0])  # same prompt, empty responses
                     else:
                         self.stale_discarded += 1
                     self.seq.pop(id(g))

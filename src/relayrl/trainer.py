@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from relayrl.algos import ADVANTAGES, AGGREGATIONS, POLICY_LOSSES, kl_penalty, lookup
-from relayrl.algos.offpolicy import decoupled_ppo
+from relayrl.algos.offpolicy import decoupled_ppo, ess_lr_scale
 from relayrl.config import AlgoCfg, TrainerCfg
 from relayrl.models import entropy_from_logits, token_logprobs
 from relayrl.records import Trajectory
@@ -137,7 +137,7 @@ class Trainer:
         trained with decoupled PPO: the trust region around π_old (the proximal policy) and an
         importance weight π_old/π_behav, bounded (algorithms.md §2)."""
         sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "mismatch_sum": 0.0, "mismatch_max": 0.0,
-                "mismatch_tokens": 0.0}
+                "mismatch_tokens": 0.0, "seq_log_w": torch.zeros(batch.size)}
         a = self.acfg
         for idx in micro_batches(batch, self.tcfg.micro_batch_tokens):
             mb = batch.select(idx)
@@ -155,6 +155,8 @@ class Trainer:
                 sums["mismatch_sum"] += diff.sum().item()
                 sums["mismatch_tokens"] += fresh.sum().item()
                 sums["mismatch_max"] = max(sums["mismatch_max"], diff.max().item())
+                # log importance weight π_old/π_behav of each sequence, for the effective sample size
+                sums["seq_log_w"][t] = ((old.detach() - mb.behav_logp) * mb.loss_mask).sum(1)
             if stale is not None and stale.any():
                 per_tok, m = decoupled_ppo(logp, old, mb.behav_logp, adv, mb.loss_mask, a.clip_low, a.clip_high,
                                            a.dual_clip)
@@ -210,6 +212,7 @@ class Trainer:
             if single:
                 metrics = {"logprob_mismatch_mean": sums["mismatch_sum"] / max(sums["mismatch_tokens"], 1.0),
                            "logprob_mismatch_max": sums["mismatch_max"]}
+            sums["ess_frac"] = (ess_lr_scale(sums.pop("seq_log_w"))[1] / mini.size).item()
             del sums["mismatch_sum"], sums["mismatch_max"], sums["mismatch_tokens"]
             gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
             sums["grad_norm"] = gn.item()

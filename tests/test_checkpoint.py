@@ -1,0 +1,46 @@
+"""Background checkpoint writing: the caller's thread only snapshots; what lands on disk is the
+state at ``save`` time even if training goes on meanwhile; failures surface at the next call."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from relayrl.checkpoint import CheckpointWriter, RunState, latest_checkpoint, load_run_state
+
+
+def test_background_write_holds_the_state_at_save_time(tiny, tmp_path):
+    model, tok = tiny
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(input_ids=torch.tensor([[5, 6, 7]])).logits.sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    writer = CheckpointWriter(tmp_path, model, tok, keep=2)
+    state = RunState(step=3, samples=96, version=3, partial_buffer=[{"held": 1}])
+    writer.save(state, {"optimizer": opt.state_dict()})
+    # training goes on while the writer thread works: none of this may leak into the checkpoint
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    opt.step()
+    state.step, state.partial_buffer = 4, []
+    writer.wait()
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt is not None and ckpt.name == "step_000003"
+    saved = load_file(ckpt / "model.safetensors")
+    assert all(torch.equal(saved[k], before[k]) for k in saved)
+    loaded, trainer_state = load_run_state(ckpt)
+    assert loaded.step == 3 and loaded.partial_buffer == [{"held": 1}]
+    assert "rng" in trainer_state and trainer_state["optimizer"]["state"]
+    assert json.loads((ckpt / "state.json").read_text())["samples"] == 96
+
+
+def test_a_failed_background_write_is_raised(tiny, tmp_path):
+    model, tok = tiny
+    blocker = tmp_path / "run"
+    blocker.write_text("a file where the run directory should be")
+    writer = CheckpointWriter(blocker, model, tok, keep=1)
+    writer.save(RunState(step=1), {})
+    with pytest.raises(RuntimeError, match="writing a checkpoint"):
+        writer.wait()
