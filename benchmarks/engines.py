@@ -1,8 +1,11 @@
-"""Which CPU engine is faster on the default task: batched generate or continuous batching?
+"""Which CPU engine is fastest on the default task?
 
 Generates rollout batches of the default task (prompts × G requests, EOS on, the real long-tail
-lengths) with the ``hf`` engine and with ``hf-cb`` under several cache / batch-token budgets, and
-prints generated tokens/s for each, side by side, with the ratio to ``hf``.
+lengths) with transformers' ``model.generate`` (a static batch: finished rows keep costing until
+the longest ends; what relayrl's engine wrapped before, and what TRL uses), relayrl's ``hf``
+engine (its own decoding loop, finished rows leave the batch) and ``hf-cb`` (transformers'
+continuous batching) under several cache / batch-token budgets. Prints generated tokens/s side
+by side with the ratio to ``model.generate``.
 
     python benchmarks/engines.py
     python benchmarks/engines.py --requests 64 128 --repeats 3
@@ -31,7 +34,8 @@ from relayrl.records import GenRequest, SamplingParams  # noqa: E402
 
 # (label, overrides): cb settings from the measured "small" one up to a cache that holds every request
 SETTINGS = [
-    ("hf (batched generate)", ["rollout.engine=hf"]),
+    ("transformers generate (static batch)", None),
+    ("hf (relayrl's loop, rows leave the batch)", ["rollout.engine=hf"]),
     ("hf-cb blocks 64, page 64, batch-tokens 512", ["rollout.engine=hf-cb", "rollout.cb_num_blocks=64",
                                                     "rollout.cb_page_size=64", "rollout.cb_max_batch_tokens=512"]),
     ("hf-cb blocks 256, page 32, batch-tokens 2048", ["rollout.engine=hf-cb", "rollout.cb_num_blocks=256",
@@ -41,7 +45,35 @@ SETTINGS = [
 ]
 
 
-def measure(model_path: str, overrides: list[str], n: int, group: int, repeats: int) -> tuple[float, float]:
+def measure_generate(model_path: str, n: int, group: int, repeats: int) -> tuple[float, float]:
+    """The baseline: one ``model.generate`` call per batch, left-padded, sampling at T=1."""
+    import torch
+
+    cfg = load_config(None, [])
+    tok, model = load_tokenizer(model_path), load_policy(model_path).eval()
+    prompts = load_prompts("builtin:demo", limit=n // group * repeats + 1)
+    eos = model.generation_config.eos_token_id or tok.eos_token_id
+    tokens, seconds = 0, 0.0
+    for r in range(repeats):
+        ctx = [encode_prompt(tok, p.messages) for p in prompts[r * (n // group) : (r + 1) * (n // group)]
+               for _ in range(group)]
+        width = max(map(len, ctx))
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(c)) + c for c in ctx])
+        att = (torch.arange(width)[None, :] >= torch.tensor([width - len(c) for c in ctx])[:, None]).long()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=att, do_sample=True, temperature=cfg.rollout.temperature,
+                                 top_k=None, top_p=None, max_new_tokens=cfg.rollout.max_new_tokens,
+                                 eos_token_id=eos, pad_token_id=tok.pad_token_id)
+        seconds += time.perf_counter() - t0
+        for row in out[:, width:].tolist():  # tokens up to and including EOS
+            tokens += row.index(eos) + 1 if eos in row else len(row)
+    return tokens / seconds, seconds / repeats
+
+
+def measure(model_path: str, overrides: list[str] | None, n: int, group: int, repeats: int) -> tuple[float, float]:
+    if overrides is None:
+        return measure_generate(model_path, n, group, repeats)
     cfg = load_config(None, overrides + [f"rollout.max_batch={n}"])
     tok = load_tokenizer(model_path)
     eng = make_engine(cfg.rollout, load_policy(model_path), tok)
@@ -81,7 +113,7 @@ def main() -> None:
             rows.append([str(n), label, f"{rate:,.0f}", f"{per_batch:.2f}", f"{rate / base:.2f}x"])
             data["results"][f"{n}/{label}"] = {"tokens_per_s": rate, "seconds_per_batch": per_batch}
             print(rows[-1], flush=True)
-    write_results(Path(args.out), "engines", ["requests", "engine", "tokens/s", "s/batch", "vs hf"], rows, data)
+    write_results(Path(args.out), "engines", ["requests", "engine", "tokens/s", "s/batch", "vs generate"], rows, data)
 
 
 if __name__ == "__main__":

@@ -168,7 +168,7 @@ def run_child(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin:demo")
-    ap.add_argument("--steps", type=int, default=8, help=f"optimiser steps ({PROMPTS}×{G} samples each)")
+    ap.add_argument("--steps", type=int, default=20, help=f"optimiser steps ({PROMPTS}×{G} samples each)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--eval-size", type=int, default=256)
     ap.add_argument("--systems", nargs="+", default=["trl", *RELAYRL_MODES])

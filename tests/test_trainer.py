@@ -68,3 +68,44 @@ def test_on_policy_shortcut_gives_the_same_gradient_as_recomputing_pi_old(tiny):
         tr.accumulate(batch, old, None, batch.loss_mask.sum().item(), float(batch.size))
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+def _stale_batch(tok, model):
+    """Half the sequences sampled by version 0 with behaviour log-probs off the current policy,
+    half by the current version 1 with exact ones."""
+    trajs = _trajs(tok)
+    batch = build_batch(trajs, torch.linspace(-1, 1, 8), tok.pad_token_id)
+    tr = Trainer(model, TrainerCfg(), AlgoCfg(), 1.0, 10, 16)
+    cur = tr.logprobs(batch)
+    noise = torch.linspace(-0.6, 0.6, batch.behav_logp.numel()).reshape(batch.behav_logp.shape)
+    stale_rows = torch.arange(8)[:, None] < 4
+    batch.behav_logp = torch.where(stale_rows, cur + noise, cur) * batch.loss_mask
+    batch.versions = torch.where(stale_rows & batch.loss_mask.bool(), 0, batch.versions.clamp(min=1))
+    return batch
+
+
+@pytest.mark.parametrize("offpolicy", ["decoupled", "tis", "m2po", "none"])
+def test_offpolicy_corrections_train_and_differ(tiny, offpolicy):
+    model, tok = tiny
+    batch = _stale_batch(tok, model)
+    grads = {}
+    for name in (offpolicy, "none"):
+        tr = Trainer(model, TrainerCfg(), AlgoCfg(offpolicy=name), 1.0, 10, 16)
+        model.zero_grad()
+        tr.accumulate(batch, None, None, batch.loss_mask.sum().item(), float(batch.size), version=1)
+        grads[name] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    assert torch.isfinite(grads[offpolicy]).all() and grads[offpolicy].abs().sum() > 0
+    if offpolicy != "none":  # each correction changes what the stale half contributes
+        assert not torch.allclose(grads[offpolicy], grads["none"])
+
+
+def test_ess_scales_the_step_on_off_policy_batches(tiny):
+    model, tok = tiny
+    batch = _stale_batch(tok, model)
+    lrs = {}
+    for on in (False, True):
+        tr = Trainer(model, TrainerCfg(lr=1e-3, warmup_steps=0), AlgoCfg(ess_lr_scale=on), 1.0, 10, 16)
+        m = tr.step(batch, version=1)
+        lrs[on] = m["lr"]
+        assert 0 < m["ess_frac"] < 1  # uneven importance weights: fewer effective samples than rows
+    assert lrs[False] == 1e-3 and lrs[True] < 1e-3

@@ -140,6 +140,16 @@ class AlgoCfg(_Section):
     norm_len: int | None = Field(
         None, description="Constant divisor length for seq_mean_token_sum_norm (default: rollout.max_new_tokens)."
     )
+    offpolicy: Literal["decoupled", "tis", "m2po", "none"] = Field(
+        "decoupled", description="Correction for tokens sampled by an older policy (partial, periodic, async): "
+        "decoupled PPO (trust region around the current policy, weight π/π_behav ≤ 5), TIS on every token (also "
+        "corrects engine/trainer mismatch), M2PO second-moment masking, or none.")
+    tis_cap: float = Field(2.0, gt=0, description="offpolicy=tis: truncation C of the importance weight.")
+    tis_level: Literal["token", "sequence"] = Field("token", description="offpolicy=tis: per-token or per-sequence.")
+    m2po_tau: float = Field(0.04, gt=0, description="offpolicy=m2po: bound on the second moment of log-ratios.")
+    ess_lr_scale: bool = Field(
+        False, description="Scale each step's learning rate by sqrt(min(1, ESS/B)) of the sequence importance "
+        "weights (VCPO): smaller steps on batches that are far off-policy.")
 
     @model_validator(mode="after")
     def _names(self) -> "AlgoCfg":

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from relayrl.algos import ADVANTAGES, AGGREGATIONS, POLICY_LOSSES, kl_penalty, lookup
-from relayrl.algos.offpolicy import decoupled_ppo, ess_lr_scale
+from relayrl.algos.offpolicy import decoupled_ppo, ess_lr_scale, m2po, tis_weights
 from relayrl.config import AlgoCfg, TrainerCfg
 from relayrl.models import entropy_from_logits, token_logprobs
 from relayrl.records import Trajectory
@@ -157,11 +157,7 @@ class Trainer:
                 sums["mismatch_max"] = max(sums["mismatch_max"], diff.max().item())
                 # log importance weight π_old/π_behav of each sequence, for the effective sample size
                 sums["seq_log_w"][t] = ((old.detach() - mb.behav_logp) * mb.loss_mask).sum(1)
-            if stale is not None and stale.any():
-                per_tok, m = decoupled_ppo(logp, old, mb.behav_logp, adv, mb.loss_mask, a.clip_low, a.clip_high,
-                                           a.dual_clip)
-            else:
-                per_tok, m = self.loss_fn(logp, old, adv, mb.loss_mask, a.clip_low, a.clip_high, a.dual_clip)
+            per_tok, m = self._policy_loss(logp, old, mb, adv, stale is not None and bool(stale.any()))
             agg = lambda x: self.agg_fn(x, mb.loss_mask, num_tokens, num_seqs, self.norm_len)  # noqa: E731
             loss = agg(per_tok)
             if ref_logp is not None:
@@ -178,8 +174,22 @@ class Trainer:
             share = mb.loss_mask.sum().item() / max(num_tokens, 1.0)
             sums["loss"] += loss.item()
             sums["entropy"] += ent.item()
-            sums["clip_frac"] += m["clip_frac"].item() * share
+            sums["clip_frac"] += float(m.get("clip_frac", 0.0)) * share
         return sums
+
+    def _policy_loss(self, logp, old, mb: TrainBatch, adv, has_stale: bool):
+        """Per-token policy loss under ``algo.offpolicy`` (algos/offpolicy.py holds the math)."""
+        a = self.acfg
+        clip = (a.clip_low, a.clip_high, a.dual_clip)
+        if a.offpolicy == "tis":  # every token: truncated π_old/π_behav times the PPO term
+            w, _ = tis_weights(old, mb.behav_logp, mb.loss_mask, a.tis_cap, a.tis_level)
+            per_tok, m = self.loss_fn(logp, old, adv, mb.loss_mask, *clip)
+            return per_tok * w, m
+        if not has_stale or a.offpolicy == "none":
+            return self.loss_fn(logp, old, adv, mb.loss_mask, *clip)
+        if a.offpolicy == "m2po":
+            return m2po(logp, mb.behav_logp, adv, mb.loss_mask, a.m2po_tau)
+        return decoupled_ppo(logp, old, mb.behav_logp, adv, mb.loss_mask, *clip)
 
     def step(self, batch: TrainBatch, version: int | None = None) -> dict:
         """π_old (and π_ref) log-probs, then ``updates_per_step`` optimiser steps over mini-batches.
@@ -212,11 +222,15 @@ class Trainer:
             if single:
                 metrics = {"logprob_mismatch_mean": sums["mismatch_sum"] / max(sums["mismatch_tokens"], 1.0),
                            "logprob_mismatch_max": sums["mismatch_max"]}
-            sums["ess_frac"] = (ess_lr_scale(sums.pop("seq_log_w"))[1] / mini.size).item()
+            scale, ess = ess_lr_scale(sums.pop("seq_log_w"))
+            sums["ess_frac"] = (ess / mini.size).item()
             del sums["mismatch_sum"], sums["mismatch_max"], sums["mismatch_tokens"]
             gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
             sums["grad_norm"] = gn.item()
-            sums["lr"] = self.sched.get_last_lr()[0]
+            lr_scale = scale.item() if self.acfg.ess_lr_scale else 1.0
+            for g in self.opt.param_groups:  # the scheduler sets the next step's lr afresh
+                g["lr"] *= lr_scale
+            sums["lr"] = self.opt.param_groups[0]["lr"]
             self.opt.step()
             self.sched.step()
             for k, v in sums.items():
