@@ -7,7 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from relayrl.checkpoint import CheckpointWriter, RunState, latest_checkpoint, load_run_state
+from relayrl.checkpoint import (
+    CheckpointWriter,
+    RunState,
+    latest_checkpoint,
+    load_run_state,
+)
 
 
 def test_background_write_holds_the_state_at_save_time(tiny, tmp_path):
