@@ -178,7 +178,9 @@ class Trainer:
         return sums
 
     def _policy_loss(self, logp, old, mb: TrainBatch, adv, has_stale: bool):
-        """Per-token policy loss under ``algo.offpolicy`` (algos/offpolicy.py holds the math)."""
+        """Per-token policy loss under ``algo.offpolicy`` (algos/offpolicy.py holds the math). M2PO's
+        second-moment budget applies per micro-batch here, so unlike the others its gradient depends
+        on how the batch is split."""
         a = self.acfg
         clip = (a.clip_low, a.clip_high, a.dual_clip)
         if a.offpolicy == "tis":  # every token: truncated π_old/π_behav times the PPO term
