@@ -152,3 +152,15 @@ def test_async_with_eta_zero_equals_sync(tiny_path, tmp_path):
         [(m["reward_mean"], m["loss"], m["generated_tokens"]) for m in ma]
     assert all(m["staleness_max"] == 0 for m in ma)
     assert all(torch.equal(ws[k], wa[k]) for k in ws)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["periodic", "async"])
+def test_evaluation_during_overlapped_modes(tmp_path, mode):
+    """Evaluating every few steps shares the engine with a rollout running ahead: the rollout is
+    held while the engine evaluates, and the run completes with its eval metrics."""
+    cfg = load_config(None, SMALL + [f"run.output_dir={tmp_path}", f"run.mode={mode}", "run.steps=4", "eval.every=2",
+                                     "eval.size=16", "data.eval_path=builtin:demo-eval", "rollout.max_staleness=4"])
+    summary = train(cfg)
+    m = _metrics(cfg.run_dir)
+    assert summary["steps"] == 4 and [("eval/accuracy" in x) for x in m] == [False, True, False, True]

@@ -174,7 +174,7 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
                 idle = {f"{ln}_idle_frac": 1 - tl.busy_between(ln, step_start, step_start + span) / span
                         for ln in ("engine", "trainer")}
                 m = record_step(cfg, c, state, groups, generated, {**train_metrics, **idle, **source.metrics()},
-                                timers.pop(), metrics)
+                                timers.pop(), metrics, source)
                 trained_log.write({"step": state.step, "prompt_ids": [g.prompt.id for g in groups]})
                 bar.update(m)
                 if (cfg.run.save_every and state.step % cfg.run.save_every == 0) or state.step == cfg.run.steps:
@@ -196,11 +196,15 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
 
 
 def record_step(cfg: Config, c: Components, state: RunState, groups, generated: int, train_metrics: dict,
-                times: dict, metrics: MetricsLog) -> dict:
+                times: dict, metrics: MetricsLog, source) -> dict:
     m = {"step": state.step, "samples": state.samples, **step_metrics(groups, generated, times["time/step"], state),
          **train_metrics, **times, "step_time": times["time/step"], "wall_seconds": round(state.wall_seconds, 2)}
     if cfg.eval.every and state.step % cfg.eval.every == 0 and c.eval_prompts:
-        m.update({f"eval/{k}": v for k, v in evaluate(c.engine, c.tokenizer, c.eval_prompts, c.reward, cfg).items()})
+        source.held()  # the rollout stops using the engine while it evaluates
+        try:
+            m.update({f"eval/{k}": v for k, v in evaluate(c.engine, c.tokenizer, c.eval_prompts, c.reward, cfg).items()})
+        finally:
+            source.release()
     metrics.write(m)
     return m
 

@@ -67,7 +67,9 @@ class Engine(abc.ABC):
     def generate(self, requests: list[GenRequest], on_complete: Callable[[Completion], None] | None = None
                  ) -> list[Completion]:
         """Submit and wait for all; results in request order. ``on_complete`` is called with each
-        completion as it arrives and may call ``abort`` (e.g. once a step has enough groups)."""
+        completion as it arrives and may call ``abort`` (e.g. once a step has enough groups).
+        One consumer of ``get`` at a time: completions of other requests are dropped here, so the
+        pipeline holds its rollout (``held``) before evaluating on the same engine."""
         self.submit(requests)
         want = {r.request_id for r in requests}
         got: dict[str, Completion] = {}
