@@ -2,10 +2,12 @@
 
 Same model, prompts, group size, number of training samples and held-out set in each mode;
 prints samples/s, generated tokens/s, engine idle %, trainer idle %, held-out accuracy, and each
-mode's speed ratio to ``sync``. Modes not built yet are listed by ``--help`` and skipped.
+mode's speed ratio to ``sync``. Overlapped modes run with their default placement (the engine in
+its own process, the cores split). Async runs are not deterministic: repeat them before reading
+an accuracy difference.
 
-    python benchmarks/async_vs_sync.py                 # the full default run per mode (~2.5 min each)
-    python benchmarks/async_vs_sync.py --steps 30 --modes sync sync+partial
+    python benchmarks/async_vs_sync.py                 # the full default run per mode (1.5-4 min each)
+    python benchmarks/async_vs_sync.py --steps 30 --modes sync "async η=4"
 """
 
 from __future__ import annotations
