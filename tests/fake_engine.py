@@ -20,7 +20,7 @@ class FakeEngine(Engine):
         self.rng, self.delay = random.Random(seed), delay
         self.max_len, self.width, self.eos = max_len, width, eos
         self._version = 0
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # pause() holds it; abort and load_weights may run inside
         self.live: dict[str, dict] = {}
         self.aborted: set[str] = set()
         self.submitted: list[str] = []

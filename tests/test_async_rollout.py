@@ -42,8 +42,7 @@ def run(eta: int, partial: bool, stale: str, seed: int, steps: int, n_prompts: i
             groups, _ = ro.next_batch(v)
             batches.append((v, groups))
             time.sleep(train_s)  # the trainer's turn: generation goes on meanwhile
-            eng.load_weights({}, v + 1)
-            ro.published(v + 1)
+            ro.publish(lambda v=v: eng.load_weights({}, v + 1), v + 1)
         held = ro.held()
     finally:
         ro.close()

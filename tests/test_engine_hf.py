@@ -93,6 +93,26 @@ def test_weight_swap_mid_generation_tags_versions(tiny):
         eng.close()
 
 
+def test_abort_and_swap_inside_one_pause_sample_nothing_with_the_new_weights(tiny):
+    """Partial rollouts cut in-flight rows and swap weights under one pause: the rows come back at
+    the safe point with only old-version tokens (none sampled over the old KV cache by new weights)."""
+    model, tok = tiny
+    eng = HFEngine(model, tok)
+    _no_eos(model, eng)
+    new = {k: v + 0.01 for k, v in model.state_dict().items()}
+    try:
+        eng.submit([_req(tok, "a", 400), _req(tok, "b", 400)])
+        _wait_busy(eng)
+        with eng.pause():
+            eng.abort(["a", "b"])
+            eng.load_weights(new, version=3)
+        got = list(eng.drain())
+        assert len(got) == 2 and all(c.finish_reason == FinishReason.ABORTED for c in got)
+        assert all(c.token_ids and set(c.versions) == {0} and len(c.token_ids) < 400 for c in got)
+    finally:
+        eng.close()
+
+
 def test_engine_failure_propagates(tiny):
     model, tok = tiny
     eng = HFEngine(model, tok)

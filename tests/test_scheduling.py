@@ -49,3 +49,27 @@ def test_expected_remaining_and_gittins_by_hand():
     assert gittins_index([10, 20, 60], 15) == pytest.approx(0.1)
     # a request certain to need 5 more beats one that needs 5 or 95 equally likely (same SRPT mean 50 vs 5)
     assert gittins_index([5], 0) > gittins_index([5, 95], 0)
+
+
+def test_a_step_barrier_submits_longest_expected_first():
+    """generate_groups with longest_first hands the engine the prompt with the longest history first."""
+    from relayrl.records import Group, Prompt, SamplingParams, Trajectory
+    from relayrl.rollout import generate_groups
+    from tests.fake_engine import FakeEngine
+
+    groups = []
+    for pid in ("short", "long", "mid"):
+        p = Prompt(pid, [{"role": "user", "content": pid}])
+        groups.append(Group(p, f"g-{pid}", [Trajectory(p, f"g-{pid}", i, [1, 2]) for i in range(2)]))
+    lm = LengthModel()
+    for pid, n in (("short", 5), ("long", 90), ("mid", 40)):
+        lm.observe(pid, f"old-{pid}", n)
+    for schedule, first in (("fifo", "g-short"), ("longest_first", "g-long"), ("srpt", "g-short")):
+        for g in groups:
+            for t in g.trajectories:
+                t.response_ids, t.behav_logprobs, t.versions, t.finish_reason = [], [], [], None
+        eng = FakeEngine(seed=0)
+        generate_groups(eng, groups, SamplingParams(10), schedule, lm)
+        assert eng.submitted[0].startswith(first), (schedule, eng.submitted)
+        assert all(t.done for g in groups for t in g.trajectories)
+    assert [s.rsplit("/", 1)[0] for s in eng.submitted[::2]] == ["g-short", "g-mid", "g-long"]  # srpt: shortest first

@@ -29,7 +29,7 @@ from typing import Callable
 from relayrl.engine.base import Engine
 from relayrl.records import Completion, FinishReason, Group, SamplingParams
 from relayrl.rollout import continuation
-from relayrl.scheduling import LengthModel, Pending, order
+from relayrl.scheduling import LengthModel, order_trajectories
 from relayrl.staleness import StalenessManager
 from relayrl.timeline import Timeline
 
@@ -94,15 +94,22 @@ class AsyncRollout:
             generated, self.generated = self.generated, 0
         return out, generated
 
-    def published(self, version: int) -> None:
-        """The engine now holds weights ``version``: raise the capacity; with partial rollouts,
-        cut what is in flight so it continues (re-batched) under the new weights."""
+    def publish(self, load: Callable[[], None], version: int) -> None:
+        """Put weights ``version`` into the engine (``load``) and raise the capacity. With partial
+        rollouts, what is in flight is cut first, inside one engine pause, so no token is sampled
+        by the new weights over a KV cache of the old ones; the cut responses continue
+        (re-batched, context recomputed) under the new weights."""
+        if self.partial:
+            with self.engine.pause():
+                with self.cv:
+                    ids = list(self.inflight)
+                self.engine.abort(ids)
+                load()
+        else:
+            load()
         self.mgr.set_version(version)
         with self.cv:
-            ids = list(self.inflight) if self.partial else []
             self.cv.notify_all()
-        if ids:
-            self.engine.abort(ids)
 
     def held(self) -> list[Group]:
         """Every group held (ready, partial, waiting), in admission order, with nothing in flight.
@@ -192,14 +199,11 @@ class AsyncRollout:
                 if not t.done and t.request_id not in self.inflight]
         if not todo:
             return
-        pend = {t.request_id: Pending(t.request_id, g.prompt.id, g.group_id, len(t.response_ids), self.seq[id(g)],
-                                      bool(t.response_ids)) for g, t in todo}
-        by_id = {t.request_id: (g, t) for g, t in todo}
+        group_of = {t.request_id: g for g, t in todo}  # running groups are in admission order
         reqs = []
-        for p in order(list(pend.values()), self.schedule, self.lengths):
-            g, t = by_id[p.request_id]
-            self.inflight[p.request_id] = (g, t)
-            self.resumed += p.partial
+        for t in order_trajectories([t for _, t in todo], self.schedule, self.lengths):
+            self.inflight[t.request_id] = (group_of[t.request_id], t)
+            self.resumed += bool(t.response_ids)
             reqs.append(continuation(t, self.params))
         self.engine.submit(reqs)
 

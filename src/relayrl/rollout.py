@@ -18,6 +18,7 @@ from relayrl.records import (
     Trajectory,
 )
 from relayrl.rewards import RewardRunner
+from relayrl.scheduling import LengthModel, order_trajectories
 
 
 def make_groups(prompts: list[Prompt], tokenizer, group_size: int, tag: str) -> list[Group]:
@@ -38,10 +39,11 @@ def continuation(t: Trajectory, params: SamplingParams) -> GenRequest:
                       list(t.response_ids))
 
 
-def generate_groups(engine: Engine, groups: list[Group], params: SamplingParams) -> None:
-    """Generate every unfinished trajectory of ``groups`` to completion (a synchronous barrier).
-    Finished members of a group are not regenerated."""
-    trajs = [t for g in groups for t in g.trajectories if not t.done]
+def generate_groups(engine: Engine, groups: list[Group], params: SamplingParams, schedule: str = "fifo",
+                    lengths: LengthModel | None = None) -> None:
+    """Generate every unfinished trajectory of ``groups`` to completion (a synchronous barrier),
+    submitted in ``schedule`` order. Finished members of a group are not regenerated."""
+    trajs = order_trajectories([t for g in groups for t in g.trajectories if not t.done], schedule, lengths)
     reqs = [continuation(t, params) for t in trajs]
     for t, c in zip(trajs, engine.generate(reqs)):
         t.extend(c)
@@ -64,8 +66,8 @@ def group_advantages(groups: list[Group], estimator: str) -> torch.Tensor:
     return fn(rewards, gid)
 
 
-def generate_until(engine: Engine, groups: list[Group], params: SamplingParams, need: int
-                   ) -> tuple[list[Group], list[Group]]:
+def generate_until(engine: Engine, groups: list[Group], params: SamplingParams, need: int, schedule: str = "fifo",
+                   lengths: LengthModel | None = None) -> tuple[list[Group], list[Group]]:
     """APRIL's step: generate the unfinished members of ``groups`` until ``need`` groups are
     complete, then abort everything still running. Returns (complete groups in completion
     order, the rest); aborted members keep their tokens, log-probs and versions."""
@@ -81,6 +83,7 @@ def generate_until(engine: Engine, groups: list[Group], params: SamplingParams, 
                 engine.abort(list(trajs))
 
     if len(complete) < need and trajs:
-        engine.generate([continuation(t, params) for _, t in trajs.values()], on_complete=on_complete)
+        order = order_trajectories([t for _, t in trajs.values()], schedule, lengths)
+        engine.generate([continuation(t, params) for t in order], on_complete=on_complete)
     done = {id(g) for g in complete}
     return complete, [g for g in groups if id(g) not in done]

@@ -22,6 +22,7 @@ from relayrl.async_rollout import AsyncRollout
 from relayrl.config import Config
 from relayrl.records import Group
 from relayrl.rollout import generate_groups, generate_until, make_groups
+from relayrl.scheduling import LengthModel
 from relayrl.timeline import Timeline
 
 
@@ -29,24 +30,33 @@ def flatten(groups: list[Group]) -> list:
     return [t for g in groups for t in g.trajectories]
 
 
-def rollout_step(cfg: Config, c, state, step: int) -> tuple[list[Group], int]:
+def rollout_step(cfg: Config, c, state, step: int, lengths: LengthModel | None = None) -> tuple[list[Group], int]:
     """Groups for training step ``step``, and the tokens generated for them and for the carried-over
     rest: a synchronous barrier, or APRIL's over-provisioned partial rollouts. Groups carried in
-    the buffer (cut off, or prefetched before a checkpoint) are served first."""
+    the buffer (cut off, or prefetched before a checkpoint) are served first. Requests go to the
+    engine in ``rollout.schedule`` order, with lengths learnt from earlier steps (``lengths``)."""
+    groups, generated = _rollout_step(cfg, c, state, step, lengths)
+    if lengths is not None:
+        for t in flatten(groups):
+            lengths.observe(t.prompt.id, t.group_id, len(t.response_ids))
+    return groups, generated
+
+
+def _rollout_step(cfg: Config, c, state, step: int, lengths: LengthModel | None):
     r, tag = cfg.rollout, f"s{step}"
     if not r.partial:
         carried = c.buffer.take(r.prompts_per_step)
         before = sum(len(t.response_ids) for t in flatten(carried))
         groups = carried + make_groups(c.sampler.take(r.prompts_per_step - len(carried)), c.tokenizer,
                                        r.group_size, tag)
-        generate_groups(c.engine, groups, c.params)
+        generate_groups(c.engine, groups, c.params, r.schedule, lengths)
         return groups, sum(len(t.response_ids) for t in flatten(groups)) - before
     target = math.ceil(r.over_provision * r.prompts_per_step)
     carried = c.buffer.take(target)
     state.partial_resumed += sum(any(not t.done for t in g.trajectories) for g in carried)
     fresh = make_groups(c.sampler.take(max(0, target - len(carried))), c.tokenizer, r.group_size, tag)
     before = sum(len(t.response_ids) for t in flatten(carried))
-    complete, rest = generate_until(c.engine, carried + fresh, c.params, r.prompts_per_step)
+    complete, rest = generate_until(c.engine, carried + fresh, c.params, r.prompts_per_step, r.schedule, lengths)
     for g in complete[r.prompts_per_step :] + rest:
         c.buffer.put(g)
     generated = sum(len(t.response_ids) for t in flatten(complete + rest)) - before
@@ -56,10 +66,11 @@ def rollout_step(cfg: Config, c, state, step: int) -> tuple[list[Group], int]:
 class SyncSource:
     def __init__(self, cfg: Config, c, state, tl: Timeline):
         self.cfg, self.c, self.state, self.tl = cfg, c, state, tl
+        self.lengths = LengthModel()  # used by one rollout at a time
 
     def _rollout(self, step: int):
         with self.tl.busy("engine"):
-            return rollout_step(self.cfg, self.c, self.state, step)
+            return rollout_step(self.cfg, self.c, self.state, step, self.lengths)
 
     def next_batch(self) -> tuple[list[Group], int]:
         return self._rollout(self.state.step)
@@ -128,8 +139,7 @@ class AsyncSource:
         return self.rollout.next_batch(self.state.version)
 
     def publish(self, load) -> None:
-        load()
-        self.rollout.published(self.state.version + 1)
+        self.rollout.publish(load, self.state.version + 1)
 
     def held(self) -> list[Group]:
         return self.rollout.held()

@@ -221,15 +221,18 @@ class HFEngine(Engine):
         if self._on_complete is not None:
             self._on_complete(c)
 
-    def _safe_point(self) -> None:
-        """Called with the lock held after each decoding step: wait here while paused."""
-        if self._pause_depth > 0:
-            self._at_safe_point = True
-            self._cv.notify_all()
-            while self._pause_depth > 0:
-                self._cv.wait()
-            self._at_safe_point = False
-            self._step_version = self._version
+    def _safe_point(self) -> bool:
+        """Called with the lock held after each decoding step: wait here while paused (returns
+        whether it did)."""
+        if self._pause_depth == 0:
+            return False
+        self._at_safe_point = True
+        self._cv.notify_all()
+        while self._pause_depth > 0:
+            self._cv.wait()
+        self._at_safe_point = False
+        self._step_version = self._version
+        return True
 
     def _next_batch(self) -> list[_Row] | None:
         """Queued requests with the first one's sampling setting (one batch per setting; budgets
@@ -280,7 +283,10 @@ class HFEngine(Engine):
                 self._finish(row, FinishReason.LENGTH)
             elif row.req.request_id in self._aborted:
                 self._finish(row, FinishReason.ABORTED)
-        self._safe_point()
+        if self._safe_point():  # aborts issued during a pause land here, before another token
+            for row in rows:
+                if not row.done and row.req.request_id in self._aborted:
+                    self._finish(row, FinishReason.ABORTED)
 
     @torch.no_grad()
     def _run(self, rows: list[_Row]) -> None:
