@@ -42,10 +42,10 @@ class AsyncRollout:
     def __init__(self, engine: Engine, take_prompts: Callable[[int], list], new_groups: Callable[[list], list[Group]],
                  params: SamplingParams, batch: int, eta: int, *, partial: bool = False, stale: str = "requeue",
                  schedule: str = "fifo", version: int = 0, carried: list[Group] = (), timeline: Timeline | None = None,
-                 max_concurrent: int | None = None, counters: dict | None = None):
+                 counters: dict | None = None):
         self.engine, self.take_prompts, self.new_groups, self.params = engine, take_prompts, new_groups, params
         self.batch, self.eta, self.partial, self.stale, self.schedule = batch, eta, partial, stale, schedule
-        self.mgr = StalenessManager(eta, batch, max_concurrent, version=version)
+        self.mgr = StalenessManager(eta, batch, version=version)
         self.tl = timeline
         self.lengths = LengthModel()
         self.cv = threading.Condition()

@@ -102,17 +102,14 @@ def write_snapshot(run_dir: Path, snap: dict, model, tokenizer, keep: int) -> Pa
 
 
 class CheckpointWriter:
-    def __init__(self, run_dir: Path, model, tokenizer, keep: int, background: bool = True):
-        self.run_dir, self.model, self.tokenizer, self.keep, self.background = run_dir, model, tokenizer, keep, background
+    def __init__(self, run_dir: Path, model, tokenizer, keep: int):
+        self.run_dir, self.model, self.tokenizer, self.keep = run_dir, model, tokenizer, keep
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
     def save(self, state: RunState, trainer_state: dict) -> None:
         self.wait()
         snap = snapshot(state, self.model, trainer_state)
-        if not self.background:
-            write_snapshot(self.run_dir, snap, self.model, self.tokenizer, self.keep)
-            return
         self._thread = threading.Thread(target=self._write, args=(snap,), name="relayrl-checkpoint", daemon=True)
         self._thread.start()
 
