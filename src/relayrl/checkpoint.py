@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from relayrl.data import SamplerState
+from relayrl.faults import fault_point
 
 
 @dataclass
@@ -91,6 +92,7 @@ def write_snapshot(run_dir: Path, snap: dict, model, tokenizer, keep: int) -> Pa
     tokenizer.save_pretrained(tmp)
     torch.save({**snap["trainer"], "rng": snap["rng"]}, tmp / "trainer.pt")
     (tmp / "state.json").write_text(snap["state_json"])
+    fault_point("checkpoint")
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

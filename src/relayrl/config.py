@@ -119,8 +119,15 @@ class RolloutCfg(_Section):
 class RewardCfg(_Section):
     """The verifier."""
 
-    fn: str = Field("math", description="Verifier: 'math', 'exact', or a user function 'module:function'.")
-    timeout_s: float = Field(5.0, gt=0, description="Per-sample time limit; a hung or failing verifier scores 0.")
+    fn: str = Field(
+        "math", description="Verifier: 'math', 'exact', a user function 'module:function' (importable from the "
+        "current directory) or 'path/to/file.py:function'.")
+    timeout_s: float = Field(5.0, gt=0, description="Per-call time limit; a hung or failing verifier scores 0.")
+    workers: int = Field(0, ge=0, description="Verifier calls run at once, each in its own process (0: the cores).")
+    memory_mb: int = Field(4096, ge=64, description="Memory (address space) one verifier call may use, in MiB.")
+    sandbox: Literal["none", "bwrap"] = Field(
+        "none", description="'bwrap': verifiers run under bubblewrap (no network, read-only filesystem, private "
+        "/tmp); fails at start if bwrap is not installed. 'none': plain processes with resource limits.")
 
 
 class AlgoCfg(_Section):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from relayrl.config import Config
 from relayrl.engine.base import Engine
+from relayrl.faults import fault_point
 from relayrl.records import Prompt, SamplingParams
 from relayrl.rewards import RewardRunner
 from relayrl.rollout import generate_groups, make_groups, score_groups
@@ -17,6 +18,7 @@ def evaluate(engine: Engine, tokenizer, prompts: list[Prompt], reward: RewardRun
     for key, temp, n in (("accuracy", r.temperature, cfg.eval.samples), ("accuracy_greedy", 0.0, 1)):
         groups = make_groups(prompts, tokenizer, n, tag=f"eval-{key}-v{engine.version}")
         generate_groups(engine, groups, SamplingParams(r.max_new_tokens, temp, r.top_p, r.top_k))
+        fault_point("eval")
         score_groups(groups, reward, tokenizer)
         rewards = [x for g in groups for x in g.rewards]
         out[key] = sum(rewards) / len(rewards)

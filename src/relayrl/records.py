@@ -12,6 +12,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from relayrl.faults import fault_point
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # the model emitted EOS
@@ -91,6 +93,7 @@ class Trajectory:
     def extend(self, c: Completion) -> None:
         """Append an engine completion (possibly one piece of a response continued across versions)."""
         assert len(c.token_ids) == len(c.logprobs) == len(c.versions), "engine returned ragged completion"
+        fault_point("generate")
         self.response_ids += c.token_ids
         self.behav_logprobs += c.logprobs
         self.versions += c.versions

@@ -16,6 +16,7 @@ import torch
 from relayrl.algos import ADVANTAGES, AGGREGATIONS, POLICY_LOSSES, kl_penalty, lookup
 from relayrl.algos.offpolicy import decoupled_ppo, ess_lr_scale, m2po, tis_weights
 from relayrl.config import AlgoCfg, TrainerCfg
+from relayrl.faults import fault_point
 from relayrl.models import entropy_from_logits, token_logprobs
 from relayrl.records import Trajectory
 
@@ -143,6 +144,7 @@ class Trainer:
             mb = batch.select(idx)
             t = torch.tensor(idx)
             L = mb.loss_mask.shape[1]
+            fault_point("train")
             logits = self._logits(self.model, mb)
             logp = token_logprobs(logits, mb.input_ids[:, 1:], self.temperature)
             adv = mb.advantages[:, None].expand_as(logp)
