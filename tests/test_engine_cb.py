@@ -68,3 +68,31 @@ def test_cb_weight_swap_mid_flight_tags_versions(engine):
     assert len(c.token_ids) == 400
     assert c.versions[0] == 0 and c.versions[-1] == 3 and c.versions == sorted(c.versions)
     assert eng.version == 3
+
+
+def test_cb_swap_between_taking_an_output_and_tagging_it_keeps_old_versions(engine):
+    """A weight swap that lands after the collector took an output from the manager and before it
+    tagged the tokens must not tag tokens sampled by the old weights with the new version."""
+    import threading
+
+    eng, model, tok = engine
+    new = {k: v + 0.01 for k, v in model.state_dict().items()}
+    real_get, seen = eng.mgr.get_result, {}
+
+    def get_result(timeout=None):
+        if threading.current_thread() is seen.get("swap"):
+            return None  # the swap's own drain finds nothing newer: the collector holds the latest output
+        out = real_get(timeout=timeout)
+        if out is not None and out.request_id == "x" and not seen and len(out.generated_tokens) >= 5:
+            seen["n"] = len(out.generated_tokens)  # sampled by version 0
+            swap = seen["swap"] = threading.Thread(target=eng.load_weights, args=(new, 3))
+            swap.start()
+            swap.join(0.5)  # the swap gets in here unless the collector holds the engine's lock
+        return out
+
+    eng.mgr.get_result = get_result
+    eng.submit([GenRequest("x", _ids(tok), SamplingParams(60, 0.8))])
+    (c,) = list(eng.drain(timeout=120))
+    seen["swap"].join()
+    assert eng.version == 3 and c.versions[-1] == 3
+    assert set(c.versions[: seen["n"]]) == {0}, c.versions[: seen["n"]]

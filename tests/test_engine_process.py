@@ -61,3 +61,27 @@ def test_process_engine_reports_a_failed_start(tiny, tmp_path):
     with pytest.raises(EngineError, match="failed to start"):
         ProcessEngine(RolloutCfg(), str(tmp_path / "missing"), str(tmp_path / "missing"), "float32",
                       model.state_dict())
+
+
+@pytest.mark.slow
+def test_a_dead_engine_process_is_reported_within_seconds_by_every_call(tiny, tiny_path):
+    """The async rollout polls ``get`` with a timeout and publishes through ``load_weights``: before
+    the fix a dead child made the first return [] forever and the second wait 120 s."""
+    import os
+    import signal
+    import time
+
+    model, tok = tiny
+    eng = ProcessEngine(RolloutCfg(), tiny_path, tiny_path, "float32", model.state_dict(), threads=1)
+    try:
+        eng.submit([_req(tok, "long", 10**4)])
+        os.kill(eng._proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="died .killed by SIGKILL"):
+            for _ in range(200):
+                eng.get(timeout=0.05)
+        with pytest.raises(EngineError, match="died"):
+            eng.load_weights(model.state_dict(), 1)
+        assert time.monotonic() - t0 < 5
+    finally:
+        eng.close()

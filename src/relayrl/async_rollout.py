@@ -26,7 +26,7 @@ import threading
 from collections import deque
 from typing import Callable
 
-from relayrl.engine.base import Engine
+from relayrl.engine.base import Engine, EngineError
 from relayrl.records import Completion, FinishReason, Group, SamplingParams
 from relayrl.rollout import continuation
 from relayrl.scheduling import LengthModel, order_trajectories
@@ -34,8 +34,14 @@ from relayrl.staleness import StalenessManager
 from relayrl.timeline import Timeline
 
 
-def oldest_version(g: Group) -> int:
-    return min((v for t in g.trajectories for v in t.versions), default=0)
+def oldest_version(g: Group) -> int | None:
+    """The policy version of the group's oldest token (None before its first token)."""
+    return min((v for t in g.trajectories for v in t.versions), default=None)
+
+
+def versions_behind(g: Group, version: int) -> int:
+    o = oldest_version(g)
+    return 0 if o is None else version - o
 
 
 class AsyncRollout:
@@ -60,6 +66,7 @@ class AsyncRollout:
         self.resumed = counters.get("partial_resumed", 0)  # partial responses continued (cumulative)
         self.stale_requeued = counters.get("stale_requeued", 0)
         self.stale_discarded = counters.get("stale_discarded", 0)
+        self.stale_lens: list[int] = []
         self.hold = False
         self.closed = False
         self.error: BaseException | None = None
@@ -74,13 +81,15 @@ class AsyncRollout:
         out: list[Group] = []
         with self.cv:
             while len(out) < self.batch:
-                while not self.ready:
+                g = self._pick(version, self.batch - len(out))
+                if g is None:
                     self._raise_if_failed()
                     self.cv.wait(0.5)
-                g = min(self.ready, key=lambda x: self.seq[id(x)])  # oldest admitted first
+                    continue
                 self.ready.remove(g)
-                if version - oldest_version(g) > self.eta:
+                if versions_behind(g, version) > self.eta:
                     self.mgr.drop_stale(1)
+                    self.stale_lens += [len(t.response_ids) for t in g.trajectories]
                     if self.stale == "requeue":
                         self.stale_requeued += 1
                         self.waiting.appendleft(self.new_groups([g.prompt])[0])  # same prompt, empty responses
@@ -93,6 +102,24 @@ class AsyncRollout:
             out.sort(key=lambda x: self.seq.pop(id(x)))
             generated, self.generated = self.generated, 0
         return out, generated
+
+    def _pick(self, version: int, slots: int) -> Group | None:
+        """The next group for the batch being filled at ``version``, or None to wait.
+
+        A group at its deadline (η versions behind: it cannot wait for the next batch) goes first.
+        Otherwise the oldest-admitted ready group, but only while the batch keeps a slot for every
+        group still generating that is at its deadline: without that, short groups admitted later
+        overtake a long one until it is too stale to train, and the trainer sees a sample biased
+        towards short responses (the staleness-requeue survivor bias)."""
+        def due(g: Group) -> bool:
+            return oldest_version(g) is not None and versions_behind(g, version) >= self.eta
+
+        ready = sorted(self.ready, key=lambda x: self.seq[id(x)])
+        for g in ready:
+            if due(g):
+                return g
+        waiting_for = sum(due(g) for g in self.running.values())
+        return ready[0] if ready and slots > waiting_for else None
 
     def publish(self, load: Callable[[], None], version: int) -> None:
         """Put weights ``version`` into the engine (``load``) and raise the capacity. With partial
@@ -132,7 +159,8 @@ class AsyncRollout:
 
     def metrics(self) -> dict:
         return {"stale_requeued_total": self.stale_requeued, "stale_discarded_total": self.stale_discarded,
-                "partial_resumed_total": self.resumed, "groups_in_flight": len(self.running)}
+                "partial_resumed_total": self.resumed, "groups_in_flight": len(self.running),
+                "stale_len_mean": sum(self.stale_lens) / max(1, len(self.stale_lens))}
 
     def counters(self) -> dict:
         """Cumulative counts for the checkpoint (the manager's own are rebuilt from the version)."""
@@ -149,6 +177,8 @@ class AsyncRollout:
 
     # -- rollout thread ----------------------------------------------------------------------
     def _raise_if_failed(self) -> None:
+        if isinstance(self.error, EngineError):  # the engine's own message names the cause
+            raise EngineError(str(self.error)) from self.error
         if self.error is not None:
             raise RuntimeError(f"rollout thread failed: {self.error!r}") from self.error
 

@@ -41,6 +41,9 @@ class RunState:
     partial_buffer: list = field(default_factory=list)  # PartialBuffer.state_dict(): carried groups
     partial_resumed: int = 0  # cumulative groups continued from the buffer
     staleness: dict = field(default_factory=dict)  # async mode: cumulative resumed/requeued/discarded counts
+    groups_made: int = 0  # groups created so far: their ids stay unique across resumes
+    config: dict = field(default_factory=dict)  # the resolved config the run was started with
+    data_fingerprint: str = ""  # of the training prompts: a resume must see the same data
 
     def advance(self, batch_size: int, reward_stats, wall_seconds: float) -> None:
         """One step done: the policy version moves with the step (one publish per step in sync mode)."""
@@ -131,11 +134,19 @@ class CheckpointWriter:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.exists():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if (path / "state.json").exists() else None
+    """The newest complete checkpoint. A checkpoint folder only gets its ``step_*`` name by an
+    atomic rename once every file is written, so any such folder is complete; ``latest`` is a
+    pointer for people and is not trusted here (a kill can fall between the rename and it)."""
+    done = [p for p in (run_dir / "checkpoints").glob("step_*") if (p / "state.json").exists()]
+    return max(done, key=lambda p: p.name) if done else None
+
+
+def remove_incomplete(run_dir: Path) -> list[Path]:
+    """Delete checkpoint folders a kill left half-written (``.tmp-step_*``); returns them."""
+    tmp = sorted((run_dir / "checkpoints").glob(".tmp-*"))
+    for p in tmp:
+        shutil.rmtree(p, ignore_errors=True)
+    return tmp
 
 
 def load_run_state(ckpt: Path) -> tuple[RunState, dict]:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -14,14 +15,8 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from relayrl.async_rollout import oldest_version
-from relayrl.checkpoint import (
-    CheckpointWriter,
-    RunState,
-    latest_checkpoint,
-    load_run_state,
-    restore_rng,
-)
+from relayrl.async_rollout import versions_behind
+from relayrl.checkpoint import CheckpointWriter, RunState, restore_rng
 from relayrl.config import Config, dump_config
 from relayrl.data import PromptSampler, load_prompts
 from relayrl.engine import make_engine
@@ -30,6 +25,7 @@ from relayrl.evaluation import evaluate
 from relayrl.models import load_policy, load_tokenizer, resolve_model_path
 from relayrl.partial import PartialBuffer
 from relayrl.records import Group, SamplingParams, group_to_dict
+from relayrl.resume import ResumeError, check_compatible, data_fingerprint, prepare_run_dir, start_state
 from relayrl.rewards import RewardRunner
 from relayrl.rollout import group_advantages, score_groups
 from relayrl.sources import SOURCES, flatten
@@ -38,8 +34,7 @@ from relayrl.tracking import MetricsLog, ProgressBar, Timers
 from relayrl.trainer import Trainer, build_batch
 
 
-class ResumeError(RuntimeError):
-    pass
+__all__ = ["ResumeError", "evaluate_only", "train"]
 
 
 @dataclass
@@ -67,45 +62,47 @@ def placement(cfg: Config) -> tuple[bool, int, int]:
     return own, engine, cfg.run.threads or max(1, cores - engine)
 
 
-def build(cfg: Config, state: RunState, ckpt: Path | None, log) -> Components:
-    """Everything the loop needs; from checkpoint ``ckpt`` when resuming."""
-    own_process, engine_threads, trainer_threads = placement(cfg)
-    torch.set_num_threads(trainer_threads)
-    torch.manual_seed(cfg.run.seed)
+def load_data(cfg: Config) -> tuple[list, list | None]:
+    """Training and held-out prompts (``DataError`` naming file and row on bad input)."""
     d = cfg.data
     fields = dict(prompt_field=d.prompt_field, answer_field=d.answer_field, id_field=d.id_field,
                   metadata_fields=d.metadata_fields, system_prompt=cfg.model.system_prompt)
     prompts = load_prompts(d.path, **fields)
     eval_prompts = load_prompts(d.eval_path, limit=cfg.eval.size, **fields) if d.eval_path else None
-    reward = RewardRunner(cfg.reward.fn, cfg.reward.timeout_s)
-    reward.stats.failures, reward.stats.timeouts = state.reward_failures, state.reward_timeouts
+    return prompts, eval_prompts
+
+
+def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> Components:
+    """Everything the loop needs; from checkpoint ``ckpt`` when resuming. What was started is
+    closed again if a later part fails (a bad model path must not leave an engine process)."""
+    own_process, engine_threads, trainer_threads = placement(cfg)
+    torch.set_num_threads(trainer_threads)
+    torch.manual_seed(cfg.run.seed)
+    prompts, eval_prompts = data
     base = resolve_model_path(cfg.model.path, log=log)
     weights = str(ckpt) if ckpt else base
     tok_path = resolve_model_path(cfg.model.tokenizer, log=log) if cfg.model.tokenizer else base
     tokenizer = load_tokenizer(tok_path)
     policy = load_policy(weights, cfg.model.dtype)
-    if own_process:  # seeded per resume point, so a resumed run does not repeat its samples
-        engine = ProcessEngine(cfg.rollout, weights, tok_path, cfg.model.dtype, policy.state_dict(), state.version,
-                               engine_threads, seed=cfg.run.seed * 1_000_003 + state.step)
-    else:
-        engine = make_engine(cfg.rollout, load_policy(weights, cfg.model.dtype), tokenizer, version=state.version)
     ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 else None
+    with contextlib.ExitStack() as undo:
+        reward = RewardRunner(cfg.reward.fn, cfg.reward.timeout_s)
+        undo.callback(reward.close)
+        reward.stats.failures, reward.stats.timeouts = state.reward_failures, state.reward_timeouts
+        if own_process:  # seeded per resume point, so a resumed run does not repeat its samples
+            engine = ProcessEngine(cfg.rollout, weights, tok_path, cfg.model.dtype, policy.state_dict(),
+                                   state.version, engine_threads, seed=cfg.run.seed * 1_000_003 + state.step)
+        else:
+            engine = make_engine(cfg.rollout, load_policy(weights, cfg.model.dtype), tokenizer, version=state.version)
+        undo.pop_all()
     r = cfg.rollout
     trainer = Trainer(policy, cfg.trainer, cfg.algo, r.temperature, cfg.run.steps,
-                      cfg.algo.norm_len or r.max_new_tokens, ref_model=ref)
-    sampler = PromptSampler(prompts, cfg.run.seed, d.shuffle, state.sampler)
+                      cfg.algo.norm_len or r.max_new_tokens, ref_model=ref, top_p=r.top_p, top_k=r.top_k)
+    sampler = PromptSampler(prompts, cfg.run.seed, cfg.data.shuffle, state.sampler)
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
     buffer = PartialBuffer()
     buffer.load_state_dict(state.partial_buffer)
     return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params, buffer)
-
-
-def load_resume_state(cfg: Config) -> tuple[RunState, dict, Path]:
-    ckpt = latest_checkpoint(cfg.run_dir)
-    if ckpt is None:
-        raise ResumeError(f"--resume: no checkpoint under {cfg.run_dir / 'checkpoints'}")
-    state, trainer_state = load_run_state(ckpt)
-    return state, trainer_state, ckpt
 
 
 def step_metrics(groups: list[Group], generated: int, step_seconds: float, state: RunState) -> dict:
@@ -113,7 +110,7 @@ def step_metrics(groups: list[Group], generated: int, step_seconds: float, state
     rewards = torch.tensor([t.reward for t in trajs])
     lens = [len(t.response_ids) for t in trajs]
     trained_at = state.version - 1  # called after the step advanced the version
-    stale = [trained_at - oldest_version(g) for g in groups]
+    stale = [versions_behind(g, trained_at) for g in groups]
     return {
         "reward_mean": rewards.mean().item(),
         "reward_std": rewards.std().item() if len(trajs) > 1 else 0.0,
@@ -136,18 +133,32 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
     console = console or Console()
     log = console.print
     run_dir = cfg.run_dir
-    if not resume and (run_dir / "checkpoints").exists():
-        raise ResumeError(f"{run_dir} already has checkpoints: pass --resume, or choose another run.name")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    # everything that can be wrong with the input is found before the run directory is touched
+    state, trainer_state, ckpt = start_state(cfg, resume, log)
+    data = load_data(cfg)
+    fingerprint = data_fingerprint(data[0])
+    if ckpt:
+        check_compatible(state.config, cfg, state.data_fingerprint, fingerprint, ckpt)
+    else:
+        state.config, state.data_fingerprint = cfg.model_dump(mode="json"), fingerprint
+    c = build(cfg, state, ckpt, data, log)
+    try:
+        return _train(cfg, c, state, trainer_state, ckpt, log, console)
+    finally:
+        c.engine.close()
+        c.reward.close()
+
+
+def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log, console) -> dict:
+    run_dir = cfg.run_dir
+    prepare_run_dir(run_dir, fresh=ckpt is None)
     dump_config(cfg, run_dir / "config.yaml")
-    state, trainer_state, ckpt = load_resume_state(cfg) if resume else (RunState(), None, None)
-    c = build(cfg, state, ckpt, log)
     if ckpt:
         c.trainer.load_state_dict(trainer_state)
         restore_rng(trainer_state)
         log(f"resumed from {ckpt} (step {state.step}, {state.samples} samples)")
-    metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=state.step if resume else None)
-    trained_log = MetricsLog(run_dir / "trained_prompts.jsonl", resume_step=state.step if resume else None)
+    metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=state.step)
+    trained_log = MetricsLog(run_dir / "trained_prompts.jsonl", resume_step=state.step)
     if state.eval_before is None and c.eval_prompts:
         state.eval_before = evaluate(c.engine, c.tokenizer, c.eval_prompts, c.reward, cfg)
         log(f"eval before: {fmt_eval(state.eval_before)}")
@@ -191,8 +202,6 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
         writer.wait()
         metrics.close()
         trained_log.close()
-        c.engine.close()
-        c.reward.close()
 
 
 def record_step(cfg: Config, c: Components, state: RunState, groups, generated: int, train_metrics: dict,

@@ -15,11 +15,17 @@ from pathlib import Path
 
 
 class Timeline:
-    def __init__(self, max_intervals: int = 20000):
+    """Memory stays bounded without losing recent intervals: an interval that starts within
+    ``join_gap`` of the same lane's last one extends it (the async engine lane arrives in 0.1 s
+    pieces), and past ``max_intervals`` the oldest half is coarsened (neighbours less than a
+    second apart merged). Recent intervals, which the per-step idle fractions read, stay exact."""
+
+    def __init__(self, max_intervals: int = 20000, join_gap: float = 1e-3):
         self.t0 = time.perf_counter()
         self.intervals: list[tuple[str, float, float]] = []
+        self._last: dict[str, int] = {}  # lane -> index of its latest interval
         self._lock = threading.Lock()
-        self.max_intervals = max_intervals
+        self.max_intervals, self.join_gap = max_intervals, join_gap
 
     @contextlib.contextmanager
     def busy(self, lane: str):
@@ -27,15 +33,30 @@ class Timeline:
         try:
             yield
         finally:
-            with self._lock:
-                if len(self.intervals) < self.max_intervals:
-                    self.intervals.append((lane, start - self.t0, time.perf_counter() - self.t0))
+            self.record(lane, start - self.t0, time.perf_counter() - self.t0)
 
     def record(self, lane: str, start: float, end: float) -> None:
         """An interval measured by the caller (seconds since ``t0``, as ``now`` gives)."""
         with self._lock:
-            if len(self.intervals) < self.max_intervals:
-                self.intervals.append((lane, start, end))
+            i = self._last.get(lane)
+            if i is not None and 0 <= start - self.intervals[i][2] <= self.join_gap:
+                self.intervals[i] = (lane, self.intervals[i][1], max(end, self.intervals[i][2]))
+                return
+            self._last[lane] = len(self.intervals)
+            self.intervals.append((lane, start, end))
+            if len(self.intervals) > self.max_intervals:
+                self._coarsen()
+
+    def _coarsen(self) -> None:
+        half = len(self.intervals) // 2
+        old, merged = sorted(self.intervals[:half], key=lambda x: (x[0], x[1])), []
+        for lane, s, e in old:
+            if merged and merged[-1][0] == lane and s - merged[-1][2] < 1.0:
+                merged[-1] = (lane, merged[-1][1], max(e, merged[-1][2]))
+            else:
+                merged.append((lane, s, e))
+        self.intervals = merged + self.intervals[half:]
+        self._last = {ln: i for i, (ln, _, _) in enumerate(self.intervals)}
 
     def busy_seconds(self, lane: str) -> float:
         with self._lock:

@@ -38,12 +38,14 @@ class Timers:
 
 
 class MetricsLog:
-    """Appends one JSON object per step to ``metrics.jsonl``; on resume, drops lines past the checkpoint."""
+    """Appends one JSON object per step to ``metrics.jsonl``; on resume, drops lines past the
+    checkpoint (and a last line a kill cut in half), so every step is logged exactly once."""
 
     def __init__(self, path: Path, resume_step: int | None = None):
         self.path = path
         if resume_step is not None and path.exists():
-            kept = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            kept = [ln for ln in path.read_text().splitlines() if _step_of(ln) is not None
+                    and _step_of(ln) <= resume_step]
             path.write_text("".join(ln + "\n" for ln in kept))
         self.f = path.open("a")
 
@@ -53,6 +55,13 @@ class MetricsLog:
 
     def close(self) -> None:
         self.f.close()
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class ProgressBar:

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from relayrl.algos import ADVANTAGES, AGGREGATIONS, POLICY_LOSSES, kl_penalty, lookup
-from relayrl.algos.offpolicy import decoupled_ppo, ess_lr_scale, m2po, tis_weights
+from relayrl.algos.offpolicy import decoupled_ppo, ess_lr_scale, m2po, m2po_mask, tis_weights
 from relayrl.config import AlgoCfg, TrainerCfg
 from relayrl.faults import fault_point
-from relayrl.models import entropy_from_logits, token_logprobs
+from relayrl.models import entropy_from_logits
 from relayrl.records import Trajectory
+from relayrl.sampling import sampled_logprobs
 
 
 @dataclass
@@ -86,6 +87,12 @@ def micro_batches(batch: TrainBatch, token_budget: int) -> list[list[int]]:
     return groups
 
 
+def _mismatch(logp: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
+    """(sum, max, count) of |log π_trainer − log π_engine| over the tokens in ``mask``."""
+    diff = (logp - behav).abs() * mask
+    return diff.sum().item(), diff.max().item() if diff.numel() else 0.0, mask.sum().item()
+
+
 def lr_lambda(cfg: TrainerCfg, total_steps: int):
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -100,9 +107,13 @@ def lr_lambda(cfg: TrainerCfg, total_steps: int):
 
 class Trainer:
     def __init__(self, model, tcfg: TrainerCfg, acfg: AlgoCfg, temperature: float, total_steps: int, norm_len: int,
-                 ref_model=None):
+                 ref_model=None, top_p: float = 1.0, top_k: int = 0, mismatch_rows: int = 16):
         self.model, self.tcfg, self.acfg = model, tcfg, acfg
         self.temperature, self.norm_len = temperature, norm_len
+        self.top_p, self.top_k = top_p, top_k  # the engine's truncation, reproduced (sampling.py)
+        # the weights of one version ago, to measure the engine-trainer mismatch on tokens they sampled
+        self.mismatch_rows = mismatch_rows
+        self._prev: tuple[int, dict] | None = None
         self.opt = torch.optim.AdamW(
             model.parameters(), lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay
         )
@@ -115,28 +126,38 @@ class Trainer:
         self.adv_fn = lookup(ADVANTAGES, acfg.advantage, "advantage estimator")
 
     # -- forward helpers -------------------------------------------------------------------
-    def _logits(self, model, mb: TrainBatch) -> torch.Tensor:
-        return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1]
+    def _logits(self, model, mb: TrainBatch, params: dict | None = None) -> torch.Tensor:
+        kw = dict(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+        if params is not None:  # the same module with other weights
+            return torch.func.functional_call(model, params, (), kw).logits[:, :-1]
+        return model(**kw).logits[:, :-1]
+
+    def _logp(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """log π of the targets under the distribution the engine samples from (T, top-k, top-p)."""
+        return sampled_logprobs(logits, targets, self.temperature, self.top_k, self.top_p)
 
     @torch.no_grad()
-    def logprobs(self, batch: TrainBatch, model=None) -> torch.Tensor:
-        """Per-token log-probs [N, L-1] of ``batch`` under ``model`` (default: the policy), no grad."""
+    def logprobs(self, batch: TrainBatch, model=None, params: dict | None = None) -> torch.Tensor:
+        """Per-token log-probs [N, L-1] of ``batch`` under ``model`` (default: the policy, with
+        ``params`` instead of its own weights if given), no grad."""
         model = model or self.model
         out = torch.zeros_like(batch.behav_logp)
         for idx in micro_batches(batch, self.tcfg.micro_batch_tokens):
             mb = batch.select(idx)
-            lp = token_logprobs(self._logits(model, mb), mb.input_ids[:, 1:], self.temperature)
+            lp = self._logp(self._logits(model, mb, params), mb.input_ids[:, 1:])
             out[torch.tensor(idx), : lp.shape[1]] = lp
         return out * batch.loss_mask
 
     # -- one optimiser step ----------------------------------------------------------------
     def accumulate(self, batch: TrainBatch, old_logp, ref_logp, num_tokens: float, num_seqs: float,
-                   version: int | None = None) -> dict:
+                   version: int | None = None, m2po_keep: torch.Tensor | None = None) -> dict:
         """Forward/backward over micro-batches of ``batch``; loss normalised by the global counts given.
 
         Tokens sampled by an older policy than ``version`` (continued partial rollouts) are
         trained with decoupled PPO: the trust region around π_old (the proximal policy) and an
-        importance weight π_old/π_behav, bounded (algorithms.md §2)."""
+        importance weight π_old/π_behav, bounded (algorithms.md §2). Every term depends only on
+        its own token (and M2PO's mask, ``m2po_keep``, is computed over the whole batch), so the
+        gradient does not depend on how rows are split into micro-batches."""
         sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "mismatch_sum": 0.0, "mismatch_max": 0.0,
                 "mismatch_tokens": 0.0, "seq_log_w": torch.zeros(batch.size)}
         a = self.acfg
@@ -146,7 +167,7 @@ class Trainer:
             L = mb.loss_mask.shape[1]
             fault_point("train")
             logits = self._logits(self.model, mb)
-            logp = token_logprobs(logits, mb.input_ids[:, 1:], self.temperature)
+            logp = self._logp(logits, mb.input_ids[:, 1:])
             adv = mb.advantages[:, None].expand_as(logp)
             # on-policy single update: π_old is the current policy, so this forward gives it for free
             old = logp.detach() if old_logp is None else old_logp[t, :L]
@@ -159,7 +180,8 @@ class Trainer:
                 sums["mismatch_max"] = max(sums["mismatch_max"], diff.max().item())
                 # log importance weight π_old/π_behav of each sequence, for the effective sample size
                 sums["seq_log_w"][t] = ((old.detach() - mb.behav_logp) * mb.loss_mask).sum(1)
-            per_tok, m = self._policy_loss(logp, old, mb, adv, stale is not None and bool(stale.any()))
+            keep = None if m2po_keep is None else m2po_keep[t, :L]
+            per_tok, m = self._policy_loss(logp, old, mb, adv, stale, keep)
             agg = lambda x: self.agg_fn(x, mb.loss_mask, num_tokens, num_seqs, self.norm_len)  # noqa: E731
             loss = agg(per_tok)
             if ref_logp is not None:
@@ -179,38 +201,34 @@ class Trainer:
             sums["clip_frac"] += float(m.get("clip_frac", 0.0)) * share
         return sums
 
-    def _policy_loss(self, logp, old, mb: TrainBatch, adv, has_stale: bool):
-        """Per-token policy loss under ``algo.offpolicy`` (algos/offpolicy.py holds the math). M2PO's
-        second-moment budget applies per micro-batch here, so unlike the others its gradient depends
-        on how the batch is split."""
+    def _policy_loss(self, logp, old, mb: TrainBatch, adv, stale, m2po_keep):
+        """Per-token policy loss under ``algo.offpolicy`` (algos/offpolicy.py holds the math)."""
         a = self.acfg
         clip = (a.clip_low, a.clip_high, a.dual_clip)
         if a.offpolicy == "tis":  # every token: truncated π_old/π_behav times the PPO term
             w, _ = tis_weights(old, mb.behav_logp, mb.loss_mask, a.tis_cap, a.tis_level)
             per_tok, m = self.loss_fn(logp, old, adv, mb.loss_mask, *clip)
             return per_tok * w, m
-        if not has_stale or a.offpolicy == "none":
-            return self.loss_fn(logp, old, adv, mb.loss_mask, *clip)
         if a.offpolicy == "m2po":
-            return m2po(logp, mb.behav_logp, adv, mb.loss_mask, a.m2po_tau)
-        return decoupled_ppo(logp, old, mb.behav_logp, adv, mb.loss_mask, *clip)
+            return m2po(logp, mb.behav_logp, adv, mb.loss_mask, a.m2po_tau, keep=m2po_keep)
+        if a.offpolicy == "none" or stale is None:
+            return self.loss_fn(logp, old, adv, mb.loss_mask, *clip)
+        return decoupled_ppo(logp, old, mb.behav_logp, adv, mb.loss_mask, *clip, offpolicy=stale)
 
     def step(self, batch: TrainBatch, version: int | None = None) -> dict:
         """π_old (and π_ref) log-probs, then ``updates_per_step`` optimiser steps over mini-batches.
 
         With one update per batch of on-policy data, π_old equals the current policy: it is taken
         from the training forward itself (detached) instead of a separate recompute pass (as verl
-        does), which saves a third of the training compute. With several updates π_old is
-        recomputed first, so later mini-batches see a real ratio."""
+        does), which saves a third of the training compute. With several updates (or M2PO, whose
+        mask needs the whole batch first) π_old is recomputed first."""
         self.model.train()
         single = self.tcfg.updates_per_step == 1
-        old_logp = None if single else self.logprobs(batch)
+        old_logp = self.logprobs(batch) if not single or self.acfg.offpolicy == "m2po" else None
         ref_logp = self.logprobs(batch, self.ref) if self.ref is not None else None
-        metrics = {}
-        if not single:
-            diff = (old_logp - batch.behav_logp)[batch.loss_mask.bool()].abs()
-            metrics = {"logprob_mismatch_mean": diff.mean().item() if diff.numel() else 0.0,
-                       "logprob_mismatch_max": diff.max().item() if diff.numel() else 0.0}
+        fresh = batch.loss_mask if version is None else batch.loss_mask * (batch.versions >= version)
+        mismatch = [_mismatch(old_logp, batch.behav_logp, fresh)] if old_logp is not None else []
+        mismatch.append(self._previous_version_mismatch(batch, version))
         perm = torch.randperm(batch.size).tolist()
         chunks = [perm[i :: self.tcfg.updates_per_step] for i in range(self.tcfg.updates_per_step)]
         totals: dict[str, float] = {}
@@ -218,14 +236,16 @@ class Trainer:
             mini = batch.select(chunk)
             self.opt.zero_grad(set_to_none=True)
             t = torch.tensor(chunk)
-            n_tok = mini.loss_mask.sum().item()
+            keep = None
+            if self.acfg.offpolicy == "m2po":  # one mask over the optimiser batch (not per micro-batch)
+                log_r = (old_logp[t][:, : mini.loss_mask.shape[1]] - mini.behav_logp) * mini.loss_mask
+                keep = m2po_mask(log_r, mini.advantages[:, None].expand_as(log_r), mini.loss_mask, self.acfg.m2po_tau)
             sums = self.accumulate(
-                mini, None if single else old_logp[t], None if ref_logp is None else ref_logp[t], n_tok,
-                float(mini.size), version,
+                mini, None if single else old_logp[t], None if ref_logp is None else ref_logp[t],
+                mini.loss_mask.sum().item(), float(mini.size), version, m2po_keep=keep,
             )
-            if single:
-                metrics = {"logprob_mismatch_mean": sums["mismatch_sum"] / max(sums["mismatch_tokens"], 1.0),
-                           "logprob_mismatch_max": sums["mismatch_max"]}
+            if old_logp is None:  # measured in the training forward
+                mismatch.append((sums["mismatch_sum"], sums["mismatch_max"], sums["mismatch_tokens"]))
             scale, ess = ess_lr_scale(sums.pop("seq_log_w"))
             sums["ess_frac"] = (ess / mini.size).item()
             del sums["mismatch_sum"], sums["mismatch_max"], sums["mismatch_tokens"]
@@ -240,7 +260,30 @@ class Trainer:
             for k, v in sums.items():
                 totals[k] = totals.get(k, 0.0) + v / len(chunks)
         self.model.eval()
-        return {**metrics, **totals}
+        n = sum(x[2] for x in mismatch)
+        return {"logprob_mismatch_mean": sum(x[0] for x in mismatch) / n if n else None,  # None: nothing checkable
+                "logprob_mismatch_max": max(x[1] for x in mismatch) if n else None,
+                "logprob_mismatch_tokens": int(n), **totals}
+
+    @torch.no_grad()
+    def _previous_version_mismatch(self, batch: TrainBatch, version: int | None) -> tuple[float, float, float]:
+        """Engine-trainer mismatch on tokens sampled one version ago (all of them in periodic mode,
+        most in async), under the weights of that version, kept from the previous step: up to
+        ``mismatch_rows`` rows, so it costs a small forward pass. Then remembers this version's
+        weights for the next step."""
+        out = (0.0, 0.0, 0.0)
+        if version is None or not self.mismatch_rows:
+            return out
+        if self._prev is not None and self._prev[0] == version - 1:
+            sel = batch.loss_mask * (batch.versions == version - 1)
+            rows = torch.nonzero(sel.sum(1) > 0).flatten()[: self.mismatch_rows].tolist()
+            if rows:
+                sub = batch.select(rows)
+                lp = self.logprobs(sub, params=self._prev[1])
+                out = _mismatch(lp, sub.behav_logp, sel[torch.tensor(rows), : lp.shape[1]])
+        if bool(((batch.versions < version) & batch.loss_mask.bool()).any()):  # a mode with stale tokens
+            self._prev = (version, {k: p.detach().clone() for k, p in self.model.named_parameters()})
+        return out
 
     def state_dict(self) -> dict:
         return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}

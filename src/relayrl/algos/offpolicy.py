@@ -39,14 +39,19 @@ def decoupled_ppo(
     w_max: float = 5.0,
     w_min: float | None = None,
     w_mode: str = "mask",
+    offpolicy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Decoupled PPO (AReaL): ℓ_t = w_t · PPO-clip(u_t, A), u = π_θ/π_prox, w = π_prox/π_behav (detached).
 
     The trust region is around π_prox, not the stale behaviour policy; w corrects for sampling
     from π_behav. Tokens with w outside [w_min, w_max] are dropped (``w_mode='mask'``) or their
-    weight is clamped into the range (``'clamp'``).
+    weight is clamped into the range (``'clamp'``). ``offpolicy`` (bool, optional) limits the
+    correction to those tokens: the others (sampled by the current policy) get w = 1, so each
+    token's term depends on that token alone, never on which other rows share its micro-batch.
     """
     w = torch.exp((prox_logp - behav_logp).clamp(-LOG_CLAMP, LOG_CLAMP)).detach()
+    if offpolicy is not None:
+        w = torch.where(offpolicy, w, torch.ones_like(w))
     lo = 0.0 if w_min is None else w_min
     if w_mode == "mask":
         keep = ((w <= w_max) & (w >= lo)).to(logp.dtype)
@@ -98,30 +103,41 @@ def tis_weights(
     return w.detach(), metrics
 
 
-def m2po(logp: Tensor, behav_logp: Tensor, adv: Tensor, mask: Tensor, tau: float = 0.04) -> tuple[Tensor, dict]:
+def m2po(logp: Tensor, behav_logp: Tensor, adv: Tensor, mask: Tensor, tau: float = 0.04,
+         keep: Tensor | None = None) -> tuple[Tensor, dict]:
     """M2PO (second-moment trust region): ℓ_t = −M_t · r_t · A_t with r = π_θ/π_behav, no ε-clip.
 
-    Among "trust-region" tokens (A > 0 and r > 1, or A < 0 and r < 1) the one with the largest
-    (log r)² is masked, repeatedly, until the mean (log r)² over the remaining trained tokens of
-    the batch is ≤ τ. Aggregate with the original mask (divide by all tokens).
+    M is ``m2po_mask`` over the tensors given, or ``keep`` when the caller computed it over a
+    larger batch (the trainer does, over the whole optimiser batch, so the mask does not depend
+    on the micro-batch split). Aggregate with the original mask (divide by all tokens).
     """
     log_r = (logp - behav_logp).clamp(-LOG_CLAMP, LOG_CLAMP)
-    with torch.no_grad():
-        sq = (log_r.detach() ** 2) * mask
-        valid = mask.bool()
-        cand = valid & (((adv > 0) & (log_r > 0)) | ((adv < 0) & (log_r < 0)))
-        n, total = mask.sum(), sq.sum()
-        order = torch.argsort(sq[cand], descending=True)
-        removed = torch.cat([sq.new_zeros(1), torch.cumsum(sq[cand][order], 0)])  # removing the k largest
-        k = torch.arange(removed.numel(), dtype=sq.dtype)
-        ok = (total - removed) <= tau * (n - k).clamp(min=1)
-        n_drop = int(torch.nonzero(ok)[0]) if ok.any() else removed.numel() - 1
-        keep = mask.clone()
-        cand_idx = torch.nonzero(cand, as_tuple=False)[order[:n_drop]]
-        keep[cand_idx[:, 0], cand_idx[:, 1]] = 0
+    if keep is None:
+        keep = m2po_mask(log_r.detach(), adv, mask, tau)
+    sq = (log_r.detach() ** 2) * mask
     loss = -keep * torch.exp(log_r) * adv
     nn = mask.sum().clamp(min=1)
     return loss, {"m2po_masked_frac": (mask - keep).sum() / nn, "m2po_m2": (sq * keep).sum() / keep.sum().clamp(min=1)}
+
+
+@torch.no_grad()
+def m2po_mask(log_r: Tensor, adv: Tensor, mask: Tensor, tau: float = 0.04) -> Tensor:
+    """M2PO's token mask: among "trust-region" tokens (A > 0 and r > 1, or A < 0 and r < 1) the
+    one with the largest (log r)² is masked, repeatedly, until the mean (log r)² over the
+    remaining trained tokens is ≤ τ."""
+    sq = (log_r ** 2) * mask
+    valid = mask.bool()
+    cand = valid & (((adv > 0) & (log_r > 0)) | ((adv < 0) & (log_r < 0)))
+    n, total = mask.sum(), sq.sum()
+    order = torch.argsort(sq[cand], descending=True)
+    removed = torch.cat([sq.new_zeros(1), torch.cumsum(sq[cand][order], 0)])  # removing the k largest
+    k = torch.arange(removed.numel(), dtype=sq.dtype)
+    ok = (total - removed) <= tau * (n - k).clamp(min=1)
+    n_drop = int(torch.nonzero(ok)[0]) if ok.any() else removed.numel() - 1
+    keep = mask.clone()
+    cand_idx = torch.nonzero(cand, as_tuple=False)[order[:n_drop]]
+    keep[cand_idx[:, 0], cand_idx[:, 1]] = 0
+    return keep
 
 
 def ess_lr_scale(seq_log_w: Tensor, rho_base: float = 1.0) -> tuple[Tensor, Tensor]:

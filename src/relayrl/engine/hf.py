@@ -21,33 +21,11 @@ from collections import deque
 from typing import Iterable
 
 import torch
-from transformers import DynamicCache, LogitsProcessor
-from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+from transformers import DynamicCache
 
 from relayrl.engine.base import Engine, EngineError, copy_weights
-from relayrl.records import Completion, FinishReason, GenRequest, SamplingParams
-
-
-class _SampleTransform(LogitsProcessor):
-    """Temperature / top-k / top-p, then keeps log_softmax of the final scores (what is sampled from)."""
-
-    def __init__(self, p: SamplingParams):
-        self.t = p.temperature
-        self.warpers = []
-        if p.top_k:
-            self.warpers.append(TopKLogitsWarper(p.top_k))
-        if p.top_p < 1.0:
-            self.warpers.append(TopPLogitsWarper(p.top_p))
-        self.logprobs: torch.Tensor | None = None
-
-    def __call__(self, input_ids, scores):
-        scores = scores.float()
-        if self.t > 0:
-            scores = scores / self.t
-        for w in self.warpers:
-            scores = w(input_ids, scores)
-        self.logprobs = torch.log_softmax(scores, dim=-1)
-        return scores
+from relayrl.records import Completion, FinishReason, GenRequest
+from relayrl.sampling import sampling_scores
 
 
 class _Row:
@@ -303,19 +281,18 @@ class HFEngine(Engine):
         ids = torch.tensor([[self.pad_id] * (n - len(c)) + c for c in ctx])
         att = torch.tensor([[0] * (n - len(c)) + [1] * len(c) for c in ctx])
         pos = (att.cumsum(-1) - 1).clamp(min=0)
-        params = live[0].req.params
-        transform = _SampleTransform(params)
+        p = live[0].req.params
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=ids, attention_mask=att, position_ids=pos, past_key_values=cache,
                             use_cache=True).logits[:, -1, :]
         pos = pos[:, -1]
         while True:
-            scores = transform(None, logits)
-            if params.temperature > 0:
+            scores = sampling_scores(logits, p.temperature, p.top_k, p.top_p)  # the trainer reproduces this
+            if p.temperature > 0:
                 tok = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
             else:
                 tok = scores.argmax(-1)
-            lps = transform.logprobs.gather(1, tok[:, None]).squeeze(1)
+            lps = torch.log_softmax(scores, dim=-1).gather(1, tok[:, None]).squeeze(1)
             with self._cv:
                 self._record(live, tok.tolist(), lps.tolist())
             keep = [i for i, r in enumerate(live) if not r.done]

@@ -127,10 +127,12 @@ class HFContinuousEngine(Engine):
             self._apply(out)
 
     def _collect_loop(self) -> None:
+        # Taking an output and tagging it happen under one lock: a weight swap (which takes the
+        # lock after draining the manager) cannot fall between them and tag old tokens as new.
         while not self._closed:
-            out = self.mgr.get_result(timeout=0.05)
-            if out is not None:
-                with self._lock:
+            with self._lock:
+                out = self.mgr.get_result(timeout=0.005)
+                if out is not None:
                     self._apply(out)
 
     def get(self, timeout: float | None = None) -> list[Completion]:

@@ -18,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import signal
 import threading
+import time
 from typing import Iterable
 
 import torch
@@ -104,12 +106,24 @@ class ProcessEngine(Engine):
         self._lock = threading.Lock()
         self._expect("ready", start_timeout)
 
+    def _check_alive(self) -> None:
+        if not self._proc.is_alive():
+            code = self._proc.exitcode
+            how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+            raise EngineError(f"the engine process died ({how}); the last checkpoint is intact: fix the cause and "
+                              "continue with --resume")
+
     def _expect(self, what: str, timeout: float = 120.0):
-        try:
-            kind, arg = self._ack.get(timeout=timeout)
-        except queue.Empty:
-            raise EngineError(f"engine process: no '{what}' within {timeout:.0f}s (alive: {self._proc.is_alive()})") \
-                from None
+        """The next acknowledgement, checking twice a second that the child is still alive."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                kind, arg = self._ack.get(timeout=0.5)
+                break
+            except queue.Empty:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise EngineError(f"engine process: no '{what}' within {timeout:.0f}s") from None
         if kind == "error":
             raise EngineError(arg)
         if kind != what:
@@ -135,10 +149,10 @@ class ProcessEngine(Engine):
             try:
                 kind, arg = self._out.get(timeout=wait) if not items else self._out.get_nowait()
             except queue.Empty:
+                if not items:  # a dead child is found on every empty poll, with or without a timeout
+                    self._check_alive()
                 if items or timeout is not None or not self.num_pending():
                     break
-                if not self._proc.is_alive():
-                    raise EngineError(f"engine process died (exit code {self._proc.exitcode})") from None
                 continue
             if kind == "error":
                 raise EngineError(f"engine process failed: {arg}")

@@ -1,0 +1,94 @@
+"""Where a run starts: from scratch, or from its newest complete checkpoint (``--resume``).
+
+``--resume`` always works (verl's ``resume_mode=auto``): with a complete checkpoint the run
+continues from it; with none (killed before its first checkpoint finished) it starts cleanly
+from scratch. Half-written checkpoint folders are deleted, and a fresh start truncates the
+per-step logs a crashed attempt left, so step numbers never repeat.
+
+A checkpoint records the resolved config and a fingerprint of the training prompts. Resuming
+with a change that would break exact resume (another data order, other prompts, other
+tokens in the held groups, an optimiser setting the restored optimiser state would silently
+override) fails naming the field; everything else (``run.steps``, ``eval.*``, ``run.save_every``,
+the algorithm's knobs, ...) may change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from relayrl.checkpoint import RunState, latest_checkpoint, load_run_state, remove_incomplete
+from relayrl.config import Config
+from relayrl.records import Prompt
+
+
+class ResumeError(RuntimeError):
+    pass
+
+
+# field -> why changing it on resume breaks the run
+UNSAFE_ON_RESUME = {
+    "run.seed": "the data order and the sampling streams are seeded by it",
+    "data.shuffle": "the saved data cursor points into the shuffled order",
+    "data.prompt_format": "held groups were tokenized with it",
+    "model.path": "held groups were tokenized with its tokenizer (and a KL reference is built from it)",
+    "model.tokenizer": "held groups were tokenized with it",
+    "rollout.group_size": "held groups have that many responses",
+    "trainer.lr": "the optimiser state restored from the checkpoint would silently override it",
+    "trainer.betas": "the optimiser state restored from the checkpoint would silently override it",
+    "trainer.weight_decay": "the optimiser state restored from the checkpoint would silently override it",
+    "trainer.schedule": "the scheduler state restored from the checkpoint would silently override it",
+    "trainer.warmup_steps": "the scheduler state restored from the checkpoint would silently override it",
+}
+
+
+def data_fingerprint(prompts: list[Prompt]) -> str:
+    """sha256 of the prompts as the sampler sees them (ids, messages, answers, metadata, order)."""
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(json.dumps([p.id, p.messages, p.answer, p.metadata], sort_keys=True, default=str).encode())
+        h.update(b"\n")
+    return h.hexdigest()[:16]
+
+
+def _get(tree: dict, dotted: str):
+    sec, key = dotted.split(".")
+    return tree.get(sec, {}).get(key)
+
+
+def check_compatible(saved: dict, cfg: Config, saved_fp: str, fp: str, ckpt: Path) -> None:
+    now = cfg.model_dump(mode="json")
+    for field, why in UNSAFE_ON_RESUME.items():
+        if saved and _get(saved, field) != _get(now, field):
+            raise ResumeError(f"--resume from {ckpt}: {field} was {_get(saved, field)!r} and is now "
+                              f"{_get(now, field)!r}; {why}. Restore it, or start a new run (another run.name)")
+    if saved_fp and fp != saved_fp:
+        raise ResumeError(f"--resume from {ckpt}: the training data ({cfg.data.path}) is not what the run was "
+                          f"started with (fingerprint {fp} != {saved_fp}): the saved data cursor would repeat or "
+                          "skip prompts. Restore the data, or start a new run (another run.name)")
+
+
+def start_state(cfg: Config, resume: bool, log) -> tuple[RunState, dict | None, Path | None]:
+    """(state, trainer state, checkpoint) to start from; raises ResumeError for a plain re-run of
+    a run that has checkpoints. Reads only: nothing in the run directory changes here."""
+    ckpt = latest_checkpoint(cfg.run_dir)
+    if ckpt is None:
+        if resume:
+            log(f"--resume: no complete checkpoint under {cfg.run_dir / 'checkpoints'}: starting from scratch")
+        return RunState(), None, None
+    if not resume:
+        raise ResumeError(f"{cfg.run_dir} already has checkpoints (newest: {ckpt.name}): pass --resume to "
+                          "continue it, or choose another run.name")
+    state, trainer_state = load_run_state(ckpt)
+    return state, trainer_state, ckpt
+
+
+def prepare_run_dir(run_dir: Path, fresh: bool) -> None:
+    """Make the run directory ready: remove half-written checkpoints; on a fresh start, drop the
+    per-step logs and outputs of an earlier attempt that crashed before its first checkpoint."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    remove_incomplete(run_dir)
+    if fresh:
+        for name in ("metrics.jsonl", "trained_prompts.jsonl", "summary.json", "timeline.json", "timeline.png"):
+            (run_dir / name).unlink(missing_ok=True)
