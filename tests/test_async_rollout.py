@@ -89,3 +89,42 @@ def test_partial_responses_span_versions():
     batches, _, _, ro = run(2, True, "requeue", seed=1, steps=10, train_s=0.02, delay=0.002)
     mixed = [t for _, gs in batches for g in gs for t in g.trajectories if len(set(t.versions)) > 1]
     assert mixed and ro.resumed > 0
+
+
+def test_long_groups_are_not_overtaken_until_stale():
+    """Survivor bias: with oldest-ready-first batches, groups admitted later but finishing sooner
+    overtook a long group until it was more than η versions old; it was then regenerated (or
+    dropped), so long responses were trained less often than they were started. Groups at their
+    staleness deadline now go first (and a batch keeps room for those still generating)."""
+    requeued = 0
+    for seed in range(6):
+        _, _, _, ro = run(1, False, "requeue", seed, steps=25, n_prompts=40, train_s=0.004, delay=0.001)
+        requeued += ro.stale_requeued
+    assert requeued == 0
+
+
+def test_a_group_without_tokens_is_not_requeued_forever():
+    """A group whose responses all failed before their first token has no oldest version: it read
+    as version 0, hence stale for ever after version η, and was regenerated endlessly."""
+    import threading
+
+    from relayrl.records import Completion, FinishReason
+
+    class FailingEngine(FakeEngine):
+        def get(self, timeout=None):
+            with self.lock:
+                out = [Completion(rid, [], [], [], FinishReason.FAILED) for rid in self.live]
+                self.live.clear()
+            return out
+
+    prompts = [Prompt(f"p{i}", [{"role": "user", "content": str(i)}]) for i in range(4)]
+    sampler = PromptSampler(prompts, 0)
+    new = lambda ps: [Group(p, f"g{id(p)}{k}", [Trajectory(p, f"g{id(p)}{k}", i, [1]) for i in range(G)])  # noqa: E731
+                      for k, p in enumerate(ps)]
+    ro = AsyncRollout(FailingEngine(0), sampler.take, new, SamplingParams(10), B, 1, version=5)
+    got = []
+    t = threading.Thread(target=lambda: got.append(ro.next_batch(5)), daemon=True)
+    t.start()
+    t.join(10)
+    ro.close()
+    assert got and len(got[0][0]) == B and ro.stale_requeued == 0

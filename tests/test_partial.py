@@ -87,3 +87,17 @@ def test_generate_until_aborts_the_rest_once_enough_groups_complete(tiny):
         assert eng.num_pending() == 0
     finally:
         eng.close()
+
+
+def test_failed_responses_are_dropped_not_scored_or_trained():
+    """FAILED generations used to get a reward and a place in the batch."""
+    from relayrl.records import FinishReason, Group, Prompt, Trajectory
+    from relayrl.rollout import drop_failed
+
+    p = Prompt("p", [])
+    reasons = [FinishReason.STOP, FinishReason.FAILED, FinishReason.LENGTH]
+    g1 = Group(p, "a", [Trajectory(p, "a", i, [1], [5], [-1.0], [0], r) for i, r in enumerate(reasons)])
+    g2 = Group(p, "b", [Trajectory(p, "b", 0, [1], [], [], [], FinishReason.FAILED)])
+    kept, dropped = drop_failed([g1, g2])
+    assert dropped == 2 and [g.group_id for g in kept] == ["a"]
+    assert [t.finish_reason for t in kept[0].trajectories] == [FinishReason.STOP, FinishReason.LENGTH]

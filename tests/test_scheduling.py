@@ -73,3 +73,14 @@ def test_a_step_barrier_submits_longest_expected_first():
         assert eng.submitted[0].startswith(first), (schedule, eng.submitted)
         assert all(t.done for g in groups for t in g.trajectories)
     assert [s.rsplit("/", 1)[0] for s in eng.submitted[::2]] == ["g-short", "g-mid", "g-long"]  # srpt: shortest first
+
+
+def test_length_model_memory_is_bounded():
+    """Per-group statistics were never forgotten in sync/periodic mode: memory grew every step."""
+    from relayrl.scheduling import LengthModel
+
+    m = LengthModel(max_groups=100, max_prompts=50)
+    for i in range(10_000):
+        m.observe(f"p{i % 500}", f"g{i}", i % 90)
+    assert len(m.by_group) == 100 and len(m.by_prompt) == 50
+    assert m.samples("p499", "g9999") == [9999 % 90]  # the newest is kept

@@ -109,3 +109,48 @@ def test_ess_scales_the_step_on_off_policy_batches(tiny):
         lrs[on] = m["lr"]
         assert 0 < m["ess_frac"] < 1  # uneven importance weights: fewer effective samples than rows
     assert lrs[False] == 1e-3 and lrs[True] < 1e-3
+
+
+@pytest.mark.parametrize("offpolicy", ["decoupled", "m2po"])
+def test_offpolicy_gradient_does_not_depend_on_the_micro_batch_split(tiny, offpolicy):
+    """Before, decoupled PPO / M2PO applied per micro-batch only when it held a stale token, and
+    M2PO's second-moment budget was per micro-batch: 1×8 and 8×1 gave different gradients."""
+    model, tok = tiny
+    batch = _stale_batch(tok, model)
+    batch.behav_logp = batch.behav_logp + 0.1 * batch.loss_mask  # fresh tokens with an engine mismatch too
+    grads = []
+    for budget in (10_000, 1):
+        tr = Trainer(model, TrainerCfg(micro_batch_tokens=budget, lr=1e-9), AlgoCfg(offpolicy=offpolicy), 1.0, 10, 16)
+        model.zero_grad()
+        with torch.no_grad():
+            before = [p.clone() for p in model.parameters()]
+        torch.manual_seed(0)
+        real_step = tr.opt.step
+        tr.opt.step = lambda: grads.append(torch.cat([p.grad.flatten().clone() for p in model.parameters()
+                                                      if p.grad is not None]))  # capture, do not move
+        tr.step(batch, version=1)
+        tr.opt.step = real_step
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert grads[0].abs().sum() > 0
+    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+def test_mismatch_is_measured_on_tokens_of_the_previous_version(tiny):
+    """Periodic mode trains only on tokens one version old: the metric used to read 0 there (it
+    looked only at current-version tokens). Now they are checked under the weights that sampled
+    them, kept from the previous step."""
+    model, tok = tiny
+    tr = Trainer(model, TrainerCfg(lr=1e-2, warmup_steps=0), AlgoCfg(), 1.0, 10, 16)
+    a = build_batch(_trajs(tok, seed=1), torch.linspace(-1, 1, 8), tok.pad_token_id)
+    b = build_batch(_trajs(tok, seed=2), torch.linspace(-1, 1, 8), tok.pad_token_id)
+    a.behav_logp, a.versions = tr.logprobs(a), torch.where(a.loss_mask.bool(), 0, -1)  # sampled by v0
+    b.behav_logp, b.versions = tr.logprobs(b), torch.where(b.loss_mask.bool(), 1, -1)  # by v1 = weights now
+    m1 = tr.step(a, version=1)  # the trainer is at v1 and keeps these weights; a's tokens cannot be checked
+    assert m1["logprob_mismatch_tokens"] == 0 and m1["logprob_mismatch_mean"] is None
+    m2 = tr.step(b, version=2)  # b's tokens are one version old: checked under the kept v1 weights
+    assert m2["logprob_mismatch_tokens"] > 0 and m2["logprob_mismatch_mean"] < 1e-5
+    # an engine off by 0.5 nats on such tokens is reported as such (not as 0)
+    tr2 = Trainer(model, TrainerCfg(lr=1e-2, warmup_steps=0), AlgoCfg(), 1.0, 10, 16)
+    tr2._prev = (1, {k: p.detach().clone() for k, p in model.named_parameters()})
+    b.behav_logp = tr2.logprobs(b) + 0.5 * b.loss_mask
+    assert abs(tr2.step(b, version=2)["logprob_mismatch_mean"] - 0.5) < 1e-4

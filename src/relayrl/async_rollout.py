@@ -60,6 +60,7 @@ class AsyncRollout:
         self.running: dict[int, Group] = {}  # id(group) -> group, started and not ready
         self.inflight: dict[str, tuple] = {}  # request id -> (group, trajectory)
         self.seq: dict[int, int] = {}  # id(group) -> admission order
+        self.admitted_at: dict[int, int] = {}  # id(group) -> policy version when it was admitted
         self.next_seq = 0
         self.generated = 0  # tokens since the last batch was taken
         counters = counters or {}
@@ -96,10 +97,13 @@ class AsyncRollout:
                     else:
                         self.stale_discarded += 1
                     self.seq.pop(id(g))
+                    self.admitted_at.pop(id(g))
                     self.cv.notify_all()
                     continue
                 out.append(g)
             out.sort(key=lambda x: self.seq.pop(id(x)))
+            for g in out:
+                del self.admitted_at[id(g)]
             generated, self.generated = self.generated, 0
         return out, generated
 
@@ -111,14 +115,17 @@ class AsyncRollout:
         group still generating that is at its deadline: without that, short groups admitted later
         overtake a long one until it is too stale to train, and the trainer sees a sample biased
         towards short responses (the staleness-requeue survivor bias)."""
-        def due(g: Group) -> bool:
-            return oldest_version(g) is not None and versions_behind(g, version) >= self.eta
+        def due(g: Group, oldest: int | None) -> bool:
+            return oldest is not None and version - oldest >= self.eta
 
         ready = sorted(self.ready, key=lambda x: self.seq[id(x)])
         for g in ready:
-            if due(g):
+            if due(g, oldest_version(g)):
                 return g
-        waiting_for = sum(due(g) for g in self.running.values())
+        # a running group's tokens reach us only as its responses finish: its admission version
+        # is the lower bound on its oldest token
+        waiting_for = sum(due(g, min(v for v in (oldest_version(g), self.admitted_at[id(g)]) if v is not None))
+                          for g in self.running.values())
         return ready[0] if ready and slots > waiting_for else None
 
     def publish(self, load: Callable[[], None], version: int) -> None:
@@ -214,6 +221,7 @@ class AsyncRollout:
             groups += self.new_groups(self.take_prompts(n - len(groups)))
         for g in groups:
             self.seq[id(g)] = self.next_seq
+            self.admitted_at[id(g)] = self.mgr.version
             self.next_seq += 1
             if all(t.done for t in g.trajectories):  # a complete group carried by a checkpoint
                 self.mgr.finish(accepted=True)

@@ -41,6 +41,7 @@ class RunState:
     partial_buffer: list = field(default_factory=list)  # PartialBuffer.state_dict(): carried groups
     partial_resumed: int = 0  # cumulative groups continued from the buffer
     staleness: dict = field(default_factory=dict)  # async mode: cumulative resumed/requeued/discarded counts
+    failed_generations: int = 0  # responses the engine failed on (dropped, not trained)
     groups_made: int = 0  # groups created so far: their ids stay unique across resumes
     config: dict = field(default_factory=dict)  # the resolved config the run was started with
     data_fingerprint: str = ""  # of the training prompts: a resume must see the same data

@@ -19,7 +19,7 @@ from relayrl.async_rollout import versions_behind
 from relayrl.checkpoint import CheckpointWriter, RunState, restore_rng
 from relayrl.config import Config, dump_config
 from relayrl.data import PromptSampler, load_prompts
-from relayrl.engine import make_engine
+from relayrl.engine import EngineError, make_engine
 from relayrl.engine.process import ProcessEngine
 from relayrl.evaluation import evaluate
 from relayrl.models import load_policy, load_tokenizer, resolve_model_path
@@ -27,7 +27,7 @@ from relayrl.partial import PartialBuffer
 from relayrl.records import Group, SamplingParams, group_to_dict
 from relayrl.resume import ResumeError, check_compatible, data_fingerprint, prepare_run_dir, start_state
 from relayrl.rewards import RewardRunner
-from relayrl.rollout import group_advantages, score_groups
+from relayrl.rollout import drop_failed, group_advantages, score_groups
 from relayrl.sources import SOURCES, flatten
 from relayrl.timeline import Timeline
 from relayrl.tracking import MetricsLog, ProgressBar, Timers
@@ -120,6 +120,7 @@ def step_metrics(groups: list[Group], generated: int, step_seconds: float, state
         "tokens_per_s": generated / max(step_seconds, 1e-9),  # over the whole step
         "truncated_frac": sum(t.finish_reason.value == "length" for t in trajs) / len(trajs),
         "reward_failures_total": state.reward_failures + state.reward_timeouts,
+        "failed_generations_total": state.failed_generations,
         "offpolicy_token_frac": sum(v < trained_at for t in trajs for v in t.versions) / max(1, sum(lens)),
         "staleness_max": max(stale),
         "staleness_mean": sum(stale) / len(stale),
@@ -172,6 +173,7 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                 with timers("step"):
                     with timers("generate"):  # all of it when synchronous; what training did not hide otherwise
                         groups, generated = source.next_batch()
+                    groups = drop_failed_or_raise(groups, state)
                     with timers("reward"):
                         score_groups(groups, c.reward, c.tokenizer)
                     batch = build_batch(flatten(groups), group_advantages(groups, cfg.algo.advantage),
@@ -202,6 +204,14 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
         writer.wait()
         metrics.close()
         trained_log.close()
+
+
+def drop_failed_or_raise(groups: list[Group], state: RunState) -> list[Group]:
+    kept, dropped = drop_failed(groups)
+    state.failed_generations += dropped
+    if not kept:
+        raise EngineError(f"step {state.step + 1}: the engine failed on every response of the batch")
+    return kept
 
 
 def record_step(cfg: Config, c: Components, state: RunState, groups, generated: int, train_metrics: dict,

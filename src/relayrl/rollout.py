@@ -58,6 +58,19 @@ def score_groups(groups: list[Group], runner: RewardRunner, tokenizer) -> None:
         t.reward, t.reward_failed = reward, failed
 
 
+def drop_failed(groups: list[Group]) -> tuple[list[Group], int]:
+    """Responses the engine failed on are neither scored nor trained (a crash cut them; they are
+    not the policy's answer). A group keeps its other members, its advantages computed over them;
+    a group left with none is dropped. Returns (groups, responses dropped)."""
+    out, dropped = [], 0
+    for g in groups:
+        ok = [t for t in g.trajectories if t.finish_reason != FinishReason.FAILED]
+        dropped += len(g.trajectories) - len(ok)
+        if ok:
+            out.append(g if len(ok) == len(g.trajectories) else Group(g.prompt, g.group_id, ok))
+    return out, dropped
+
+
 def group_advantages(groups: list[Group], estimator: str) -> torch.Tensor:
     """Advantages for ``[t for g in groups for t in g.trajectories]``, in that order."""
     fn = lookup(ADVANTAGES, estimator, "advantage estimator")

@@ -17,7 +17,7 @@ from all recent responses. Policies:
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 
@@ -34,16 +34,24 @@ class Pending:
 class LengthModel:
     """Observed response lengths by group, by prompt (last ``per_prompt``) and overall (last ``window``)."""
 
-    def __init__(self, per_prompt: int = 16, window: int = 512, default: int = 64):
-        self.by_group: dict[str, list[int]] = defaultdict(list)
-        self.by_prompt: dict[str, deque] = defaultdict(lambda: deque(maxlen=per_prompt))
+    def __init__(self, per_prompt: int = 16, window: int = 512, default: int = 64, max_groups: int = 4096,
+                 max_prompts: int = 100_000):
+        # bounded: the oldest groups and prompts are forgotten first (a long run must not grow memory)
+        self.by_group: OrderedDict[str, list[int]] = OrderedDict()
+        self.by_prompt: OrderedDict[str, deque] = OrderedDict()
         self.recent: deque = deque(maxlen=window)
-        self.default = default
+        self.default, self.per_prompt = default, per_prompt
+        self.max_groups, self.max_prompts = max_groups, max_prompts
 
     def observe(self, prompt_id: str, group_id: str, length: int) -> None:
-        self.by_group[group_id].append(length)
-        self.by_prompt[prompt_id].append(length)
+        self.by_group.setdefault(group_id, []).append(length)
+        self.by_group.move_to_end(group_id)
+        self.by_prompt.setdefault(prompt_id, deque(maxlen=self.per_prompt)).append(length)
+        self.by_prompt.move_to_end(prompt_id)
         self.recent.append(length)
+        for table, cap in ((self.by_group, self.max_groups), (self.by_prompt, self.max_prompts)):
+            while len(table) > cap:
+                table.popitem(last=False)
 
     def forget_group(self, group_id: str) -> None:
         self.by_group.pop(group_id, None)

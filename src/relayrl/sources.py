@@ -14,7 +14,6 @@ generation stopped while the data cursor is read), and ``close``.
 
 from __future__ import annotations
 
-import itertools
 import math
 from concurrent.futures import ThreadPoolExecutor
 
@@ -42,19 +41,26 @@ def rollout_step(cfg: Config, c, state, step: int, lengths: LengthModel | None =
     return groups, generated
 
 
+def new_groups(cfg: Config, c, state, prompts: list) -> list[Group]:
+    """Empty groups for ``prompts``, with ids unique over the whole run: the counter is part of the
+    checkpoint, so a resumed run never reuses the id of a group it carries."""
+    tag = f"g{state.groups_made}"
+    state.groups_made += 1
+    return make_groups(prompts, c.tokenizer, cfg.rollout.group_size, tag)
+
+
 def _rollout_step(cfg: Config, c, state, step: int, lengths: LengthModel | None):
-    r, tag = cfg.rollout, f"s{step}"
+    r = cfg.rollout
     if not r.partial:
         carried = c.buffer.take(r.prompts_per_step)
         before = sum(len(t.response_ids) for t in flatten(carried))
-        groups = carried + make_groups(c.sampler.take(r.prompts_per_step - len(carried)), c.tokenizer,
-                                       r.group_size, tag)
+        groups = carried + new_groups(cfg, c, state, c.sampler.take(r.prompts_per_step - len(carried)))
         generate_groups(c.engine, groups, c.params, r.schedule, lengths)
         return groups, sum(len(t.response_ids) for t in flatten(groups)) - before
     target = math.ceil(r.over_provision * r.prompts_per_step)
     carried = c.buffer.take(target)
     state.partial_resumed += sum(any(not t.done for t in g.trajectories) for g in carried)
-    fresh = make_groups(c.sampler.take(max(0, target - len(carried))), c.tokenizer, r.group_size, tag)
+    fresh = new_groups(cfg, c, state, c.sampler.take(max(0, target - len(carried))))
     before = sum(len(t.response_ids) for t in flatten(carried))
     complete, rest = generate_until(c.engine, carried + fresh, c.params, r.prompts_per_step, r.schedule, lengths)
     for g in complete[r.prompts_per_step :] + rest:
@@ -128,9 +134,8 @@ class AsyncSource:
     def __init__(self, cfg: Config, c, state, tl: Timeline):
         r = cfg.rollout
         self.state = state
-        tags = itertools.count()
         self.rollout = AsyncRollout(
-            c.engine, c.sampler.take, lambda prompts: make_groups(prompts, c.tokenizer, r.group_size, f"a{next(tags)}"),
+            c.engine, c.sampler.take, lambda prompts: new_groups(cfg, c, state, prompts),
             c.params, r.prompts_per_step, r.max_staleness, partial=r.partial, stale=r.stale, schedule=r.schedule,
             version=state.version, carried=c.buffer.take(len(c.buffer)), timeline=tl, counters=state.staleness,
         )
