@@ -36,6 +36,10 @@ def _serve(spec: dict, shared: dict, cmd, out, ack) -> None:
         if spec["threads"]:
             torch.set_num_threads(spec["threads"])
         torch.manual_seed(spec["seed"])
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # the parent draws the progress; errors still show
+        transformers.utils.logging.set_verbosity_error()
         from relayrl.engine import make_engine
         from relayrl.models import load_policy, load_tokenizer
 
