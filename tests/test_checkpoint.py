@@ -49,3 +49,23 @@ def test_a_failed_background_write_is_raised(tiny, tmp_path):
     writer.save(RunState(step=1), {})
     with pytest.raises(RuntimeError, match="writing a checkpoint"):
         writer.wait()
+
+
+def test_group_ids_continue_across_a_resume(tiny):
+    """The async group-id counter restarted at 0 on resume, so a prompt drawn again in a later
+    epoch could get the id of a group the checkpoint carries (and the engine refuses a pending id)."""
+    from types import SimpleNamespace
+
+    from relayrl.checkpoint import RunState
+    from relayrl.config import Config
+    from relayrl.records import Prompt
+    from relayrl.sources import new_groups
+
+    _, tok = tiny
+    cfg, c = Config(), SimpleNamespace(tokenizer=tok)
+    p = Prompt("p0", [{"role": "user", "content": "Add 1 2"}])
+    state = RunState()
+    before = {t.request_id for _ in range(3) for g in new_groups(cfg, c, state, [p]) for t in g.trajectories}
+    resumed = RunState.from_json(state.to_json())  # what the checkpoint holds
+    after = {t.request_id for g in new_groups(cfg, c, resumed, [p]) for t in g.trajectories}
+    assert len(before) == 3 * cfg.rollout.group_size and not before & after
