@@ -133,7 +133,6 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
     Returns the run summary."""
     console = console or Console()
     log = console.print
-    run_dir = cfg.run_dir
     # everything that can be wrong with the input is found before the run directory is touched
     state, trainer_state, ckpt = start_state(cfg, resume, log)
     data = load_data(cfg)
