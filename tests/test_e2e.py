@@ -126,7 +126,10 @@ def test_carried_work_survives_kill_and_resume(tmp_path, mode):
     if "rollout.partial=true" in mode:
         assert m[-1]["partial_resumed_total"] > 0  # the long tail was carried over and continued
     assert any(x["offpolicy_token_frac"] > 0 for x in m)  # continued or generated-ahead tokens are one version old
-    assert all(x["logprob_mismatch_mean"] < 1e-3 for x in m)
+    measured = [x["logprob_mismatch_mean"] for x in m if x["logprob_mismatch_tokens"]]
+    assert measured and all(x < 1e-3 for x in measured)
+    if "run.mode=periodic" in mode:  # one version old: checked under the kept weights (not on the
+        assert len(measured) >= len(m) - 2  # first stale step, nor the first one after the resume)
     if "run.mode=async" in mode:  # the resume started from a checkpoint holding cut-off responses
         resumed_from = re.search(r"resumed from \S*(step_\d+)", out.replace("\n", "")).group(1)
         held = json.loads((ckpt_dir / resumed_from / "state.json").read_text())["partial_buffer"]
