@@ -1,24 +1,23 @@
-"""Verifiable rewards: a registry of verifiers run in a separate process with a time limit.
+"""Verifiable rewards: a registry of verifiers, run isolated in a worker pool.
 
 A reward function has the signature ``fn(completion: str, answer: str | None, metadata: dict)
--> float``. Built-ins: ``math`` and ``exact``; any importable ``module:function`` works too.
-A function that raises, returns a non-number, or exceeds the time limit gives that sample
-reward 0; the failure is counted and reported, and the run goes on. Functions run in a child
-process so a hung one can be killed (a thread cannot be).
+-> float``. Built-ins: ``math`` and ``exact``; a user's ``module:function`` (importable from
+the current directory) or ``path/to/file.py:function`` works too. Verifiers run in
+``relayrl.workers.WorkerPool`` processes: ``workers`` calls at once, each with its own time
+limit, memory limit and process group, optionally under bubblewrap. A call that raises,
+returns a non-number or a non-finite number, exceeds its time limit or runs out of memory
+gives that sample reward 0; the failure is counted and reported, and the run goes on.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
 import math
-import os
 import re
-import select
-import subprocess
-import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
+
+from relayrl.workers import CallFailed, ImportFailed, SandboxUnavailable, WorkerPool, load
 
 RewardFn = Callable[[str, "str | None", dict], float]
 
@@ -79,40 +78,42 @@ REWARDS: dict[str, RewardFn] = {"math": math_reward, "exact": exact_reward}
 
 
 def resolve(spec: str) -> RewardFn:
-    """A registry name or 'module:function'."""
+    """A registry name, 'module:function' (importable from the current directory) or
+    'path/to/file.py:function'. Imports into *this* process; ``RewardRunner`` does not use
+    it, so a user's module never runs in the trainer."""
     if spec in REWARDS:
         return REWARDS[spec]
-    if ":" not in spec:
-        raise ValueError(f"unknown reward {spec!r}; valid: {', '.join(REWARDS)} or 'module:function'")
-    mod, _, name = spec.partition(":")
+    _check_name(spec)
     try:
-        fn = getattr(importlib.import_module(mod), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward function {spec!r} cannot be imported: {e}") from None
-    if not callable(fn):
-        raise ValueError(f"reward {spec!r} is not callable")
-    return fn
+        return load(spec)
+    except ImportFailed as e:
+        raise ValueError(f"reward function {e}") from None
 
 
-def _worker_main(spec: str) -> None:
-    """The child: JSON lines in on stdin, JSON lines out on a private copy of stdout.
+def _check_name(spec: str) -> None:
+    if spec not in REWARDS and ":" not in spec:
+        raise ValueError(f"unknown reward {spec!r}; valid: {', '.join(REWARDS)} or 'module:function'")
 
-    A subprocess rather than multiprocessing: spawn/forkserver would re-import the user's
-    ``__main__``, which breaks scripts without a main guard."""
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    sys.stdout = sys.stderr  # a verifier that prints must not corrupt the protocol
-    fn = resolve(spec)
-    if fn is math_reward:
-        import math_verify  # noqa: F401  (import before the first timed call)
-    out.write('"ready"\n')
-    for line in sys.stdin:
-        completion, answer, metadata = json.loads(line)
-        try:
-            value = float(fn(completion, answer, metadata))
-            msg = [True, value] if math.isfinite(value) else [False, f"non-finite reward {value}"]
-        except Exception as e:  # a user's verifier failing must not kill the run
-            msg = [False, f"{type(e).__name__}: {e}"]
-        out.write(json.dumps(msg) + "\n")
+
+def _score_one(spec: str, completion: str, answer: str | None, metadata: dict) -> float:
+    """Runs in a worker: the verifier's value as a finite float (else an exception). Workers
+    run calls in their main thread, which math-verify needs: it times itself out with
+    signal.alarm (the worker cancels any alarm left pending after each call)."""
+    fn = REWARDS[spec] if spec in REWARDS else load(spec)
+    value = float(fn(completion, answer, metadata))
+    if not math.isfinite(value):
+        raise ValueError(f"non-finite reward {value}")
+    return value
+
+
+_SCORE_ONE = "relayrl.rewards:_score_one"
+# (preload, imports, warm-up calls) the server runs once before forking, so workers start
+# warm: math-verify's first call (lazy imports, caches) costs far more than the next ones
+_WARM = {
+    "math": (["relayrl.rewards:math_reward"], ["math_verify"],
+             [(_SCORE_ONE, ["math", r"\boxed{\frac{1}{2}}", "0.5", {}])]),
+    "exact": (["relayrl.rewards:exact_reward"], [], []),
+}
 
 
 @dataclass
@@ -124,74 +125,50 @@ class RewardStats:
 
 
 class RewardRunner:
-    """Scores completions in a child process; kills and restarts it when a call exceeds the limit."""
+    """Scores completions in an isolated worker pool (see ``relayrl.workers``).
 
-    def __init__(self, spec: str, timeout_s: float = 5.0):
-        resolve(spec)  # fail fast, in the parent, on an unknown name
-        self.spec, self.timeout_s = spec, timeout_s
+    ``workers``: calls at once (0: the cores); ``memory_mb``: address space one call may add;
+    ``sandbox``: "none" or "bwrap" (no network, read-only filesystem; an error if bubblewrap
+    is missing, never a silent fallback)."""
+
+    def __init__(self, spec: str, timeout_s: float = 5.0, workers: int = 0, memory_mb: int = 4096,
+                 sandbox: str = "none"):
+        _check_name(spec)  # fail fast, in the parent, on an unknown name
+        self.spec, self.timeout_s, self.memory_mb = spec, timeout_s, memory_mb
         self.stats = RewardStats()
-        self._proc: subprocess.Popen | None = None
-        self._start()
-
-    def _start(self) -> None:
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from relayrl.rewards import _worker_main; _worker_main(sys.argv[1])",
-             self.spec],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-        )
-        self._ready = False  # the child imports in the background; the first score() waits for it
-
-    def _wait_ready(self) -> None:
-        if not self._ready:
-            if self._read(120) != "ready":
-                raise RuntimeError(f"reward worker for {self.spec!r} failed to start")
-            self._ready = True
-
-    def _read(self, timeout: float):
-        """One JSON message from the child, or None on timeout or death."""
-        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
-        if not ready:
-            return None
-        line = self._proc.stdout.readline()
-        return json.loads(line) if line else None
-
-    def _restart(self) -> None:
-        self._proc.kill()
-        self._proc.wait()
-        self._start()
+        self._stats_lock = threading.Lock()
+        preload, imports, warmup = _WARM.get(spec, ([spec], [], []))
+        try:
+            self._pool = WorkerPool([_SCORE_ONE, *preload], workers=workers, timeout_s=timeout_s,
+                                    memory_mb=memory_mb, sandbox=sandbox, imports=imports, warmup=warmup)
+        except SandboxUnavailable as e:
+            raise RuntimeError(f"reward.sandbox={sandbox} but {e}") from None
+        except ImportFailed as e:
+            raise ValueError(f"reward function {e}") from None
 
     def score(self, items: list[tuple[str, str | None, dict]]) -> list[tuple[float, bool]]:
-        """(reward, failed) per item; failures and timeouts score 0.0."""
+        """(reward, failed) per item, in order; failures and timeouts score 0.0."""
+        args = [[self.spec, completion, answer, metadata] for completion, answer, metadata in items]
         out = []
-        for item in items:
-            self._wait_ready()
-            self._proc.stdin.write(json.dumps(item, default=str) + "\n")
-            self._proc.stdin.flush()
-            msg = self._read(self.timeout_s)
-            if msg is not None:
-                ok, value = msg
-                if ok:
-                    out.append((value, False))
-                    continue
-                self.stats.failures += 1
-                self._note(value)
+        for result in self._pool.map(_SCORE_ONE, args, return_exceptions=True):
+            if isinstance(result, Exception):
+                self._count(result)
+                out.append((0.0, True))
             else:
-                self.stats.timeouts += 1
-                self._note(f"timed out after {self.timeout_s:.1f}s (or the verifier process died)")
-                self._restart()
-            out.append((0.0, True))
+                out.append((float(result), False))
         return out
 
-    def _note(self, err: str) -> None:
-        self.stats.last_error = err
-        if len(self.stats.errors) < 20:
-            self.stats.errors.append(err)
+    def _count(self, err: Exception) -> None:
+        with self._stats_lock:
+            if isinstance(err, CallFailed) and err.kind == "timeout":
+                self.stats.timeouts += 1
+            else:
+                self.stats.failures += 1
+            oom = isinstance(err, CallFailed) and err.kind == "oom"
+            text = f"killed: out of memory (reward.memory_mb={self.memory_mb})" if oom else str(err)
+            self.stats.last_error = text
+            if len(self.stats.errors) < 20:
+                self.stats.errors.append(text)
 
     def close(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            try:
-                self._proc.stdin.close()
-                self._proc.wait(timeout=2)
-            except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
-                self._proc.kill()
-        self._proc = None
+        self._pool.close()
