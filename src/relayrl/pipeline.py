@@ -62,6 +62,11 @@ def placement(cfg: Config) -> tuple[bool, int, int]:
     return own, engine, cfg.run.threads or max(1, cores - engine)
 
 
+def make_reward_runner(cfg: Config) -> RewardRunner:
+    r = cfg.reward
+    return RewardRunner(r.fn, r.timeout_s, workers=r.workers, memory_mb=r.memory_mb, sandbox=r.sandbox)
+
+
 def load_data(cfg: Config) -> tuple[list, list | None]:
     """Training and held-out prompts (``DataError`` naming file and row on bad input)."""
     d = cfg.data
@@ -79,16 +84,16 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
     torch.set_num_threads(trainer_threads)
     torch.manual_seed(cfg.run.seed)
     prompts, eval_prompts = data
-    base = resolve_model_path(cfg.model.path, log=log)
-    weights = str(ckpt) if ckpt else base
-    tok_path = resolve_model_path(cfg.model.tokenizer, log=log) if cfg.model.tokenizer else base
-    tokenizer = load_tokenizer(tok_path)
-    policy = load_policy(weights, cfg.model.dtype)
-    ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 else None
     with contextlib.ExitStack() as undo:
-        reward = RewardRunner(cfg.reward.fn, cfg.reward.timeout_s)
+        reward = make_reward_runner(cfg)  # first: a bad reward.fn fails before the model loads
         undo.callback(reward.close)
         reward.stats.failures, reward.stats.timeouts = state.reward_failures, state.reward_timeouts
+        base = resolve_model_path(cfg.model.path, log=log)
+        weights = str(ckpt) if ckpt else base
+        tok_path = resolve_model_path(cfg.model.tokenizer, log=log) if cfg.model.tokenizer else base
+        tokenizer = load_tokenizer(tok_path)
+        policy = load_policy(weights, cfg.model.dtype)
+        ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 else None
         if own_process:  # seeded per resume point, so a resumed run does not repeat its samples
             engine = ProcessEngine(cfg.rollout, weights, tok_path, cfg.model.dtype, policy.state_dict(),
                                    state.version, engine_threads, seed=cfg.run.seed * 1_000_003 + state.step)
@@ -270,7 +275,7 @@ def evaluate_only(cfg: Config) -> dict:
     path = resolve_model_path(cfg.model.path, log=log)
     tokenizer = load_tokenizer(resolve_model_path(cfg.model.tokenizer, log=log) if cfg.model.tokenizer else path)
     engine = make_engine(cfg.rollout, load_policy(path, cfg.model.dtype), tokenizer)
-    reward = RewardRunner(cfg.reward.fn, cfg.reward.timeout_s)
+    reward = make_reward_runner(cfg)
     try:
         return evaluate(engine, tokenizer, prompts, reward, cfg)
     finally:
