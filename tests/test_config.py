@@ -54,3 +54,198 @@ def test_help_documents_every_field():
     for sec, info in Config.model_fields.items():
         for name in info.annotation.model_fields:
             assert f"{sec}.{name} " in text
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["algo.norm_len=0", "algo.agg=seq_mean_token_sum_norm"], "algo.norm_len: Input should be greater than or equal"),
+    (["algo.clip_low=1"], "algo.clip_low: Input should be less than 1"),
+    (["algo.clip_low=5"], "algo.clip_low"),
+    (["algo.clip_high=100"], "algo.clip_high"),
+    (["algo.offpolicy=tis", "algo.tis_cap=0.5"], "algo.tis_cap"),
+    (["rollout.temperature=1e-9"], "rollout.temperature"),
+    (["rollout.temperature=1000"], "rollout.temperature"),
+    (["rollout.partial=true", "rollout.over_provision=1e6"], "rollout.over_provision"),
+    (["eval.samples=100000"], "eval.samples"),
+    (["trainer.betas=[0.9, 1.5]"], "trainer.betas"),
+    (["trainer.lr=.inf"], "trainer.lr: Input should be a finite number"),
+    (["algo.kl_coef=.nan"], "algo.kl_coef"),
+    (["trainer.lr=true"], "trainer.lr must be a number, got True"),
+    (["run.name=a/b"], "run.name: must be a plain folder name"),
+    (["run.name=.."], "run.name: must be a plain folder name"),
+    (["run.name=."], "run.name: must be a plain folder name"),
+    (["run.name="], "run.name: must be a plain folder name"),
+    (["eval.every=100", "run.steps=10"], "eval.every=100 is more than run.steps=10"),
+])
+def test_out_of_range_values_name_the_field(overrides, needle):
+    """Before: norm_len=0 gave a NaN loss, clip_low ≥ 1 a negative ratio floor, inf passed every bound."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_updates_per_step_beyond_the_batch_names_both_fields():
+    """Before: accepted, then crashed in the trainer on an empty mini-batch."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["trainer.updates_per_step=9", "rollout.prompts_per_step=2", "rollout.group_size=4"])
+    fields = ("trainer.updates_per_step=9", "rollout.prompts_per_step", "rollout.group_size")
+    assert all(f in str(e.value) for f in fields)
+    assert load_config(None, ["trainer.updates_per_step=8", "rollout.prompts_per_step=2",
+                              "rollout.group_size=4"]).trainer.updates_per_step == 8
+
+
+@pytest.mark.parametrize("overrides, field, when", [
+    (["rollout.max_staleness=3"], "rollout.max_staleness", "run.mode=async"),
+    (["run.mode=periodic", "rollout.stale=discard"], "rollout.stale", "run.mode=async"),
+    (["rollout.over_provision=2"], "rollout.over_provision", "rollout.partial=true"),
+    (["run.mode=async", "rollout.partial=true", "rollout.over_provision=2"], "rollout.over_provision",
+     "sync or periodic"),
+    (["rollout.cb_num_blocks=64"], "rollout.cb_num_blocks", "rollout.engine=hf-cb"),
+    (["rollout.cb_page_size=64"], "rollout.cb_page_size", "rollout.engine=hf-cb"),
+    (["algo.tis_cap=3"], "algo.tis_cap", "algo.offpolicy=tis"),
+    (["algo.tis_level=sequence"], "algo.tis_level", "algo.offpolicy=tis"),
+    (["algo.m2po_tau=0.1"], "algo.m2po_tau", "algo.offpolicy=m2po"),
+    (["algo.norm_len=64"], "algo.norm_len", "algo.agg=seq_mean_token_sum_norm"),
+    (["algo.kl_estimator=k1"], "algo.kl_estimator", "algo.kl_coef > 0"),
+    (["rollout.engine_threads=1"], "rollout.engine_threads", "own process"),
+    (["run.mode=async", "rollout.engine_process=false", "rollout.engine_threads=1"], "rollout.engine_threads",
+     "own process"),
+    (["data.prompt_format=raw", "model.system_prompt=be brief"], "model.system_prompt", "data.prompt_format=chat"),
+    (["data.eval_path=null", "eval.size=4"], "eval.size", "data.eval_path is set"),
+])
+def test_fields_the_mode_ignores_are_rejected_when_set(overrides, field, when):
+    """Before: set and silently ignored (e.g. max_staleness in sync mode)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert f"{field} is set, but it only applies" in str(e.value) and when in str(e.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["run.mode=async", "rollout.max_staleness=4", "rollout.stale=discard"],
+    ["rollout.partial=true", "rollout.over_provision=2"],
+    ["rollout.engine=hf-cb", "rollout.cb_num_blocks=64"],
+    ["algo.offpolicy=tis", "algo.tis_cap=3", "algo.tis_level=sequence"],
+    ["algo.offpolicy=m2po", "algo.m2po_tau=0.1"],
+    ["algo.agg=seq_mean_token_sum_norm", "algo.norm_len=64"],
+    ["algo.kl_coef=0.1", "algo.kl_estimator=k1"],
+    ["run.mode=periodic", "rollout.engine_threads=1"],
+    ["rollout.engine_process=true", "rollout.engine_threads=1"],
+])
+def test_fields_are_accepted_where_they_apply(overrides):
+    load_config(None, overrides)
+
+
+def test_yaml_file_sets_count_as_explicit(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("rollout:\n  max_staleness: 2\n")
+    with pytest.raises(ConfigError, match="rollout.max_staleness is set"):
+        load_config(f)
+
+
+def test_dumped_config_loads_back(tmp_path):
+    """config.yaml holds every field that applies, so `relayrl train runs/x/config.yaml` works."""
+    from relayrl.config import dump_config
+
+    for overrides in ([], ["run.mode=async", "rollout.max_staleness=4"], ["algo.offpolicy=tis", "data.eval_path=null"]):
+        cfg = load_config(None, overrides)
+        dump_config(cfg, tmp_path / "config.yaml")
+        assert load_config(tmp_path / "config.yaml") == cfg
+
+
+@pytest.mark.parametrize("typed, kept", [("2024", "2024"), ("1e3", "1e3"), ("1.0e3", "1.0e3"), ("007", "007"),
+                                         ("true", "true"), ("0x10", "0x10"), ("my-run", "my-run")])
+def test_string_fields_keep_numbers_as_typed(tmp_path, typed, kept):
+    """Before: `run.name=2024` was "not a valid string"."""
+    assert load_config(None, [f"run.name={typed}"]).run.name == kept
+    f = tmp_path / "c.yaml"
+    f.write_text(f"run:\n  name: {typed}\nmodel:\n  system_prompt: {typed}\n")
+    cfg = load_config(f)
+    assert cfg.run.name == kept and cfg.model.system_prompt == kept
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("", "the config file is empty"),
+    ("- a\n- b\n", "top level must be a mapping of sections, got list"),
+    ("run: [1, 2]\n", "'run' must be a mapping of fields"),
+    ("run:\n  name: [unclosed\n", "not valid YAML"),
+    (b"\xff\xfe\x00garbage", "not a UTF-8 text file"),
+    ("run:\n  steps: 1\n  steps: {a: {b: c}}\n", "run.steps"),
+    ("1: 2\n", "unknown section '1'"),
+    ("run: {1: 2}\n", "unknown key 'run.1'"),
+])
+def test_bad_config_files_name_the_file(tmp_path, text, needle):
+    f = tmp_path / "c.yaml"
+    f.write_bytes(text) if isinstance(text, bytes) else f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    assert "c.yaml" in str(e.value) or "run.steps" in needle
+
+
+def test_run_section_left_empty_is_fine(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("run:\n# name: x\ntrainer:\n  lr: 1.0e-5\n")
+    assert load_config(f).trainer.lr == 1e-5
+
+
+def _one_error_line(capsys) -> str:
+    out = capsys.readouterr()
+    lines = out.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("relayrl: ") and "Traceback" not in out.err + out.out
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, kind", [
+    (["train", "--bogus"], "usage"),
+    (["train", "notaconfig"], "usage"),
+    (["train", "trainer.lr=abc", "rollout.group_size=x"], "config"),
+    (["train", "data.path=/no/such.jsonl", "data.eval_path=null"], "data"),
+    (["eval", "data.eval_path=null"], "input"),
+])
+def test_cli_errors_are_one_line_with_status_2(capsys, argv, kind):
+    assert main(argv) == 2
+    assert _one_error_line(capsys).startswith(f"relayrl: {kind} error: ")
+
+
+def test_cli_folds_multiline_messages(capsys):
+    assert main(["train", "trainer.lr=abc", "rollout.group_size=x"]) == 2
+    line = _one_error_line(capsys)
+    assert "trainer.lr" in line and "rollout.group_size" in line and "; " in line
+
+
+@pytest.mark.parametrize("error, kind, status", [
+    ("relayrl.engine.base:EngineError", "engine", 1),
+    ("relayrl.resume:ResumeError", "resume", 2),
+    ("relayrl.data:DataError", "data", 2),
+    ("relayrl.models:ModelError", "model", 2),
+])
+def test_cli_maps_run_time_errors(monkeypatch, capsys, tmp_path, error, kind, status):
+    import importlib
+
+    import relayrl.pipeline
+
+    module, name = error.split(":")
+    exc = getattr(importlib.import_module(module), name)
+
+    def fail(cfg, resume=False):
+        raise exc("it went wrong\n  on two lines")
+
+    monkeypatch.setattr(relayrl.pipeline, "train", fail)
+    assert main(["train", f"run.output_dir={tmp_path}"]) == status
+    assert _one_error_line(capsys) == f"relayrl: {kind} error: it went wrong; on two lines"
+
+
+def test_cli_escapes_control_characters(capsys, tmp_path):
+    assert main(["train", f"data.path={tmp_path}/a\rb\x1b[2J.jsonl", "data.eval_path=null"]) == 2
+    line = _one_error_line(capsys)
+    assert "\r" not in line and "\x1b" not in line and "\\r" in line
+
+
+def test_cli_unexpected_errors_keep_their_traceback(monkeypatch):
+    import relayrl.pipeline
+
+    def bug(cfg, resume=False):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(relayrl.pipeline, "train", bug)
+    with pytest.raises(KeyError):
+        main(["train"])

@@ -1,4 +1,9 @@
-"""``relayrl train|eval [CONFIG.yaml] [section.key=value ...]``."""
+"""``relayrl train|eval [CONFIG.yaml] [section.key=value ...]``.
+
+Every error in the input reaches the user as one line on stderr, ``relayrl: <kind> error:
+<message>``, exit status 2; an engine failure at run time is one line with exit status 1.
+Anything else is a bug in relayrl and keeps its traceback.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import argparse
 import json
 import sys
 
-from relayrl.config import ConfigError, describe, load_config
+from relayrl.config import describe, load_config, one_line
 
 USAGE_NOTE = """\
 Configuration: defaults < CONFIG.yaml < section.key=value overrides (YAML syntax for values).
@@ -14,6 +19,53 @@ With no arguments, `relayrl train` runs the built-in demo (chained addition, tin
 
 Fields:
 """
+
+
+class UsageError(ValueError):
+    pass
+
+
+# (module, exception class, kind, exit status), most specific first. A class is looked up only
+# if its module was imported: one never imported cannot have been raised, and a config error
+# then does not pay for importing torch.
+ERRORS = [
+    (__name__, "UsageError", "usage", 2),
+    ("relayrl.config", "ConfigError", "config", 2),
+    ("relayrl.data", "DataError", "data", 2),
+    ("relayrl.models", "ModelError", "model", 2),
+    ("relayrl.resume", "ResumeError", "resume", 2),
+    ("relayrl.engine.base", "EngineError", "engine", 1),
+    ("builtins", "ValueError", "input", 2),
+]
+MAX_MESSAGE = 2000  # characters: a message quoting a huge value must not flood the terminal
+
+
+def classify(e: BaseException) -> tuple[str, int] | None:
+    """(kind, exit status) for an error relayrl reports in one line; None for a bug."""
+    for module, name, kind, status in ERRORS:
+        mod = sys.modules.get(module)
+        if mod is not None and isinstance(e, getattr(mod, name)):
+            return kind, status
+    return None
+
+
+def error_line(kind: str, e: BaseException) -> str:
+    """``relayrl: <kind> error: <message>`` on one line: lines folded with "; ", and control
+    characters, line separators and lone surrogates (from file names or values quoted in the
+    message) escaped, since they would break the line or the terminal."""
+    text = one_line(str(e)) or type(e).__name__
+    text = "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   for c in text)
+    if len(text) > MAX_MESSAGE:
+        text = text[:MAX_MESSAGE] + "…"
+    return f"relayrl: {kind} error: {text}"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse prints usage and exits; here a bad argument is a UsageError like any other bad input."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 def _split(args: list[str]) -> tuple[str | None, list[str]]:
@@ -24,13 +76,13 @@ def _split(args: list[str]) -> tuple[str | None, list[str]]:
         elif "=" in a:
             overrides.append(a)
         else:
-            raise ConfigError(f"unexpected argument {a!r}: expected CONFIG.yaml or section.key=value")
+            raise UsageError(f"unexpected argument {a!r:.80}: expected CONFIG.yaml or section.key=value")
     return config, overrides
 
 
 def _parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(prog="relayrl", description="RL post-training where the rollout never stalls.")
+    p = _Parser(prog="relayrl", description="RL post-training where the rollout never stalls.")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train a policy", formatter_class=fmt, epilog=USAGE_NOTE + describe())
     t.add_argument("args", nargs="*", metavar="CONFIG.yaml | section.key=value")
@@ -53,32 +105,34 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except Exception as e:
+        kind = classify(e)
+        if kind is None:
+            raise
+        print(error_line(kind[0], e), file=sys.stderr)
+        return kind[1]
+
+
+def _run(argv: list[str] | None) -> int:
     ns = _parser().parse_args(argv)
     _quiet_libraries()
-    try:
-        if ns.cmd == "build-demo-model":
-            from relayrl.demo.model import build_demo_model
+    if ns.cmd == "build-demo-model":
+        from relayrl.demo.model import build_demo_model
 
-            print(build_demo_model(ns.out))
-            return 0
-        config, overrides = _split(ns.args)
-        if ns.cmd == "eval" and ns.checkpoint:
-            overrides.append(f"model.path={ns.checkpoint}")
-        cfg = load_config(config, overrides)
-    except ConfigError as e:
-        print(f"relayrl: config error: {e}", file=sys.stderr)
-        return 2
-    from relayrl.data import DataError
-    from relayrl.pipeline import ResumeError, evaluate_only, train
+        print(build_demo_model(ns.out))
+        return 0
+    config, overrides = _split(ns.args)
+    if ns.cmd == "eval" and ns.checkpoint:
+        overrides.append(f"model.path={ns.checkpoint}")
+    cfg = load_config(config, overrides)
+    from relayrl.pipeline import evaluate_only, train
 
-    try:
-        if ns.cmd == "train":
-            train(cfg, resume=ns.resume)
-        else:
-            print(json.dumps(evaluate_only(cfg), indent=1))
-    except (DataError, ResumeError, ValueError) as e:
-        print(f"relayrl: error: {e}", file=sys.stderr)
-        return 2
+    if ns.cmd == "train":
+        train(cfg, resume=ns.resume)
+    else:
+        print(json.dumps(evaluate_only(cfg), indent=1))
     return 0
 
 

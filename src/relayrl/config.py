@@ -2,17 +2,20 @@
 
 Each field is documented where it is defined; ``relayrl train --help`` prints these docs.
 Load order: defaults < YAML file < dotted command-line overrides (``trainer.lr=1e-5``).
-Unknown keys and wrong types fail before any work starts, naming the key.
+Unknown keys, wrong types, out-of-range values and settings the chosen mode ignores fail
+before any work starts, naming the key.
 """
 
 from __future__ import annotations
 
 import difflib
+import re
+import types
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Callable, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -20,7 +23,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf/nan pass every bound (lr=.inf is "> 0") and only show up as a NaN loss: refuse them
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RunCfg(_Section):
@@ -42,6 +46,14 @@ class RunCfg(_Section):
     threads: int = Field(
         0, ge=0, description="torch threads of the trainer (0: all cores; with an engine process in an overlapped "
         "mode, the cores the engine does not take).")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_folder_name(cls, v: str) -> str:
+        # the run directory is <output_dir>/<name>: a path here would write outside output_dir
+        if v in ("", ".", "..") or any(c in v for c in "/\\\0"):
+            raise ValueError("must be a plain folder name (no '/', not '.', '..' or empty)")
+        return v
 
 
 class ModelCfg(_Section):
@@ -71,6 +83,9 @@ class DataCfg(_Section):
     id_field: str | None = Field("id", description="Row field with a unique id (null: use the row number).")
     metadata_fields: list[str] = Field(default_factory=list, description="Extra row fields passed to reward functions.")
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded).")
+    prompt_format: Literal["chat", "raw"] = Field(
+        "chat", description="'chat': the tokenizer's chat template is applied to the prompt (a string or a list of "
+        "messages). 'raw': the prompt string is tokenized as is (base models without a chat template).")
 
 
 class RolloutCfg(_Section):
@@ -90,7 +105,10 @@ class RolloutCfg(_Section):
     prompts_per_step: int = Field(8, ge=1, description="Prompts per training step.")
     group_size: int = Field(8, ge=1, description="Responses per prompt (G).")
     max_new_tokens: int = Field(128, ge=1, description="Maximum response length in tokens.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature (the trainer uses the same one).")
+    # below 0.01 sampling is all but greedy and the trainer's log-probs of the sampled tokens
+    # (logits / T) blow up; above 10 it samples noise
+    temperature: float = Field(
+        1.0, ge=0.01, le=10, description="Sampling temperature, 0.01 to 10 (the trainer uses the same one).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold (1: off).")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
     max_batch: int = Field(256, ge=1, description="Most sequences the engine decodes at once.")
@@ -100,8 +118,8 @@ class RolloutCfg(_Section):
         "complete groups, carry the unfinished ones (tokens, log-probs, versions) into the next step.",
     )
     over_provision: float = Field(
-        1.5, ge=1.0, description="sync/periodic with partial: groups in flight per step / prompts_per_step (async "
-        "mode over-provisions by its staleness bound instead).")
+        1.5, ge=1.0, le=10, description="sync/periodic with partial: groups in flight per step / prompts_per_step, "
+        "1 to 10 (async mode over-provisions by its staleness bound instead).")
     max_staleness: int = Field(
         2, ge=0, description="async: η, how many policy versions generation may run ahead of training; a group whose "
         "oldest token is older than η versions is not trained on. 0 behaves synchronously.")
@@ -138,20 +156,22 @@ class AlgoCfg(_Section):
     agg: str = Field(
         "token_mean", description="Loss aggregation: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm."
     )
-    clip_low: float = Field(0.2, ge=0, description="PPO ε_low: ratio floor 1-ε_low.")
-    clip_high: float = Field(0.28, ge=0, description="PPO ε_high: ratio ceiling 1+ε_high (clip-higher).")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO ε_low, below 1: ratio floor 1-ε_low (must stay > 0).")
+    clip_high: float = Field(
+        0.28, ge=0, le=10, description="PPO ε_high: ratio ceiling 1+ε_high (clip-higher), at most 10.")
     dual_clip: float | None = Field(3.0, description="Dual-clip constant c > 1 for A < 0 (null: off).")
     kl_coef: float = Field(0.0, ge=0, description="Coefficient of KL to the frozen initial policy (0: off).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
     entropy_coef: float = Field(0.0, description="Entropy bonus coefficient.")
     norm_len: int | None = Field(
-        None, description="Constant divisor length for seq_mean_token_sum_norm (default: rollout.max_new_tokens)."
+        None, ge=1, description="Constant divisor length for seq_mean_token_sum_norm (default: rollout.max_new_tokens)."
     )
     offpolicy: Literal["decoupled", "tis", "m2po", "none"] = Field(
         "decoupled", description="Correction for tokens sampled by an older policy (partial, periodic, async): "
         "decoupled PPO (trust region around the current policy, weight π/π_behav ≤ 5), TIS on every token (also "
         "corrects engine/trainer mismatch), M2PO second-moment masking, or none.")
-    tis_cap: float = Field(2.0, gt=0, description="offpolicy=tis: truncation C of the importance weight.")
+    # C < 1 would down-weight every on-policy token (ratio ≈ 1) instead of truncating outliers
+    tis_cap: float = Field(2.0, ge=1, description="offpolicy=tis: truncation C ≥ 1 of the importance weight.")
     tis_level: Literal["token", "sequence"] = Field("token", description="offpolicy=tis: per-token or per-sequence.")
     m2po_tau: float = Field(0.04, gt=0, description="offpolicy=m2po: bound on the second moment of log-ratios.")
     ess_lr_scale: bool = Field(
@@ -178,12 +198,21 @@ class TrainerCfg(_Section):
     schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="LR decay after warm-up.")
     warmup_steps: int = Field(3, ge=0, description="Linear LR warm-up steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas, each in [0, 1).")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
     micro_batch_tokens: int = Field(
         1024, ge=1, description="Token budget per micro-batch (padded rows × longest row). Smaller means less padding "
         "(rows are grouped by length); 1024 was fastest for the demo on CPU, GPUs want far more.")
-    updates_per_step: int = Field(1, ge=1, description="Optimiser steps per rollout batch (mini-batches).")
+    updates_per_step: int = Field(
+        1, ge=1, description="Optimiser steps per rollout batch (mini-batches); at most the batch, "
+        "rollout.prompts_per_step × rollout.group_size.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
+        return v
 
 
 class EvalCfg(_Section):
@@ -191,7 +220,7 @@ class EvalCfg(_Section):
 
     size: int = Field(256, ge=1, description="Held-out prompts evaluated.")
     every: int = Field(0, ge=0, description="Evaluate every N steps (0: only before and after training).")
-    samples: int = Field(1, ge=1, description="Sampled responses per prompt for sampled accuracy.")
+    samples: int = Field(1, ge=1, le=1024, description="Sampled responses per prompt for sampled accuracy.")
 
 
 class Config(BaseModel):
@@ -210,32 +239,113 @@ class Config(BaseModel):
     def run_dir(self) -> Path:
         return Path(self.run.output_dir) / self.run.name
 
+    def get(self, dotted: str) -> Any:
+        sec, key = dotted.split(".")
+        return getattr(getattr(self, sec), key)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Config":
+        r, t = self.rollout, self.trainer
+        batch = r.prompts_per_step * r.group_size
+        if t.updates_per_step > batch:  # each optimiser step needs at least one response
+            raise ValueError(
+                f"trainer.updates_per_step={t.updates_per_step} is more than the batch it splits: "
+                f"rollout.prompts_per_step × rollout.group_size = {r.prompts_per_step} × {r.group_size} = {batch}")
+        if self.eval.every > self.run.steps:
+            raise ValueError(f"eval.every={self.eval.every} is more than run.steps={self.run.steps}: it would never "
+                             "evaluate during training (0: only before and after)")
+        for field in inapplicable_set(self):
+            applies, when, deciding = APPLIES_ONLY[field]
+            now = ", ".join(f"{d}={_show(self.get(d))}" for d in deciding)
+            raise ValueError(f"{field} is set, but it only applies {when} (here {now}): remove it")
+        return self
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else repr(value)
+
+
+def _own_engine_process(c: Config) -> bool:
+    """As pipeline.placement decides it: null means on for the overlapped modes."""
+    r = c.rollout
+    return r.engine_process if r.engine_process is not None else c.run.mode != "sync"
+
+
+_ASYNC = (lambda c: c.run.mode == "async", "with run.mode=async", ("run.mode",))
+_CB = (lambda c: c.rollout.engine == "hf-cb", "with rollout.engine=hf-cb", ("rollout.engine",))
+_TIS = (lambda c: c.algo.offpolicy == "tis", "with algo.offpolicy=tis", ("algo.offpolicy",))
+_EVAL = (lambda c: c.data.eval_path is not None, "when data.eval_path is set", ("data.eval_path",))
+
+# Fields that the chosen mode/options ignore: field -> (does it apply?, when it applies, the fields
+# that decide). Setting one where it does not apply would silently do nothing, so it is an error
+# (only when set explicitly: defaults are always present).
+APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] = {
+    "rollout.max_staleness": _ASYNC,
+    "rollout.stale": _ASYNC,
+    "rollout.over_provision": (lambda c: c.rollout.partial and c.run.mode != "async",
+                               "with rollout.partial=true in run.mode=sync or periodic (async over-provisions by "
+                               "its staleness bound)", ("rollout.partial", "run.mode")),
+    "rollout.cb_num_blocks": _CB,
+    "rollout.cb_page_size": _CB,
+    "rollout.cb_max_batch_tokens": _CB,
+    "rollout.engine_threads": (_own_engine_process, "when the engine runs in its own process "
+                               "(rollout.engine_process=true, or null with run.mode=periodic or async)",
+                               ("rollout.engine_process", "run.mode")),
+    "algo.tis_cap": _TIS,
+    "algo.tis_level": _TIS,
+    "algo.m2po_tau": (lambda c: c.algo.offpolicy == "m2po", "with algo.offpolicy=m2po", ("algo.offpolicy",)),
+    "algo.norm_len": (lambda c: c.algo.agg == "seq_mean_token_sum_norm", "with algo.agg=seq_mean_token_sum_norm",
+                      ("algo.agg",)),
+    "algo.kl_estimator": (lambda c: c.algo.kl_coef > 0, "with algo.kl_coef > 0", ("algo.kl_coef",)),
+    "model.system_prompt": (lambda c: c.data.prompt_format == "chat", "with data.prompt_format=chat (a raw prompt "
+                            "has no messages)", ("data.prompt_format",)),
+    "eval.size": _EVAL,
+    "eval.every": _EVAL,
+    "eval.samples": _EVAL,
+}
+
+
+def inapplicable_set(cfg: Config) -> list[str]:
+    """Fields set explicitly (pydantic's ``model_fields_set``) where the configuration ignores them."""
+    out = []
+    for field, (applies, _, _) in APPLIES_ONLY.items():
+        sec, key = field.split(".")
+        if key in getattr(cfg, sec).model_fields_set and not applies(cfg):
+            out.append(field)
+    return out
+
+
+def one_line(text: str) -> str:
+    """Multi-line messages (pydantic, YAML, library errors) folded into one line."""
+    # split on newlines only: a \r or \x1c inside a quoted value is not a line of the message
+    return "; ".join(line.strip() for line in re.split(r"\r?\n", str(text)) if line.strip())
+
 
 def _check_keys(tree: dict, source: str) -> None:
     """Reject unknown sections/fields with the valid choices (before pydantic, for clearer errors)."""
     sections = Config.model_fields
     for sec, body in tree.items():
         if sec not in sections:
-            raise ConfigError(f"{source}: unknown section '{sec}'. Valid sections: {', '.join(sections)}")
+            raise ConfigError(f"{source}: unknown section {str(sec)!r:.80}. Valid sections: {', '.join(sections)}")
         if not isinstance(body, dict):
-            raise ConfigError(f"{source}: '{sec}' must be a mapping of fields")
+            raise ConfigError(f"{source}: '{sec}' must be a mapping of fields, got {type(body).__name__}")
         fields = sections[sec].annotation.model_fields
         for key in body:
             if key not in fields:
-                near = difflib.get_close_matches(key, fields, n=1)
+                near = difflib.get_close_matches(str(key), fields, n=1)
                 hint = f" Did you mean '{sec}.{near[0]}'?" if near else ""
                 raise ConfigError(
-                    f"{source}: unknown key '{sec}.{key}'.{hint} Valid keys in '{sec}': {', '.join(fields)}"
+                    f"{source}: unknown key '{sec}.{str(key):.80}'.{hint} Valid keys in '{sec}': {', '.join(fields)}"
                 )
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
-        raise ConfigError(f"override {item!r} must look like section.key=value")
+        raise ConfigError(f"override {item!r:.80} must look like section.key=value")
     key, raw = item.split("=", 1)
     parts = key.strip().split(".")
     if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"override key '{key}' must be section.key (two levels), e.g. trainer.lr=1e-5")
+        raise ConfigError(f"override key {key!r:.80} must be section.key (two levels), e.g. trainer.lr=1e-5")
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
@@ -243,35 +353,105 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return parts, value
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """' at line L column C: problem' (PyYAML's own text quotes the source over several lines)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or getattr(e, "context", None)
+    if mark is None or problem is None:
+        return f": {one_line(e)}"
+    context = getattr(e, "context", None)
+    return f" at line {mark.line + 1} column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
+
+
+def _read_yaml(p: Path) -> tuple[dict, dict[tuple[str, str], str]]:
+    """The file's sections, and the text of every scalar as written (see ``_coerce``)."""
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {p}") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read the config file: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not a UTF-8 text file (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+    try:
+        tree, node = yaml.safe_load(text), yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML{_yaml_problem(e)}") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: not valid YAML: nested too deeply") from None
+    if tree is None:
+        raise ConfigError(f"{p}: the config file is empty (no sections)")
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(tree).__name__}")
+    tree = {sec: {} if body is None else body for sec, body in tree.items()}  # `run:` with nothing under it
+    _check_keys(tree, str(p))
+    texts = {}
+    for sec, body in node.value:
+        if isinstance(body, yaml.MappingNode):
+            texts.update({(sec.value, k.value): v.value for k, v in body.value if isinstance(v, yaml.ScalarNode)})
+    return tree, texts
+
+
+def _scalar_type(annotation) -> type | None:
+    """str, int or float for a field of that type (or that type | None); else None."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        annotation = args[0] if len(args) == 1 else None
+    return annotation if annotation in (str, int, float) else None
+
+
+def _coerce(tree: dict, texts: dict[tuple[str, str], str], origin: dict[tuple[str, str], str]) -> None:
+    """YAML types values before we know the field: `run.name=2024` would arrive as an int. A string
+    field keeps the value's text as written (`1e3` stays "1e3", `007` stays "007"); a number field
+    refuses a bool (pydantic would take `true` as 1)."""
+    for sec, body in tree.items():
+        fields = Config.model_fields[sec].annotation.model_fields
+        for key, value in body.items():
+            kind = _scalar_type(fields[key].annotation)
+            if kind is str and value is not None and not isinstance(value, (str, list, dict)):
+                body[key] = texts.get((sec, key), str(value))
+            elif kind in (int, float) and isinstance(value, bool):
+                raise ConfigError(f"{origin[sec, key]}: {sec}.{key} must be a number, got {value!r}")
+
+
+def _describe(err: dict, origin: dict[tuple[str, str], str]) -> str:
+    loc = [str(x) for x in err["loc"]]
+    msg = err["msg"].removeprefix("Value error, ")
+    if len(loc) < 2:  # a section's or the whole config's own check: its message names the fields
+        return msg
+    where = origin.get((loc[0], loc[1]))
+    return f"{'.'.join(loc)}: {msg} (got {err.get('input')!r:.80}{', from ' + where if where else ''})"
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     tree: dict = {}
+    texts: dict[tuple[str, str], str] = {}
     if path is not None:
-        p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{p}: top level must be a mapping of sections")
-        _check_keys(tree, str(p))
+        tree, texts = _read_yaml(Path(path))
+    origin = {(sec, key): str(path) for sec, body in tree.items() for key in body}
     for item in overrides:
         (sec, key), value = parse_override(item)
         _check_keys({sec: {key: value}}, "command line")
         tree.setdefault(sec, {})[key] = value
+        texts[sec, key], origin[sec, key] = item.split("=", 1)[1].strip(), "command line"
+    _coerce(tree, texts, origin)
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err["loc"])
-            lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})" if loc else f"  {err['msg']}")
-        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+        raise ConfigError("invalid configuration: " + "; ".join(_describe(x, origin) for x in e.errors())) from None
 
 
 def dump_config(cfg: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    """The resolved config; fields the configuration ignores are left out, so the file loads back
+    (``relayrl train runs/<name>/config.yaml``) without tripping the check on them."""
+    tree = cfg.model_dump(mode="json")
+    for field, (applies, _, _) in APPLIES_ONLY.items():
+        if not applies(cfg):
+            sec, key = field.split(".")
+            del tree[sec][key]
+    path.write_text(yaml.safe_dump(tree, sort_keys=False))
 
 
 def describe() -> str:

@@ -1,18 +1,24 @@
 """Prompt datasets (JSONL, JSON, Parquet, ``datasets`` folders, the built-in demo) and the sampler.
 
-Rows are mapped to ``Prompt`` records through the configured field names. A malformed row
-fails with the file and row number. The sampler walks seeded per-epoch permutations and
-its cursor is part of the checkpoint, so a resumed run neither repeats nor skips a prompt.
+Rows are mapped to ``Prompt`` records through the configured field names. Bad input of any
+kind (encoding, syntax, a corrupt file, a field of the wrong type) fails with a ``DataError``
+naming the file, the row (1-based in every format; the line for JSONL) and the field. The
+sampler walks seeded per-epoch permutations and its cursor is part of the checkpoint, so a
+resumed run neither repeats nor skips a prompt.
 """
 
 from __future__ import annotations
 
+import codecs
+import decimal
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from relayrl.config import one_line
 from relayrl.records import Prompt
 
 
@@ -20,64 +26,181 @@ class DataError(ValueError):
     pass
 
 
-def _iter_rows(path: str) -> Iterator[tuple[int, Any]]:
-    """(row_number, row) pairs; row numbers are 1-based lines for JSONL, 0-based indices otherwise."""
-    if path.startswith("builtin:"):
-        from relayrl.demo import task
+ROLES = ("system", "user", "assistant")  # the roles chat templates render in a prompt
+_WIDE_BOMS = (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE, codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
 
-        which = path.split(":", 1)[1]
-        if which == "demo":
-            rows = task.make_rows(20000, seed=1, id_prefix="train")
-        elif which == "demo-eval":
-            rows = task.make_rows(1000, seed=2, id_prefix="eval")
-        else:
-            raise DataError(f"unknown built-in dataset {path!r}; valid: builtin:demo, builtin:demo-eval")
-        yield from enumerate(rows)
+
+def _one_line(e: BaseException) -> str:
+    return one_line(str(e)) or type(e).__name__
+
+
+def _decode(raw: bytes, p: Path, first_line: int = 1) -> str:
+    """UTF-8 text of ``raw`` (lines ``first_line``...), naming the line, column and byte that is not
+    UTF-8. A UTF-8 byte-order mark is dropped (spreadsheet exports write one)."""
+    if first_line == 1 and raw.startswith(_WIDE_BOMS):
+        raise DataError(f"{p}: the file is UTF-16 or UTF-32 (it starts with a byte-order mark); save it as UTF-8")
+    skip = len(codecs.BOM_UTF8) if first_line == 1 and raw.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return raw[skip:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        at = e.start + skip
+        line = first_line + raw.count(b"\n", 0, at)
+        column = at - (raw.rfind(b"\n", 0, at) + 1) + 1
+        raise DataError(f"{p}: line {line}: not valid UTF-8: byte 0x{raw[at]:02x} at column {column} "
+                        "(save the file as UTF-8)") from None
+
+
+def _jsonl_rows(p: Path) -> Iterator[tuple[int, Any]]:
+    with p.open("rb") as f:
+        for n, raw in enumerate(f, start=1):
+            line = _decode(raw, p, first_line=n)
+            if not line.strip():
+                continue
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{p}: line {n}: invalid JSON: {e.msg} (column {e.colno})") from None
+            except RecursionError:
+                raise DataError(f"{p}: line {n}: invalid JSON: nested too deeply") from None
+
+
+def _json_rows(p: Path) -> Iterator[tuple[int, Any]]:
+    try:
+        rows = json.loads(_decode(p.read_bytes(), p))
+    except json.JSONDecodeError as e:
+        hint = " (one object per line? name the file .jsonl)" if e.msg == "Extra data" else ""
+        raise DataError(f"{p}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}{hint}") from None
+    except RecursionError:
+        raise DataError(f"{p}: invalid JSON: nested too deeply") from None
+    if not isinstance(rows, list):
+        raise DataError(f"{p}: a .json dataset must be a list of rows, got {_kind(rows)} (JSON Lines: name it .jsonl)")
+    yield from enumerate(rows, start=1)
+
+
+def _parquet_rows(p: Path) -> Iterator[tuple[int, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_table(p).to_pylist()
+    except (pa.ArrowException, OSError, ValueError) as e:  # truncated, corrupt, or not Parquet at all
+        raise DataError(f"{p}: not a readable Parquet file: {_one_line(e)}") from None
+    yield from enumerate(rows, start=1)
+
+
+def _datasets_rows(p: Path) -> Iterator[tuple[int, Any]]:
+    import datasets
+
+    datasets.disable_progress_bars()  # relayrl draws its own; theirs would go to stderr
+    try:
+        ds = datasets.load_from_disk(str(p))
+        if isinstance(ds, datasets.DatasetDict):
+            if not ds:
+                raise DataError(f"{p}: the DatasetDict has no splits")
+            ds = ds["train" if "train" in ds else next(iter(ds))]
+        # arrow files are memory-mapped and read as rows are taken: a truncated one fails here
+        yield from enumerate(ds, start=1)
+    except DataError:
+        raise
+    except Exception as e:  # datasets raises anything from FileNotFoundError to ArrowInvalid and KeyError
+        raise DataError(f"{p}: not a readable datasets folder (saved with save_to_disk): {_one_line(e)}") from None
+
+
+READERS = {".jsonl": _jsonl_rows, ".json": _json_rows, ".parquet": _parquet_rows}
+
+
+def _builtin_rows(path: str) -> list[dict]:
+    from relayrl.demo import task
+
+    which = path.split(":", 1)[1]
+    if which == "demo":
+        return task.make_rows(20000, seed=1, id_prefix="train")
+    if which == "demo-eval":
+        return task.make_rows(1000, seed=2, id_prefix="eval")
+    raise DataError(f"unknown built-in dataset {path!r}; valid: builtin:demo, builtin:demo-eval")
+
+
+def _iter_rows(path: str) -> Iterator[tuple[int, Any]]:
+    """(row number, row) pairs, numbered from 1 in every format (JSONL: the line)."""
+    if path.startswith("builtin:"):
+        yield from enumerate(_builtin_rows(path), start=1)
         return
     p = Path(path)
     if not p.exists():
         raise DataError(f"dataset not found: {p}")
-    if p.is_dir():
-        import datasets
-
-        try:
-            ds = datasets.load_from_disk(str(p))
-        except Exception as e:
-            raise DataError(f"{p}: not a datasets folder saved with save_to_disk: {e}") from None
-        if isinstance(ds, datasets.DatasetDict):
-            split = "train" if "train" in ds else next(iter(ds))
-            ds = ds[split]
-        yield from enumerate(ds)
-    elif p.suffix == ".jsonl":
-        with p.open() as f:
-            for n, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield n, json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{p}: line {n}: invalid JSON: {e.msg}") from None
-    elif p.suffix == ".json":
-        rows = json.loads(p.read_text())
-        if not isinstance(rows, list):
-            raise DataError(f"{p}: a .json dataset must be a list of rows")
-        yield from enumerate(rows)
-    elif p.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        yield from enumerate(pq.read_table(p).to_pylist())
-    else:
+    reader = _datasets_rows if p.is_dir() else READERS.get(p.suffix)
+    if reader is None:
         raise DataError(f"{p}: unsupported dataset format {p.suffix!r}; use .jsonl, .json, .parquet or a folder")
+    try:
+        yield from reader(p)
+    except OSError as e:  # unreadable: permissions, a special file
+        raise DataError(f"{p}: cannot read: {e.strerror or _one_line(e)}") from None
 
 
-def _to_messages(value: Any, where: str) -> list[dict[str, str]]:
+def _kind(value: Any) -> str:
+    return f"{type(value).__name__} {value!r:.60}"
+
+
+def _text(value: str, at: str) -> str:
+    """``value``, if it can be tokenized: a JSON escape like \\ud800 gives a lone surrogate, which is
+    not Unicode and fails only when the prompt is encoded, mid-run."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = value[e.start]
+        raise DataError(f"{at}: invalid Unicode: lone surrogate {bad!r} at character {e.start + 1}") from None
+    return value
+
+
+def _messages(value: Any, at: str, raw: bool) -> list[dict[str, str]]:
+    """The prompt as chat messages (a string is one user message)."""
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if isinstance(value, list) and value and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
-    ):
-        return [{"role": m["role"], "content": m["content"]} for m in value]
-    raise DataError(f"{where}: prompt must be a string or a list of {{role, content}} messages, got {value!r:.80}")
+        if not value.strip():
+            raise DataError(f"{at} is empty")
+        return [{"role": "user", "content": _text(value, at)}]
+    if raw:
+        raise DataError(f"{at}: data.prompt_format=raw takes a plain string prompt, got {_kind(value)} "
+                        "(chat messages need data.prompt_format=chat)")
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{at} must be a non-empty string or a list of {{role, content}} messages, got {_kind(value)}")
+    out = []
+    for i, m in enumerate(value, start=1):
+        where = f"{at} message {i}"
+        if not isinstance(m, dict):
+            raise DataError(f"{where} must be an object with role and content, got {_kind(m)}")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise DataError(f"{where}: role {role!r:.40} is not one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise DataError(f"{where}: content must be a string, got {_kind(content)}")
+        out.append({"role": role, "content": _text(content, where)})
+    if not any(m["content"].strip() for m in out):
+        raise DataError(f"{at} is empty (every message's content is blank)")
+    return out
+
+
+def _answer(value: Any, at: str) -> str | None:
+    """A string, or a number as its text (``2`` → "2"); anything else is a mistake in the mapping."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return _text(value, at)
+    if isinstance(value, (int, float, decimal.Decimal)) and not isinstance(value, bool):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise DataError(f"{at} is {value} (a missing number?)")
+        return str(value)
+    raise DataError(f"{at} must be a string or a number, got {_kind(value)}")
+
+
+def _row_id(row: dict, n: int, id_field: str | None, at: str) -> str:
+    if id_field is None or id_field not in row:
+        return f"row{n}"
+    value = row[id_field]
+    if isinstance(value, str) and value.strip():
+        return _text(value, at)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise DataError(f"{at} must be a non-empty string or an integer, got {_kind(value)}")
 
 
 def load_prompts(
@@ -88,27 +211,35 @@ def load_prompts(
     metadata_fields: list[str] = (),
     system_prompt: str | None = None,
     limit: int | None = None,
+    prompt_format: str = "chat",
 ) -> list[Prompt]:
+    """Rows of ``path`` as prompts. ``prompt_format='raw'``: the prompt must be a plain string
+    (it is tokenized without a chat template, so there is nowhere to put a system prompt)."""
+    if prompt_format not in ("chat", "raw"):
+        raise ValueError(f"prompt_format must be 'chat' or 'raw', got {prompt_format!r}")
+    if prompt_format == "raw" and system_prompt:
+        raise DataError("model.system_prompt needs data.prompt_format=chat (a raw prompt has no messages)")
     out: list[Prompt] = []
     seen: set[str] = set()
     label = "line" if path.endswith(".jsonl") else "row"
     for n, row in _iter_rows(path):
         where = f"{path}: {label} {n}"
         if not isinstance(row, dict):
-            raise DataError(f"{where}: expected an object with fields, got {type(row).__name__}")
+            raise DataError(f"{where}: expected an object with fields, got {_kind(row)}")
         if prompt_field not in row:
-            raise DataError(f"{where}: missing field '{prompt_field}' (data.prompt_field); has: {', '.join(row)}")
-        messages = _to_messages(row[prompt_field], where)
+            raise DataError(f"{where}: missing field '{prompt_field}' (data.prompt_field); has: "
+                            f"{', '.join(map(str, row))[:200]}")
+        messages = _messages(row[prompt_field], f"{where}: field '{prompt_field}'", prompt_format == "raw")
         if system_prompt:
             messages = [{"role": "system", "content": system_prompt}] + messages
         answer = None
         if answer_field is not None:
             if answer_field not in row:
                 raise DataError(f"{where}: missing field '{answer_field}' (data.answer_field)")
-            answer = None if row[answer_field] is None else str(row[answer_field])
-        pid = str(row[id_field]) if id_field is not None and id_field in row else f"row{n}"
+            answer = _answer(row[answer_field], f"{where}: field '{answer_field}'")
+        pid = _row_id(row, n, id_field, f"{where}: field '{id_field}'")
         if pid in seen:
-            raise DataError(f"{where}: duplicate id {pid!r}")
+            raise DataError(f"{where}: field '{id_field}': duplicate id {pid!r:.80}")
         seen.add(pid)
         meta = dict(row.get("metadata") or {}) if isinstance(row.get("metadata"), dict) else {}
         for f in metadata_fields:
