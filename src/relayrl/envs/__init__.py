@@ -1,0 +1,1 @@
+"""Environments and tools for agent episodes."""
