@@ -146,7 +146,8 @@ def test_async_with_eta_zero_equals_sync(tiny_path, tmp_path):
     runs = {}
     for mode in ("sync", "async"):
         cfg = load_config(None, EASY + [f"model.path={tiny_path}", f"run.output_dir={tmp_path}", f"run.name={mode}",
-                                        f"run.mode={mode}", "rollout.max_staleness=0", "run.steps=3",
+                                        f"run.mode={mode}", "run.steps=3",
+                                        *(["rollout.max_staleness=0"] if mode == "async" else []),
                                         "rollout.engine_process=false"])
         train(cfg)
         runs[mode] = (_metrics(cfg.run_dir), load_file(cfg.run_dir / "checkpoints" / "step_000003" / "model.safetensors"))
@@ -163,7 +164,8 @@ def test_evaluation_during_overlapped_modes(tmp_path, mode):
     """Evaluating every few steps shares the engine with a rollout running ahead: the rollout is
     held while the engine evaluates, and the run completes with its eval metrics."""
     cfg = load_config(None, SMALL + [f"run.output_dir={tmp_path}", f"run.mode={mode}", "run.steps=4", "eval.every=2",
-                                     "eval.size=16", "data.eval_path=builtin:demo-eval", "rollout.max_staleness=4"])
+                                     "eval.size=16", "data.eval_path=builtin:demo-eval",
+                                     *(["rollout.max_staleness=4"] if mode == "async" else [])])
     summary = train(cfg)
     m = _metrics(cfg.run_dir)
     assert summary["steps"] == 4 and [("eval/accuracy" in x) for x in m] == [False, True, False, True]

@@ -53,8 +53,8 @@ def test_resume_refuses_unsafe_changes_and_allows_safe_ones(tiny_path, tmp_path)
                                    .splitlines()[3])["prompt"]
     moved = tmp_path / "moved.jsonl"  # the same data elsewhere is the same data
     moved.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    summary = train(_cfg(tiny_path, tmp_path, f"data.path={moved}", "run.steps=3", "run.save_every=1",
-                         "eval.size=8"), resume=True)
+    summary = train(_cfg(tiny_path, tmp_path, f"data.path={moved}", "run.steps=3", "run.save_every=1"),
+                    resume=True)
     assert summary["steps"] == 3 and [m["step"] for m in _metrics(run)] == [1, 2, 3]
 
 

@@ -16,7 +16,7 @@ def evaluate(engine: Engine, tokenizer, prompts: list[Prompt], reward: RewardRun
     r = cfg.rollout
     out = {"temperature": r.temperature, "prompts": len(prompts)}
     for key, temp, n in (("accuracy", r.temperature, cfg.eval.samples), ("accuracy_greedy", 0.0, 1)):
-        groups = make_groups(prompts, tokenizer, n, tag=f"eval-{key}-v{engine.version}")
+        groups = make_groups(prompts, tokenizer, n, f"eval-{key}-v{engine.version}", cfg.data.prompt_format)
         generate_groups(engine, groups, SamplingParams(r.max_new_tokens, temp, r.top_p, r.top_k))
         fault_point("eval")
         score_groups(groups, reward, tokenizer)

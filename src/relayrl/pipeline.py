@@ -22,7 +22,7 @@ from relayrl.data import PromptSampler, load_prompts
 from relayrl.engine import EngineError, make_engine
 from relayrl.engine.process import ProcessEngine
 from relayrl.evaluation import evaluate
-from relayrl.models import load_policy, load_tokenizer, resolve_model_path
+from relayrl.models import check_prompt_lengths, load_policy, load_tokenizer, model_context, resolve_model_path
 from relayrl.partial import PartialBuffer
 from relayrl.records import Group, SamplingParams, group_to_dict
 from relayrl.resume import ResumeError, check_compatible, data_fingerprint, prepare_run_dir, start_state
@@ -67,11 +67,31 @@ def make_reward_runner(cfg: Config) -> RewardRunner:
     return RewardRunner(r.fn, r.timeout_s, workers=r.workers, memory_mb=r.memory_mb, sandbox=r.sandbox)
 
 
+def load_tokenizer_for(cfg: Config, base: str, log) -> tuple[object, str]:
+    """(tokenizer, its path): model.tokenizer if set, else the model's own."""
+    field = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+    path = resolve_model_path(cfg.model.tokenizer, log=log, field=field) if cfg.model.tokenizer else base
+    return load_tokenizer(path, cfg.data.prompt_format, field=field), path
+
+
+def check_prompts_fit(cfg: Config, weights: str, tokenizer, prompts: list, eval_prompts: list | None) -> None:
+    """A prompt longer than the model's context leaves after rollout.max_new_tokens is an input
+    error now, naming the row, not a generation failure mid-run."""
+    context = model_context(weights)
+    if context is None:
+        return
+    limit, fmt = context - cfg.rollout.max_new_tokens, cfg.data.prompt_format
+    check_prompt_lengths(prompts or [], tokenizer, limit, fmt, source=cfg.data.path)
+    if eval_prompts:
+        check_prompt_lengths(eval_prompts, tokenizer, limit, fmt, source=cfg.data.eval_path)
+
+
 def load_data(cfg: Config) -> tuple[list, list | None]:
     """Training and held-out prompts (``DataError`` naming file and row on bad input)."""
     d = cfg.data
     fields = dict(prompt_field=d.prompt_field, answer_field=d.answer_field, id_field=d.id_field,
-                  metadata_fields=d.metadata_fields, system_prompt=cfg.model.system_prompt)
+                  metadata_fields=d.metadata_fields, system_prompt=cfg.model.system_prompt,
+                  prompt_format=d.prompt_format)
     prompts = load_prompts(d.path, **fields)
     eval_prompts = load_prompts(d.eval_path, limit=cfg.eval.size, **fields) if d.eval_path else None
     return prompts, eval_prompts
@@ -90,9 +110,9 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         reward.stats.failures, reward.stats.timeouts = state.reward_failures, state.reward_timeouts
         base = resolve_model_path(cfg.model.path, log=log)
         weights = str(ckpt) if ckpt else base
-        tok_path = resolve_model_path(cfg.model.tokenizer, log=log) if cfg.model.tokenizer else base
-        tokenizer = load_tokenizer(tok_path)
-        policy = load_policy(weights, cfg.model.dtype)
+        tokenizer, tok_path = load_tokenizer_for(cfg, base, log)
+        check_prompts_fit(cfg, weights, tokenizer, prompts, eval_prompts)
+        policy = load_policy(weights, cfg.model.dtype, field="checkpoint" if ckpt else "model.path")
         ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 else None
         if own_process:  # seeded per resume point, so a resumed run does not repeat its samples
             engine = ProcessEngine(cfg.rollout, weights, tok_path, cfg.model.dtype, policy.state_dict(),
@@ -271,13 +291,16 @@ def evaluate_only(cfg: Config) -> dict:
     if not d.eval_path:
         raise ValueError("data.eval_path is not set: nothing to evaluate")
     prompts = load_prompts(d.eval_path, d.prompt_field, d.answer_field, d.id_field, d.metadata_fields,
-                           cfg.model.system_prompt, limit=cfg.eval.size)
-    path = resolve_model_path(cfg.model.path, log=log)
-    tokenizer = load_tokenizer(resolve_model_path(cfg.model.tokenizer, log=log) if cfg.model.tokenizer else path)
-    engine = make_engine(cfg.rollout, load_policy(path, cfg.model.dtype), tokenizer)
+                           cfg.model.system_prompt, limit=cfg.eval.size, prompt_format=d.prompt_format)
     reward = make_reward_runner(cfg)
     try:
-        return evaluate(engine, tokenizer, prompts, reward, cfg)
+        path = resolve_model_path(cfg.model.path, log=log)
+        tokenizer, _ = load_tokenizer_for(cfg, path, log)
+        check_prompts_fit(cfg, path, tokenizer, [], prompts)
+        engine = make_engine(cfg.rollout, load_policy(path, cfg.model.dtype), tokenizer)
+        try:
+            return evaluate(engine, tokenizer, prompts, reward, cfg)
+        finally:
+            engine.close()
     finally:
-        engine.close()
         reward.close()

@@ -21,12 +21,13 @@ from relayrl.rewards import RewardRunner
 from relayrl.scheduling import LengthModel, order_trajectories
 
 
-def make_groups(prompts: list[Prompt], tokenizer, group_size: int, tag: str) -> list[Group]:
+def make_groups(prompts: list[Prompt], tokenizer, group_size: int, tag: str, prompt_format: str = "chat"
+                ) -> list[Group]:
     """G empty trajectories per prompt; ``tag`` makes request ids unique across calls, the index
     within a call (a prompt may come twice when a call spans an epoch boundary)."""
     groups = []
     for k, p in enumerate(prompts):
-        ids = encode_prompt(tokenizer, p.messages)
+        ids = encode_prompt(tokenizer, p.messages, prompt_format)
         gid = f"{tag}.{k}/{p.id}"
         groups.append(Group(p, gid, [Trajectory(p, gid, i, ids) for i in range(group_size)]))
     return groups

@@ -46,7 +46,7 @@ def new_groups(cfg: Config, c, state, prompts: list) -> list[Group]:
     checkpoint, so a resumed run never reuses the id of a group it carries."""
     tag = f"g{state.groups_made}"
     state.groups_made += 1
-    return make_groups(prompts, c.tokenizer, cfg.rollout.group_size, tag)
+    return make_groups(prompts, c.tokenizer, cfg.rollout.group_size, tag, cfg.data.prompt_format)
 
 
 def _rollout_step(cfg: Config, c, state, step: int, lengths: LengthModel | None):
