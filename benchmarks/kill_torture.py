@@ -1,0 +1,513 @@
+"""Kill torture: SIGKILL the CLI at many moments, resume it, and check nothing was lost or repeated.
+
+Each case starts ``python -m relayrl.cli train ...`` (a small fast run of the demo task in its
+own run directory), kills it with SIGKILL, resumes it with ``--resume`` (some cases are killed
+again during a resume), lets the last resume run to completion, and checks:
+
+1. **once**: every prompt trained exactly once: no prompt id twice in ``trained_prompts.jsonl``,
+   steps 1..N there once each, every step's list full (``prompts_per_step`` ids), and the final
+   checkpoint's ``sampler.consumed`` == trained prompt ids + groups carried in its
+   ``partial_buffer`` (carried prompts not among the trained ones). Runs are far shorter than one
+   epoch of the 20,000 demo prompts, so once per epoch means once.
+2. **steps**: ``metrics.jsonl`` holds steps 1..N, each exactly once, in order.
+3. **loads**: the final checkpoint (``checkpoints/step_N``) loads with
+   ``transformers.AutoModelForCausalLM.from_pretrained``.
+4. **no orphans**: every process of the case carries a unique environment marker
+   (``RELAYRL_TORTURE_ID=<uuid>``, inherited by the engine process, reward workers, ...); after
+   each kill (within a grace period: children poll for their parent once a second) and at the end,
+   no process in ``/proc/*/environ`` may still carry it. Survivors are listed by pid and
+   cmdline, then killed.
+
+A case also fails if the final run does not exit 0 (e.g. ``--resume`` refusing to start) or if a
+planned kill did not land (a harness problem: the range of its moment is wrong).
+
+Kill moments: most kills use ``RELAYRL_KILL_AT=phase:n`` (``relayrl.faults``: the process kills
+itself the n-th time it reaches generate = a completion received, train = a micro-batch,
+checkpoint = inside a checkpoint write before the atomic rename, eval = between the sampled and
+greedy halves of an evaluation) with n drawn from a range by ``--seed``; the others are an
+external ``kill -9`` at a random wall-clock time after start (start-up, model loading, between
+phases), or a random delay after the attempt logged its k-th step. The 20 cases cover
+``run.mode`` sync, periodic and async, each with ``rollout.partial`` on and off, and include a
+kill while the first checkpoint is written, kills before any checkpoint (``--resume`` must then
+start cleanly from scratch), kills during evaluation (``eval.every=2``, a small held-out set) and
+cases killed two or three times. The counters of ``RELAYRL_KILL_AT`` are per process, so a kill
+of a resumed attempt counts from that attempt's start.
+
+    python benchmarks/kill_torture.py                 # all 20 cases (~19 min on 2 shared cores)
+    python benchmarks/kill_torture.py --cases 3       # the first 3 (what tests/test_kill_torture.py runs)
+    python benchmarks/kill_torture.py --only 4 19 --keep   # chosen cases (1-based), keep their run dirs
+    python benchmarks/kill_torture.py --seed 7        # other random kill moments
+
+Writes a Markdown table (one row per case) and JSON with every attempt's details to
+``benchmarks/results/kill_torture.{md,json}``; prints ``N/M passed``; exits 0 only if all passed.
+The library under test is this checkout's ``src/`` (``--src`` to test another copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine_info, write_results  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+MARKER = "RELAYRL_TORTURE_ID"
+STEPS = 6
+PROMPTS_PER_STEP = 4
+BASE = [
+    "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=64", f"run.steps={STEPS}",
+    "run.save_every=2", "run.progress=false", "run.keep_checkpoints=3",
+]
+NO_EVAL = ["data.eval_path=null"]
+# evaluations before training, after steps 2, 4, 6, and at the end: eval:1..10 all land
+WITH_EVAL = ["data.eval_path=builtin:demo-eval", "eval.every=2", "eval.size=16", "eval.samples=1"]
+
+
+@dataclass
+class Kill:
+    """One planned kill. kind: 'fault' (RELAYRL_KILL_AT=phase:n, n in [lo, hi]), 'wall' (kill -9 at a
+    time in [lo, hi] s after start), 'after' (kill -9 0-1.5 s after the attempt logged its k-th step,
+    k in [lo, hi] counted from the step it resumed from)."""
+
+    kind: str
+    lo: float
+    hi: float
+    phase: str = ""
+    why: str = ""  # what the case aims at, for the table
+
+
+def fault(phase: str, lo: int, hi: int | None = None, why: str = "") -> Kill:
+    return Kill("fault", lo, hi if hi is not None else lo, phase, why)
+
+
+def wall(lo: float, hi: float, why: str = "") -> Kill:
+    return Kill("wall", lo, hi, why=why)
+
+
+def after_step(lo: int, hi: int, why: str = "") -> Kill:
+    return Kill("after", lo, hi, why=why)
+
+
+@dataclass
+class Case:
+    mode: str
+    partial: bool
+    kills: list[Kill]
+    eval: bool = False
+
+
+# With the base config a run receives >= 16 completions and trains >= 1 micro-batch per step (6
+# steps: every n below lands), and writes 3 checkpoints (steps 2, 4, 6). generate <= 16 and train
+# <= 2 land before the first checkpoint; train >= 3 after step 1; generate >= 33 after step 1 in
+# sync and periodic (async generates ahead: anywhere from step 1 on). The "where killed" column
+# reports where each kill actually landed. The first three are the CI subset.
+CASES = [
+    Case("sync", False, [fault("checkpoint", 1, why="first checkpoint write")]),
+    Case("periodic", True, [fault("train", 3, 6)]),
+    Case("async", False, [fault("generate", 33, 90)]),
+    Case("sync", True, [fault("generate", 1, 16, why="before any checkpoint")]),
+    Case("periodic", False, [fault("checkpoint", 2, 3)]),
+    Case("async", True, [fault("train", 3, 6)]),
+    Case("sync", False, [fault("eval", 3, 8)], eval=True),
+    Case("periodic", True, [fault("checkpoint", 1, why="first checkpoint write")]),
+    Case("async", False, [wall(0.5, 8.0, why="start-up")]),
+    Case("sync", True, [fault("train", 3, 6), fault("checkpoint", 1, why="resumed run's first checkpoint")]),
+    Case("periodic", False, [fault("generate", 33, 90)]),
+    Case("async", True, [fault("eval", 1, 8)], eval=True),
+    Case("sync", False, [after_step(1, 4)]),
+    Case("periodic", True, [fault("eval", 1, 8)], eval=True),
+    Case("async", False, [fault("checkpoint", 1, why="first checkpoint write")]),
+    Case("sync", True, [wall(0.5, 8.0, why="start-up"), fault("generate", 1, 40)]),
+    Case("periodic", False, [after_step(1, 4), fault("train", 1, 4)]),
+    Case("async", True, [fault("generate", 33, 90), after_step(1, 3)]),
+    Case("sync", False, [fault("train", 1, 2, why="before any checkpoint"),
+                         fault("train", 1, 2, why="before any checkpoint, again")]),
+    Case("async", False, [fault("checkpoint", 2), fault("eval", 1, 4), wall(0.5, 8.0, why="start-up")], eval=True),
+]
+
+
+# ---------------------------------------------------------------- processes
+
+
+def marked_processes(marker: str) -> list[tuple[int, str]]:
+    """(pid, cmdline) of every process whose environment holds ``MARKER=marker``."""
+    needle = f"{MARKER}={marker}".encode()
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            env = (d / "environ").read_bytes()
+            if needle not in env.split(b"\0"):
+                continue
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        found.append((int(d.name), cmd or "?"))
+    return found
+
+
+def wait_no_survivors(marker: str, grace: float) -> tuple[list[tuple[int, str]], float]:
+    """Wait up to ``grace`` s for the marked processes to exit; returns (survivors, seconds waited).
+    Survivors are then killed (they are this harness's descendants) so the next attempt starts clean."""
+    t0 = time.monotonic()
+    while True:
+        alive = marked_processes(marker)
+        if not alive or time.monotonic() - t0 > grace:
+            break
+        time.sleep(0.2)
+    waited = time.monotonic() - t0
+    for pid, _ in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return alive, waited
+
+
+# ---------------------------------------------------------------- run directory state
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            out.append({"_bad_line": line[:200]})
+    return out
+
+
+def complete_checkpoints(run_dir: Path) -> list[int]:
+    """Steps of the complete checkpoints (``step_*`` folders with a state.json)."""
+    d = run_dir / "checkpoints"
+    if not d.exists():
+        return []
+    return sorted(int(p.name[5:]) for p in d.glob("step_*") if (p / "state.json").exists())
+
+
+def last_logged_step(run_dir: Path) -> int:
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    return rows[-1].get("step", 0) if rows and isinstance(rows[-1].get("step"), int) else 0
+
+
+def describe_state(run_dir: Path) -> str:
+    ck = complete_checkpoints(run_dir)
+    tmp = sorted(p.name for p in (run_dir / "checkpoints").glob(".tmp-*")) if (run_dir / "checkpoints").exists() else []
+    n = len(read_jsonl(run_dir / "metrics.jsonl"))
+    s = f"{n} step{'' if n == 1 else 's'} logged, " + (f"ckpt {ck[-1]}" if ck else "no ckpt")
+    return s + (f", left {', '.join(tmp)}" if tmp else "")
+
+
+# ---------------------------------------------------------------- one attempt
+
+
+@dataclass
+class Attempt:
+    kill: str  # what was planned ("" for a run to completion)
+    rc: int | None = None
+    killed: bool = False
+    landed: str = ""  # where it landed: the run directory's state at the kill
+    resumed_from: str = ""  # "scratch", a step, or "" (not a resume / not printed before the kill)
+    expected_from: str = ""  # from the complete checkpoints on disk before the attempt
+    seconds: float = 0.0
+    procs_seen: int = 0  # most marked processes seen at once while it ran (the scan works)
+    survivors: list = field(default_factory=list)
+    orphans_gone_s: float = 0.0
+    log_tail: str = ""
+
+
+def watch(proc: subprocess.Popen, a: Attempt, run_dir: Path, marker: str, t0: float, wall_start: float,
+          deadline_kill: float | None, after_k: int | None, delay: float, start_step: int, timeout: float) -> None:
+    """Poll the attempt until it exits; SIGKILL it ``deadline_kill`` s after start, or ``delay`` s
+    after it logged step ``start_step + after_k``, or when it runs past ``timeout``; records the run
+    directory's state at the kill in ``a.landed``, and the most marked processes seen at once."""
+    kill_at = t0 + deadline_kill if deadline_kill is not None else None
+    next_scan = t0 + 1.0
+    while proc.poll() is None:
+        now = time.monotonic()
+        if now >= next_scan:
+            a.procs_seen, next_scan = max(a.procs_seen, len(marked_processes(marker))), now + 1.0
+        if after_k is not None and kill_at is None:
+            m = run_dir / "metrics.jsonl"  # written by this attempt (mtime) and past the step it started from
+            if m.exists() and m.stat().st_mtime >= wall_start and last_logged_step(run_dir) >= start_step + after_k:
+                kill_at = now + delay
+        if kill_at is not None and now >= kill_at:
+            a.landed = describe_state(run_dir)
+            break
+        if now - t0 > timeout:
+            a.landed = f"HUNG after {timeout:.0f}s: {describe_state(run_dir)}"
+            break
+        time.sleep(0.05)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+def run_attempt(cmd: list[str], env: dict, run_dir: Path, log: Path, kill: Kill | None, rng: random.Random,
+                resume: bool, timeout: float, grace: float, marker: str) -> Attempt:
+    env = dict(env)
+    env.pop("RELAYRL_KILL_AT", None)
+    label, deadline_kill, after_k, delay = "", None, None, 0.0
+    if kill is not None and kill.kind == "fault":
+        n = rng.randint(int(kill.lo), int(kill.hi))
+        env["RELAYRL_KILL_AT"] = f"{kill.phase}:{n}"
+        label = f"{kill.phase} #{n}"
+    elif kill is not None and kill.kind == "wall":
+        deadline_kill = rng.uniform(kill.lo, kill.hi)
+        label = f"kill -9 at {deadline_kill:.1f}s"
+    elif kill is not None and kill.kind == "after":
+        after_k, delay = rng.randint(int(kill.lo), int(kill.hi)), rng.uniform(0.0, 1.5)
+        label = f"kill -9 {delay:.1f}s after step +{after_k}"
+    if kill is not None and kill.why:
+        label += f" ({kill.why})"
+    ck = complete_checkpoints(run_dir)
+    a = Attempt(kill=label, expected_from=(str(ck[-1]) if ck else "scratch") if resume else "")
+    start_step = ck[-1] if (resume and ck) else 0
+    t0, wall_start = time.monotonic(), time.time()
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd + (["--resume"] if resume else []), env=env, stdout=f, stderr=subprocess.STDOUT,
+                                cwd=run_dir.parent)
+        try:
+            watch(proc, a, run_dir, marker, t0, wall_start, deadline_kill, after_k, delay, start_step, timeout)
+        finally:  # also when the harness itself is interrupted: leave nothing running
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    a.rc = proc.returncode
+    a.seconds = time.monotonic() - t0
+    a.killed = a.rc == -signal.SIGKILL and not a.landed.startswith("HUNG")
+    if a.killed and not a.landed:
+        a.landed = describe_state(run_dir)  # the process killed itself at its fault point
+    text = log.read_text(errors="replace")
+    flat = text.replace("\n", "")
+    if resume:
+        m = re.search(r"resumed from \S*?step_0*(\d+)", flat)
+        a.resumed_from = m.group(1) if m else ("scratch" if "from scratch" in flat else
+                                               "error" if a.rc not in (0, -signal.SIGKILL) else "")
+    if a.rc not in (0, -signal.SIGKILL) or a.landed.startswith("HUNG"):
+        a.log_tail = "\n".join(text.splitlines()[-15:])
+    a.survivors, a.orphans_gone_s = wait_no_survivors(marker, grace)
+    return a
+
+
+# ---------------------------------------------------------------- checks
+
+
+def check_once(run_dir: Path, steps: int) -> tuple[bool, str]:
+    trained = read_jsonl(run_dir / "trained_prompts.jsonl")
+    got = [t.get("step") for t in trained]
+    if got != list(range(1, steps + 1)):
+        return False, f"trained_prompts.jsonl steps {compact(got)} != 1..{steps}"
+    short = [t["step"] for t in trained if len(t.get("prompt_ids", [])) != PROMPTS_PER_STEP]
+    if short:
+        return False, f"steps {short} do not hold {PROMPTS_PER_STEP} prompt ids"
+    ids = [i for t in trained for i in t["prompt_ids"]]
+    dup = sorted({i for i in ids if ids.count(i) > 1}, key=str)
+    if dup:
+        return False, f"prompt ids trained twice: {dup[:5]}"
+    state_path = run_dir / "checkpoints" / f"step_{steps:06d}" / "state.json"
+    if not state_path.exists():
+        return False, f"no final checkpoint step_{steps:06d}"
+    state = json.loads(state_path.read_text())
+    carried = [g["prompt"]["id"] for g in state.get("partial_buffer", [])]
+    if len(set(carried)) != len(carried) or set(carried) & set(ids):
+        return False, f"carried groups repeat prompts: {sorted(set(carried) & set(ids), key=str)[:5]}"
+    consumed = state["sampler"]["consumed"]
+    if consumed != len(ids) + len(carried):
+        return False, f"sampler.consumed {consumed} != {len(ids)} trained + {len(carried)} carried"
+    return True, ""
+
+
+def check_steps(run_dir: Path, steps: int) -> tuple[bool, str]:
+    got = [m.get("step") for m in read_jsonl(run_dir / "metrics.jsonl")]
+    if got != list(range(1, steps + 1)):
+        return False, f"metrics.jsonl steps {compact(got)} != 1..{steps}"
+    return True, ""
+
+
+def check_loads(run_dir: Path, steps: int) -> tuple[bool, str]:
+    ckpt = run_dir / "checkpoints" / f"step_{steps:06d}"
+    if not ckpt.exists():
+        return False, f"no final checkpoint step_{steps:06d}"
+    try:
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        bars = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()
+        try:
+            AutoModelForCausalLM.from_pretrained(ckpt)
+        finally:
+            if bars:
+                transformers.utils.logging.enable_progress_bar()
+    except Exception as e:  # noqa: BLE001 - reported
+        return False, f"from_pretrained({ckpt.name}) failed: {type(e).__name__}: {e}"[:300]
+    return True, ""
+
+
+def compact(xs: list) -> str:
+    return "[" + ",".join(str(x) for x in xs[:20]) + (",…" if len(xs) > 20 else "") + "]"
+
+
+# ---------------------------------------------------------------- one case
+
+
+def case_label(case: Case) -> str:
+    return f"{case.mode}{'+partial' if case.partial else ''}{' +eval' if case.eval else ''}"
+
+
+def run_case(index: int, workdir: Path, seed: int = 0, src: Path | None = None, timeout: float = 300.0,
+             grace: float = 20.0, keep: bool = False) -> dict:
+    """Run case ``index`` (0-based into CASES) in its own run directory under ``workdir``; returns the
+    result: ``passed``, ``checks`` (name -> bool), ``notes`` (why a check failed) and every attempt."""
+    case = CASES[index]
+    rng = random.Random(f"{seed}:{index}")  # the same case draws the same moments whatever --cases is
+    name = f"case{index + 1:02d}"
+    run_dir = workdir / name
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    marker = uuid.uuid4().hex
+    src = src or REPO / "src"
+    env = {**os.environ, MARKER: marker, "PYTHONUNBUFFERED": "1", "COLUMNS": "400",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(src), os.environ.get("PYTHONPATH", "")) if p)}
+    cmd = [sys.executable, "-m", "relayrl.cli", "train", f"run.output_dir={workdir}", f"run.name={name}",
+           f"run.mode={case.mode}", f"rollout.partial={str(case.partial).lower()}", *BASE,
+           *(WITH_EVAL if case.eval else NO_EVAL)]
+    logs = workdir / f"{name}-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    attempts: list[Attempt] = []
+    plan = list(case.kills) + [None]  # the last attempt runs to completion
+    for i, kill in enumerate(plan):
+        a = run_attempt(cmd, env, run_dir, logs / f"attempt{i}.log", kill, rng, resume=i > 0, timeout=timeout,
+                        grace=grace, marker=marker)
+        attempts.append(a)
+        if kill is not None and not a.killed:
+            break  # the kill did not land (run ended first) or the run failed: nothing more to resume
+        if kill is None or a.landed.startswith("HUNG"):
+            break
+    final = attempts[-1]
+    notes = []
+    for i, a in enumerate(attempts):
+        if a.landed.startswith("HUNG"):
+            notes.append(f"attempt {i}: {a.landed}")
+        elif i < len(case.kills) and not a.killed:
+            notes.append(f"attempt {i}: planned kill '{a.kill}' did not land (exit {a.rc})"
+                         + (f": {last_line(a.log_tail)}" if a.rc else ""))
+        if a.survivors:
+            notes.append(f"attempt {i}: {len(a.survivors)} process(es) left after {a.orphans_gone_s:.0f}s: "
+                         + "; ".join(f"pid {p} `{c[:120]}`" for p, c in a.survivors))
+        if a.resumed_from not in ("", "error") and a.expected_from and a.resumed_from != a.expected_from:
+            notes.append(f"attempt {i}: resumed from {a.resumed_from}, newest complete checkpoint was {a.expected_from}")
+    completed = final.rc == 0 and len(attempts) == len(plan)
+    if final.rc not in (0, -signal.SIGKILL) and not final.landed.startswith("HUNG"):
+        notes.append(f"attempt {len(attempts) - 1} exited {final.rc}: {last_line(final.log_tail)}")
+    checks, why = {"exit 0": completed}, {}
+    for key, fn in (("once", check_once), ("steps", check_steps), ("loads", check_loads)):
+        checks[key], why[key] = fn(run_dir, STEPS)
+    blind = [i for i, a in enumerate(attempts) if a.seconds > 3 and a.procs_seen == 0]
+    if blind:  # the CLI itself carries the marker: a scan that never saw it proves nothing
+        notes.append(f"harness: the /proc scan saw no marked process while attempts {blind} ran")
+    checks["no orphans"] = not any(a.survivors for a in attempts) and not marked_processes(marker) and not blind
+    notes += [f"{k}: {v}" for k, v in why.items() if v and (completed or k == "steps")]
+    kills = [a for a in attempts if a.killed]
+    result = {
+        "case": index + 1,
+        "mode": case.mode,
+        "partial": case.partial,
+        "eval": case.eval,
+        "planned": [asdict(k) for k in case.kills],
+        "where": " → ".join(f"{a.kill} [{a.landed}]" for a in kills) or "—",
+        "kills": len(kills),
+        "resumed_from": [a.resumed_from or (f"({a.expected_from}?)" if a.expected_from else "?")
+                         for a in attempts[1:]],
+        "checks": checks,
+        "passed": all(checks.values()),
+        "notes": notes,
+        "seconds": round(time.monotonic() - t0, 1),
+        "attempts": [asdict(a) for a in attempts],
+        "run_dir": str(run_dir),
+    }
+    if not keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(logs, ignore_errors=True)
+    return result
+
+
+def last_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1].strip()[:300] if lines else ""
+
+
+def row(r: dict) -> list[str]:
+    mark = lambda ok: "✓" if ok else "✗"  # noqa: E731
+    c = r["checks"]
+    return [str(r["case"]), r["mode"] + (" +eval" if r["eval"] else ""), "on" if r["partial"] else "off", r["where"],
+            str(r["kills"]), ", ".join(r["resumed_from"]) or "—", mark(c["exit 0"]), mark(c["once"]),
+            mark(c["steps"]), mark(c["loads"]), mark(c["no orphans"]), f"{r['seconds']:.0f}"]
+
+
+HEADER = ["#", "mode", "partial", "where killed [run dir at the kill]", "kills", "resumed from step", "exit 0",
+          "once", "steps", "loads", "no orphans", "s"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", type=int, default=len(CASES), help="run the first N cases (default: all)")
+    ap.add_argument("--only", type=int, nargs="+", help="run these cases (1-based) instead")
+    ap.add_argument("--seed", type=int, default=0, help="seeds the kill moments")
+    ap.add_argument("--keep", action="store_true", help="keep the run directories (and each attempt's log)")
+    ap.add_argument("--workdir", help="where the run directories go (default: a new temp folder)")
+    ap.add_argument("--src", help="the relayrl source folder to test (default: this checkout's src/)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds before an attempt counts as hung")
+    ap.add_argument("--grace", type=float, default=20.0, help="seconds children get to exit after a kill")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = ap.parse_args()
+    indices = [i - 1 for i in args.only] if args.only else list(range(min(args.cases, len(CASES))))
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kill_torture-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for i in indices:
+        print(f"case {i + 1}: {case_label(CASES[i])} ...", flush=True)
+        r = run_case(i, workdir, args.seed, Path(args.src) if args.src else None, args.timeout, args.grace, args.keep)
+        results.append(r)
+        print(f"  {'passed' if r['passed'] else 'FAILED'} in {r['seconds']:.0f}s: {r['where']}"
+              + "".join(f"\n  - {n}" for n in r["notes"]), flush=True)
+    passed = sum(r["passed"] for r in results)
+    summary = f"{passed}/{len(results)} passed"
+    out = Path(args.out)
+    write_results(out, "kill_torture", HEADER, [row(r) for r in results],
+                  {"machine": machine_info(), "seed": args.seed, "steps": STEPS, "base_config": BASE,
+                   "summary": summary, "results": results})
+    failures = [f"- case {r['case']} ({case_label(CASES[r['case'] - 1])}): " + "; ".join(r["notes"] or ["failed"])
+                for r in results if not r["passed"]]
+    with (out / "kill_torture.md").open("a") as f:
+        f.write(f"\n{summary} (seed {args.seed}).\n" + ("\nFailures:\n\n" + "\n".join(failures) + "\n" if failures else ""))
+    if failures:
+        print("\n".join(failures))
+    if args.keep:
+        print(f"run directories kept under {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(summary)
+    return 0 if passed == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
