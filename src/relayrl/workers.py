@@ -518,6 +518,14 @@ def _prctl(option: int, arg: int = 0) -> None:
         raise OSError(err, f"prctl({option}): {os.strerror(err)}")
 
 
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
+    """The kernel sends ``sig`` to this process when the thread that started it exits; and if the
+    parent is already gone (it died before this call), exit now."""
+    _prctl(_PR_SET_PDEATHSIG, int(sig))
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
 class _Shutdown(BaseException):
     """SIGTERM (the trainer died, or someone asked): leave the loop through its cleanup."""
 

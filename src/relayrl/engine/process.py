@@ -32,6 +32,9 @@ from relayrl.records import Completion, GenRequest
 
 def _serve(spec: dict, shared: dict, cmd, out, ack) -> None:
     """The child: build the engine, forward completions, apply commands in order."""
+    from relayrl.workers import die_with_parent
+
+    die_with_parent(spec["parent"])  # a parent killed while this child loads the model takes it along
     try:
         if spec["threads"]:
             torch.set_num_threads(spec["threads"])
@@ -49,7 +52,7 @@ def _serve(spec: dict, shared: dict, cmd, out, ack) -> None:
         ack.put(("error", f"engine process failed to start: {e!r}"))
         return
     ack.put(("ready", None))
-    parent, stop = os.getppid(), threading.Event()
+    parent, stop = spec["parent"], threading.Event()
 
     def forward() -> None:
         while not stop.is_set():
@@ -101,7 +104,7 @@ class ProcessEngine(Engine):
         # the shared weight buffers, allocated once; every later update is an in-place copy
         self._shared = {k: v.detach().clone().share_memory_() for k, v in state_dict.items()}
         spec = {"rollout": rollout_cfg, "weights": weights, "tokenizer": tokenizer, "dtype": dtype,
-                "version": version, "threads": threads, "seed": seed}
+                "version": version, "threads": threads, "seed": seed, "parent": os.getpid()}
         self._proc = ctx.Process(target=_serve, args=(spec, self._shared, self._cmd, self._out, self._ack),
                                  name="relayrl-engine", daemon=True)
         self._proc.start()
