@@ -59,6 +59,9 @@ def run_mode(name: str, steps: int, extra: list[str], out: Path) -> dict:
         "engine_idle": weighted("engine_idle_frac"),
         "trainer_idle": weighted("trainer_idle_frac"),
         "accuracy": summary["eval_accuracy_after"],
+        "greedy_accuracy": summary["eval_greedy_accuracy_after"],
+        "stale_requeued": rows[-1].get("stale_requeued_total", 0),
+        "response_len_trained": sum(r["response_len_mean"] for r in rows) / len(rows),
         "accuracy_before": summary["eval_accuracy_before"],
         "loop_seconds": wall,
         "total_seconds": time.perf_counter() - t0,
@@ -72,16 +75,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--name", default="async_vs_sync", help="results file name (without extension)")
     ap.add_argument("overrides", nargs="*", help="extra section.key=value for every mode")
     args = ap.parse_args()
     res = {m: run_mode(m, args.steps, args.overrides, Path(args.out)) for m in args.modes}
     base = res.get("sync")
-    header = ["mode", "samples/s", "gen tokens/s", "engine idle", "trainer idle", "accuracy after", "off-policy tokens",
-              "vs sync"]
+    header = ["mode", "samples/s", "gen tokens/s", "engine idle", "trainer idle", "accuracy after", "greedy after",
+              "off-policy tokens", "stale groups requeued", "vs sync"]
     rows = [[m, f"{v['samples_per_s']:.1f}", f"{v['tokens_per_s']:,.0f}", f"{v['engine_idle']:.0%}",
-             f"{v['trainer_idle']:.0%}", f"{v['accuracy']:.1%}", f"{v['offpolicy_token_frac']:.1%}",
+             f"{v['trainer_idle']:.0%}", f"{v['accuracy']:.1%}", f"{v['greedy_accuracy']:.1%}",
+             f"{v['offpolicy_token_frac']:.1%}", v["stale_requeued"],
              f"{v['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "n/a"] for m, v in res.items()]
-    write_results(Path(args.out), "async_vs_sync", header, rows,
+    write_results(Path(args.out), args.name, header, rows,
                   {"machine": machine_info(), "steps": args.steps, "results": res})
 
 

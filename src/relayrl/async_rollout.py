@@ -67,7 +67,7 @@ class AsyncRollout:
         self.resumed = counters.get("partial_resumed", 0)  # partial responses continued (cumulative)
         self.stale_requeued = counters.get("stale_requeued", 0)
         self.stale_discarded = counters.get("stale_discarded", 0)
-        self.stale_lens: list[int] = []
+        self.stale_tokens = self.stale_responses = 0  # what the staleness bound threw away
         self.hold = False
         self.closed = False
         self.error: BaseException | None = None
@@ -90,7 +90,8 @@ class AsyncRollout:
                 self.ready.remove(g)
                 if versions_behind(g, version) > self.eta:
                     self.mgr.drop_stale(1)
-                    self.stale_lens += [len(t.response_ids) for t in g.trajectories]
+                    self.stale_tokens += sum(len(t.response_ids) for t in g.trajectories)
+                    self.stale_responses += len(g.trajectories)
                     if self.stale == "requeue":
                         self.stale_requeued += 1
                         self.waiting.appendleft(self.new_groups([g.prompt])[0])  # same prompt, empty responses
@@ -167,7 +168,7 @@ class AsyncRollout:
     def metrics(self) -> dict:
         return {"stale_requeued_total": self.stale_requeued, "stale_discarded_total": self.stale_discarded,
                 "partial_resumed_total": self.resumed, "groups_in_flight": len(self.running),
-                "stale_len_mean": sum(self.stale_lens) / max(1, len(self.stale_lens))}
+                "stale_response_len_mean": self.stale_tokens / max(1, self.stale_responses)}
 
     def counters(self) -> dict:
         """Cumulative counts for the checkpoint (the manager's own are rebuilt from the version)."""
