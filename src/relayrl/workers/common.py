@@ -1,0 +1,106 @@
+"""What the trainer's side, the server and the workers share: the exceptions, loading
+functions by spec, and ``_poll``. See ``relayrl.workers`` for the design."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+import select
+import sys
+from typing import Callable
+
+
+class CallFailed(Exception):
+    """A call that returned no value. ``kind``: error | timeout | oom | crashed."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class PoolError(RuntimeError):
+    """The pool itself failed: its server could not start or died, or the pool is closed."""
+
+
+class ImportFailed(ValueError):
+    """A preloaded function spec cannot be imported (raised by the constructor)."""
+
+
+class SandboxUnavailable(RuntimeError):
+    """``sandbox="bwrap"`` was asked for but bubblewrap is missing or cannot run here."""
+
+
+# ---------------------------------------------------------------- loading functions by spec
+
+_loaded: dict[str, Callable] = {}
+
+
+def load(spec: str, cwd: str | None = None) -> Callable:
+    """The function named by ``"module:function"`` (importable from ``cwd``, like ``python -c``)
+    or ``"path/to/file.py:function"`` (relative to ``cwd``, or absolute). Cached per process, so
+    what the server loads before forking is free in its workers."""
+    fn = _loaded.get(spec)
+    if fn is None:
+        fn = _loaded[spec] = _import(spec, os.path.abspath(cwd or os.getcwd()))
+    return fn
+
+
+def _import(spec: str, cwd: str) -> Callable:
+    target, sep, name = spec.rpartition(":")
+    if not (sep and target and name):
+        raise ImportFailed(f"{spec!r} is not 'module:function' or 'path/to/file.py:function'")
+    try:
+        if target.endswith(".py") or "/" in target:
+            module = _import_file(os.path.join(cwd, os.path.expanduser(target)))
+        else:
+            if cwd not in sys.path:
+                sys.path.insert(0, cwd)
+            module = importlib.import_module(target)
+        fn = getattr(module, name)
+    except Exception as e:  # any failure of the user's module is reported the same way
+        raise ImportFailed(f"{spec!r} cannot be imported: {_describe(e)}") from None
+    if not callable(fn):
+        raise ImportFailed(f"{spec!r} is not callable")
+    return fn
+
+
+def _import_file(path: str):
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no file {path}")
+    folder, stem = os.path.split(os.path.splitext(path)[0])
+    if folder not in sys.path:
+        sys.path.insert(0, folder)  # so the file can import its neighbours
+    # a private module name: a user's math.py must not replace the stdlib's math
+    name = f"relayrl_user_{stem}_{abs(hash(path)):x}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickle look the module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _describe(e: BaseException) -> str:
+    try:
+        text = str(e)
+    except Exception:
+        text = "<unprintable>"
+    return f"{type(e).__name__}: {text}"[:2000] if text else type(e).__name__
+
+
+# ---------------------------------------------------------------- pipes
+
+
+def _poll(reads: list[int], writes: list[int], timeout: float | None) -> tuple[set[int], set[int]]:
+    """select() for any fd number (select.select fails on fds >= 1024, which a busy trainer
+    may well hand us). An fd that hung up or failed counts as readable: the read says how."""
+    poller = select.poll()
+    for fd in reads:
+        poller.register(fd, select.POLLIN)
+    for fd in writes:
+        poller.register(fd, select.POLLOUT | (select.POLLIN if fd in reads else 0))
+    events = poller.poll(None if timeout is None else math.ceil(timeout * 1000))
+    readable = {fd for fd, ev in events if ev & (select.POLLIN | select.POLLHUP | select.POLLERR) and fd in reads}
+    writable = {fd for fd, ev in events if ev & (select.POLLOUT | select.POLLERR | select.POLLHUP) and fd in writes}
+    return readable, writable

@@ -1,0 +1,211 @@
+"""Isolation helpers for the server and its workers: prctl, a worker's fds, resource limits,
+the privilege drop as root, killing what a call leaves behind, and the bubblewrap command
+line with its trial run. See ``relayrl.workers`` for the guarantees they make up."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import math
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import threading
+
+from relayrl.workers.common import SandboxUnavailable
+
+NOBODY = 65534  # the uid/gid workers switch to when the pool runs as root
+FILE_SIZE_LIMIT = 64 << 20
+_REQ_FD, _RES_FD = 3, 4  # the worker's private protocol pipes (close-on-exec)
+
+# prctl / capability constants (linux/prctl.h, linux/capability.h)
+_PR_SET_PDEATHSIG, _PR_SET_KEEPCAPS, _PR_SET_CHILD_SUBREAPER = 1, 8, 36
+_PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE = 38, 47, 2
+_CAP_DAC_READ_SEARCH = 2
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+# what the bwrap'd server keeps as root: switch workers' uid/gid, kill them, read files
+_SERVER_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_DAC_READ_SEARCH")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _prctl(option: int, arg: int = 0) -> None:
+    if _libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                   ctypes.c_ulong(0)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl({option}): {os.strerror(err)}")
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
+    """The kernel sends ``sig`` to this process when the thread that started it exits; and if the
+    parent is already gone (it died before this call), exit now."""
+    _prctl(_PR_SET_PDEATHSIG, int(sig))
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+# ---------------------------------------------------------------- a worker's fds and limits
+
+
+def _install_fds(req_fd: int, res_fd: int) -> None:
+    """fd 0: /dev/null; fd 1/2: the server's stdout (/dev/null or the log); the protocol on
+    close-on-exec fds 3/4 (so os.system & co never see them); everything else closed."""
+    null = os.open(os.devnull, os.O_RDWR)
+    high = [os.dup(fd) for fd in (null, 1, req_fd, res_fd)]  # out of the way of the targets
+    null, out, req, res = high
+    os.dup2(null, 0)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.dup2(req, _REQ_FD, inheritable=False)
+    os.dup2(res, _RES_FD, inheritable=False)
+    os.closerange(_RES_FD + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
+def _limit_resources(memory_mb: int) -> None:
+    mapped = _vm_size_bytes()
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + (memory_mb << 20),) * 2)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT,) * 2)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _vm_size_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _limit_cpu(timeout: float) -> None:
+    """CPU time for this call: what the worker used so far + the timeout rounded up + 1 s."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    soft = math.ceil(usage.ru_utime + usage.ru_stime + timeout) + 1
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+
+
+# ---------------------------------------------------------------- dropping root
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _drop_root(uid: int, nproc: int) -> None:
+    """Root ignores RLIMIT_NPROC; uid ``uid`` does not. Keep CAP_DAC_READ_SEARCH (also across
+    exec, as an ambient capability) so reading, e.g. a Python under a 0700 /root, still works.
+    Where the switch is refused (root of a user namespace without that uid) we stay as we are:
+    there the kernel enforces RLIMIT_NPROC anyway, as the uid is not the host's root."""
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    _prctl(_PR_SET_KEEPCAPS, 1)
+    try:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EINVAL):
+            raise
+    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    data[0].effective = data[0].permitted = data[0].inheritable = 1 << _CAP_DAC_READ_SEARCH
+    if _libc.capset(ctypes.byref(header), data) == 0:
+        # ambient: programs the call execs keep it too (fails quietly before Linux 4.3)
+        _libc.prctl(ctypes.c_int(_PR_CAP_AMBIENT), ctypes.c_ulong(_PR_CAP_AMBIENT_RAISE),
+                    ctypes.c_ulong(_CAP_DAC_READ_SEARCH), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    _prctl(_PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries cannot give root back
+
+
+def _count_tasks(uid: int) -> int:
+    """Tasks (threads) whose real uid is ``uid``: what RLIMIT_NPROC counts."""
+    n = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue  # it exited
+        if int(fields.get("Uid", "-1").split()[0]) == uid:
+            n += int(fields.get("Threads", "1"))
+    return n
+
+
+# ---------------------------------------------------------------- what a call leaves behind
+
+
+def _left_behind() -> bool:
+    """Did the call leave a thread or a process behind? The worker is a child subreaper, so
+    anything the call started and orphaned is its child too, zombie or not."""
+    if threading.active_count() > 1:
+        return True
+    try:
+        with open(f"/proc/self/task/{os.getpid()}/children") as f:
+            return bool(f.read().strip())
+    except OSError:
+        return True
+
+
+def _children() -> set[int]:
+    try:
+        with open(f"/proc/self/task/{os.getpid()}/children") as f:
+            return {int(p) for p in f.read().split()}
+    except OSError:
+        return set()
+
+
+def _state_and_group(pid: int) -> tuple[str | None, int]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()  # after "(comm)", which may hold spaces
+    except OSError:
+        return None, -1
+    return fields[0], int(fields[2])
+
+
+def _killpg(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass  # already gone
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------- bubblewrap
+
+
+def _bwrap_prefix(binds: list[str]) -> list[str]:
+    if shutil.which("bwrap") is None:
+        raise SandboxUnavailable("bubblewrap is not installed: apt-get install bubblewrap")
+    cmd = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp",
+           "--unshare-net", "--unshare-pid", "--unshare-ipc", "--new-session", "--die-with-parent"]
+    for folder in binds:
+        cmd += ["--ro-bind", folder, folder]
+    if os.geteuid() == 0:  # bwrap run by root keeps every capability unless told otherwise
+        cmd += ["--cap-drop", "ALL"] + [a for cap in _SERVER_CAPS for a in ("--cap-add", cap)]
+    return cmd + ["--"]
+
+
+def _check_bwrap(prefix: list[str]) -> None:
+    """A trial run: bwrap may be installed yet unable to sandbox (no user namespaces, seccomp)."""
+    try:
+        r = subprocess.run(prefix + ["true"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SandboxUnavailable(f"bubblewrap cannot start a sandbox here: {e}") from None
+    if r.returncode != 0:
+        raise SandboxUnavailable(f"bubblewrap cannot start a sandbox here (exit code {r.returncode}): "
+                                 f"{r.stderr.strip()[:500]}")
