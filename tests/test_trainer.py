@@ -154,3 +154,29 @@ def test_mismatch_is_measured_on_tokens_of_the_previous_version(tiny):
     tr2._prev = (1, {k: p.detach().clone() for k, p in model.named_parameters()})
     b.behav_logp = tr2.logprobs(b) + 0.5 * b.loss_mask
     assert abs(tr2.step(b, version=2)["logprob_mismatch_mean"] - 0.5) < 1e-4
+
+
+def test_token_level_advantages_and_masks(tiny):
+    """The batch carries an advantage per token (agents' step credit) and a loss mask that can
+    take response tokens out (tool output, template tokens between turns). A per-token advantage
+    equal to the sequence's gives the same gradient as the sequence form; masked tokens add
+    nothing to it."""
+    model, tok = tiny
+    trajs = _trajs(tok)
+    adv = torch.linspace(-1, 1, 8)
+    grads = []
+    tr = Trainer(model, TrainerCfg(), AlgoCfg(), 1.0, 10, 16)
+    for a in (adv, [[float(x)] * len(t.response_ids) for x, t in zip(adv, trajs)]):
+        batch = build_batch(trajs, a, tok.pad_token_id)
+        model.zero_grad()
+        tr.accumulate(batch, None, None, batch.loss_mask.sum().item(), float(batch.size))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-7)
+    # a row whose first response token is masked: its target drops out of the mask and the advantages
+    t = trajs[0]
+    t.mask = [0] + [1] * (len(t.response_ids) - 1)
+    b = build_batch(trajs, adv, tok.pad_token_id)
+    start = len(t.prompt_ids) - 1
+    assert b.loss_mask[0, start] == 0 and b.advantages[0, start] == 0
+    assert b.loss_mask[0].sum() == len(t.response_ids) - 1
+    assert b.advantages[0, start + 1] == adv[0]

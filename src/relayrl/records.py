@@ -78,6 +78,7 @@ class Trajectory:
     behav_logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    mask: list[int] = field(default_factory=list)  # per response token, 1 = trained (empty: all trained)
     text: str = ""
     reward: float = 0.0
     reward_failed: bool = False

@@ -28,10 +28,10 @@ class TrainBatch:
 
     input_ids: torch.Tensor  # [N, L]
     attention_mask: torch.Tensor  # [N, L]
-    loss_mask: torch.Tensor  # [N, L-1], 1 on response tokens
+    loss_mask: torch.Tensor  # [N, L-1], 1 on trained response tokens
     behav_logp: torch.Tensor  # [N, L-1], engine log-probs (0 off the mask)
     versions: torch.Tensor  # [N, L-1], policy version per token (-1 off the mask)
-    advantages: torch.Tensor  # [N]
+    advantages: torch.Tensor  # [N, L-1], per token (a sequence's advantage broadcast, or step credit)
 
     @property
     def size(self) -> int:
@@ -47,11 +47,15 @@ class TrainBatch:
             self.loss_mask[t, : n - 1],
             self.behav_logp[t, : n - 1],
             self.versions[t, : n - 1],
-            self.advantages[t],
+            self.advantages[t, : n - 1],
         )
 
 
-def build_batch(trajs: list[Trajectory], advantages: torch.Tensor, pad_id: int) -> TrainBatch:
+def build_batch(trajs: list[Trajectory], advantages: torch.Tensor | list, pad_id: int) -> TrainBatch:
+    """Right-padded batch of ``trajs``. ``advantages``: one per trajectory (a tensor [N], broadcast
+    over its response tokens) or one sequence per trajectory with a value per response token
+    (step-level credit for agents). ``Trajectory.mask`` (if set) takes response tokens out of the
+    loss, e.g. tool output and template tokens between turns."""
     n = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
     N = len(trajs)
     ids = torch.full((N, n), pad_id, dtype=torch.long)
@@ -59,15 +63,18 @@ def build_batch(trajs: list[Trajectory], advantages: torch.Tensor, pad_id: int) 
     mask = torch.zeros((N, n - 1))
     behav = torch.zeros((N, n - 1))
     vers = torch.full((N, n - 1), -1, dtype=torch.long)
+    adv = torch.zeros((N, n - 1))
     for i, t in enumerate(trajs):
         p, r = len(t.prompt_ids), len(t.response_ids)
         ids[i, : p + r] = torch.tensor(t.prompt_ids + t.response_ids)
         att[i, : p + r] = 1
         # response token j sits at position p + j and is predicted at position p + j - 1
-        mask[i, p - 1 : p - 1 + r] = 1
-        behav[i, p - 1 : p - 1 + r] = torch.tensor(t.behav_logprobs)
-        vers[i, p - 1 : p - 1 + r] = torch.tensor(t.versions)
-    return TrainBatch(ids, att, mask, behav, vers, advantages.float())
+        span = slice(p - 1, p - 1 + r)
+        mask[i, span] = torch.tensor(t.mask, dtype=torch.float) if t.mask else 1.0
+        behav[i, span] = torch.tensor(t.behav_logprobs)
+        vers[i, span] = torch.tensor(t.versions)
+        adv[i, span] = torch.as_tensor(advantages[i], dtype=torch.float)
+    return TrainBatch(ids, att, mask, behav, vers, adv * mask)
 
 
 def micro_batches(batch: TrainBatch, token_budget: int) -> list[list[int]]:
@@ -168,7 +175,7 @@ class Trainer:
             fault_point("train")
             logits = self._logits(self.model, mb)
             logp = self._logp(logits, mb.input_ids[:, 1:])
-            adv = mb.advantages[:, None].expand_as(logp)
+            adv = mb.advantages
             # on-policy single update: π_old is the current policy, so this forward gives it for free
             old = logp.detach() if old_logp is None else old_logp[t, :L]
             stale = (mb.versions < version) & mb.loss_mask.bool() if version is not None else None
@@ -239,7 +246,7 @@ class Trainer:
             keep = None
             if self.acfg.offpolicy == "m2po":  # one mask over the optimiser batch (not per micro-batch)
                 log_r = (old_logp[t][:, : mini.loss_mask.shape[1]] - mini.behav_logp) * mini.loss_mask
-                keep = m2po_mask(log_r, mini.advantages[:, None].expand_as(log_r), mini.loss_mask, self.acfg.m2po_tau)
+                keep = m2po_mask(log_r, mini.advantages, mini.loss_mask, self.acfg.m2po_tau)
             sums = self.accumulate(
                 mini, None if single else old_logp[t], None if ref_logp is None else ref_logp[t],
                 mini.loss_mask.sum().item(), float(mini.size), version, m2po_keep=keep,
