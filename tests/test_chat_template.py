@@ -1,0 +1,95 @@
+"""Token-in, token-out conformance per chat template: a conversation built turn by turn from the
+engine's own tokens plus template suffixes equals what the template renders for the whole
+conversation; a template that re-renders earlier turns fails closed."""
+
+import pytest
+
+from relayrl.envs.chat import TemplateMismatch, next_turn_suffix, render_ids
+
+CHATML = (  # Qwen2.5's shape: every turn ends "<|im_end|>\n", tool results go in a user turn
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'tool' -%}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + m['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{%- else -%}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+# renders an earlier assistant turn without its content once a later one exists (as templates that
+# drop earlier reasoning do)
+FORGETFUL = CHATML.replace("'\n' + m['content'] + '<|im_end|>", "'\n' + (m['content'] if m['role'] != 'assistant' "
+                                                                 "or loop.last else '') + '<|im_end|>")
+assert FORGETFUL != CHATML
+
+
+@pytest.fixture()
+def demo_tokenizer(tiny):
+    return tiny[1]
+
+
+@pytest.fixture()
+def chatml_tokenizer(tiny_path):
+    from relayrl.models import load_tokenizer
+
+    tok = load_tokenizer(tiny_path)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    tok.eos_token = "<|im_end|>"
+    return tok
+
+
+def _engine_turn(tok, history, reply) -> list[int]:
+    """What an engine emits for ``reply``: the template's tokens for the assistant turn, up to and
+    including the end-of-turn token (where generation stops; a separator after it is not emitted)."""
+    start = len(render_ids(tok, history, add_generation_prompt=True))
+    turn = render_ids(tok, history + [{"role": "assistant", "content": reply}], add_generation_prompt=False)[start:]
+    return turn[: turn.index(tok.eos_token_id) + 1]
+
+
+CONVERSATION = [
+    [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "a=3 b=4 c=5"}],
+    ("call add(3, 4)", [{"role": "tool", "content": "7"}]),
+    ("call add(7, 5)", [{"role": "tool", "content": "12"}, {"role": "user", "content": "mod 10?"}]),
+    ("\\boxed{2}", []),
+]
+
+
+@pytest.mark.parametrize("template", ["demo", "chatml"])
+def test_turns_concatenate_to_the_template_rendering(template, demo_tokenizer, chatml_tokenizer):
+    tok = demo_tokenizer if template == "demo" else chatml_tokenizer
+    observe = "tool" if template == "chatml" else "user"  # the demo template has no tool role
+    messages = list(CONVERSATION[0])
+    context = render_ids(tok, messages, add_generation_prompt=True)
+    masks = [0] * len(context)
+    for reply, new in CONVERSATION[1:]:
+        engine = _engine_turn(tok, messages, reply)
+        context, masks = context + engine, masks + [1] * len(engine)
+        messages = messages + [{"role": "assistant", "content": reply}] + [{**m, "role": observe if m["role"] == "tool"
+                                                                            else m["role"]} for m in new]
+        if not new:
+            break
+        suffix = next_turn_suffix(tok, context, messages)
+        assert suffix, "a new turn always adds tokens"
+        context, masks = context + suffix, masks + [0] * len(suffix)
+    full = render_ids(tok, messages, add_generation_prompt=False)
+    assert context == full[: len(context)] and len(full) - len(context) <= 1  # at most the separator after the end
+    assert sum(masks) == sum(len(_engine_turn(tok, messages[: i], m["content"])) for i, m in enumerate(messages)
+                             if m["role"] == "assistant")
+    if template == "chatml":  # the "\n" after <|im_end|> the engine never emits is a template token
+        first_suffix = next_turn_suffix(tok, render_ids(tok, CONVERSATION[0], True)
+                                        + _engine_turn(tok, CONVERSATION[0], "call add(3, 4)"),
+                                        CONVERSATION[0] + [{"role": "assistant", "content": "call add(3, 4)"},
+                                                           {"role": "tool", "content": "7"}])
+        assert tok.decode(first_suffix).startswith("\n<|im_start|>user")
+
+
+def test_a_template_that_re_renders_earlier_turns_fails_closed(chatml_tokenizer):
+    tok = chatml_tokenizer
+    messages = list(CONVERSATION[0])
+    context = render_ids(tok, messages, add_generation_prompt=True)
+    context += _engine_turn(tok, messages, "call add(3, 4)")
+    messages += [{"role": "assistant", "content": "call add(3, 4)"}, {"role": "tool", "content": "7"}]
+    assert next_turn_suffix(tok, context, messages)  # consistent template: fine
+    tok.chat_template = FORGETFUL
+    with pytest.raises(TemplateMismatch, match="first difference at token"):
+        next_turn_suffix(tok, context, messages + [{"role": "assistant", "content": "x"},
+                                                   {"role": "user", "content": "y"}])
