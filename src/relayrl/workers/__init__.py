@@ -67,6 +67,9 @@ Isolation, per worker (and so per call):
   (``--unshare-net``), the host filesystem read-only, a private writable /tmp, own /dev,
   /proc, pid and IPC namespaces, a new session; as root only the capabilities the server
   needs to set workers up are kept. Asked for and unavailable is an error, never a fallback.
+  ``hide_paths=[...]`` covers folders (the project, a run directory) with empty read-only
+  tmpfs mounts so sandboxed code cannot read them; the Python installation and the relayrl
+  package stay visible beneath. ``tmp_size_mb`` caps the private /tmp (it is memory).
 
 Limits of the guarantees: ``sandbox="none"`` is resource control, not a security boundary
 (the code can read what the trainer can, and as root outside bwrap write world-writable

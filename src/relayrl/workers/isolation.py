@@ -11,7 +11,10 @@ import os
 import resource
 import shutil
 import signal
+import site
 import subprocess
+import sys
+import sysconfig
 import threading
 
 from relayrl.workers.common import SandboxUnavailable
@@ -188,16 +191,67 @@ def _kill(pid: int) -> None:
 # ---------------------------------------------------------------- bubblewrap
 
 
-def _bwrap_prefix(binds: list[str]) -> list[str]:
+def _bwrap_prefix(binds: list[str], hide: list[str] = (), keep: list[str] = (),
+                  tmp_size_mb: int | None = None) -> list[str]:
+    """The bwrap command line. ``binds``: folders under /tmp to show (read-only). ``hide``:
+    folders covered by an empty read-only tmpfs; ``keep``: folders shown again (read-only)
+    where they lie under a hidden one. The most specific path wins, so a hidden folder inside
+    a kept one stays hidden. ``tmp_size_mb``: size limit of the private /tmp (default: the
+    kernel's, half the RAM)."""
     if shutil.which("bwrap") is None:
         raise SandboxUnavailable("bubblewrap is not installed: apt-get install bubblewrap")
-    cmd = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp",
-           "--unshare-net", "--unshare-pid", "--unshare-ipc", "--new-session", "--die-with-parent"]
+    tmp_size = ["--size", str(int(tmp_size_mb) << 20)] if tmp_size_mb else []
+    cmd = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", *tmp_size,
+           "--tmpfs", "/tmp", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--new-session", "--die-with-parent"]
     for folder in binds:
         cmd += ["--ro-bind", folder, folder]
+    mounts = _hide_and_keep(hide, keep)
+    for path, hidden, parents in mounts:
+        for folder in parents:  # made 0755: bwrap would make them 0700, closed to a dropped uid
+            cmd += ["--perms", "0755", "--dir", folder]
+        cmd += ["--tmpfs", path] if hidden else ["--ro-bind", path, path]
+    for path, hidden, _ in mounts:
+        if hidden:
+            cmd += ["--remount-ro", path]  # after the kept folders' mount points were made in it
     if os.geteuid() == 0:  # bwrap run by root keeps every capability unless told otherwise
         cmd += ["--cap-drop", "ALL"] + [a for cap in _SERVER_CAPS for a in ("--cap-add", cap)]
     return cmd + ["--"]
+
+
+def _hide_and_keep(hide: list[str], keep: list[str]) -> list[tuple[str, bool, list[str]]]:
+    """(path, hidden, folders to make in the tmpfs above it) mounts, shallow first so that a
+    deeper one covers a shallower one; an entry whose nearest enclosing entry is of the same
+    kind is left out (it changes nothing), and so is a kept folder that no hidden one
+    encloses. At equal paths, keeping wins."""
+    entries = {**{k: False for k in keep}, **{h: True for h in hide if h not in keep}}
+    mounts = []
+    for path, hidden in entries.items():
+        around = [p for p in entries if p != path and _inside(path, p)]
+        enclosing = max(around, key=_depth) if around else None
+        if (entries[enclosing] if enclosing else False) != hidden:  # nothing around: shown
+            parts = path.split("/")
+            between = ["/".join(parts[:i]) for i in range(_depth(enclosing or "/") + 2, len(parts))]
+            mounts.append((path, hidden, between if enclosing and entries[enclosing] else []))
+    return sorted(mounts, key=lambda m: _depth(m[0]))
+
+
+def _depth(path: str) -> int:
+    return len([part for part in path.split("/") if part])
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _python_paths() -> list[str]:
+    """The folders of this Python installation (prefixes, stdlib, site-packages, the
+    interpreter's folder): what a sandbox that hides folders must keep showing."""
+    paths = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
+             os.path.dirname(os.path.realpath(sys.executable)), *sysconfig.get_paths().values(),
+             *site.getsitepackages()}
+    if site.ENABLE_USER_SITE:
+        paths.add(site.getusersitepackages())
+    return sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
 
 
 def _check_bwrap(prefix: list[str]) -> None:

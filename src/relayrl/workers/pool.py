@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable
 
 from relayrl.workers.common import CallFailed, ImportFailed, PoolError, _poll
-from relayrl.workers.isolation import NOBODY, _bwrap_prefix, _check_bwrap, _count_tasks
+from relayrl.workers.isolation import NOBODY, _bwrap_prefix, _check_bwrap, _count_tasks, _python_paths
 
 # the server's entry point, run as ``python -c _BOOT cfg_json package_root``
 _BOOT = ("import sys; sys.path.append(sys.argv[2]); "
@@ -111,15 +111,26 @@ class WorkerPool:
     resolved (default: the current directory). ``prefetch``: calls queued in a worker at once
     (1: a call is sent only when the previous one finished; more saves pipe round trips).
     ``calls_per_worker``: a worker is replaced after this many calls. ``procs_per_worker``:
-    the RLIMIT_NPROC budget per worker when running as root."""
+    the RLIMIT_NPROC budget per worker when running as root. ``hide_paths`` (bwrap only):
+    folders (existing ones) the sandbox covers with an empty read-only tmpfs, so that code in
+    it cannot read them (the project, a run directory, a home); what the pool needs beneath one
+    stays visible, read-only: the Python installation and the relayrl package (so functions to
+    run must live there or outside the hidden folders). ``tmp_size_mb`` (bwrap only): size
+    limit of the sandbox's private /tmp, which is memory (default: the kernel's, half the RAM)."""
 
     def __init__(self, preload: Iterable[str] = (), *, workers: int = 0, timeout_s: float = 5.0,
                  memory_mb: int = 4096, sandbox: str = "none", imports: Iterable[str] = (),
                  warmup: Iterable[tuple[str, list]] = (), log_path: str | None = None, cwd: str | None = None,
                  prefetch: int = 4, calls_per_worker: int = 500, procs_per_worker: int = 64,
-                 start_timeout_s: float = 120.0):
+                 start_timeout_s: float = 120.0, hide_paths: Iterable[str] = (), tmp_size_mb: int | None = None):
         if sandbox not in ("none", "bwrap"):
             raise ValueError(f"sandbox must be 'none' or 'bwrap', not {sandbox!r}")
+        self.hide_paths = sorted({os.path.realpath(p) for p in hide_paths})
+        if (self.hide_paths or tmp_size_mb) and sandbox != "bwrap":
+            raise ValueError("hide_paths and tmp_size_mb need sandbox='bwrap'")
+        for path in self.hide_paths:
+            if not os.path.isdir(path) or path == "/":
+                raise ValueError(f"hide_paths: {path!r} is not an existing folder other than /")
         self.workers = workers or len(os.sched_getaffinity(0))
         self.timeout_s, self.memory_mb, self.sandbox = float(timeout_s), int(memory_mb), sandbox
         self.cwd = os.path.abspath(cwd or os.getcwd())
@@ -128,7 +139,8 @@ class WorkerPool:
         self._prefetch, self._calls_per_worker, self._procs_per_worker = prefetch, calls_per_worker, procs_per_worker
         self._start_timeout_s = start_timeout_s
         self._log = open(log_path, "ab") if log_path else None
-        self._prefix = _bwrap_prefix(self._binds()) if sandbox == "bwrap" else []
+        self._prefix = (_bwrap_prefix(self._binds(), self.hide_paths, self._kept(), tmp_size_mb)
+                        if sandbox == "bwrap" else [])
         if self._prefix:
             _check_bwrap(self._prefix)
         self._ids = itertools.count()
@@ -228,6 +240,12 @@ class WorkerPool:
                                 for s in self._preload if s.rpartition(":")[0].endswith(".py")}
         return sorted(f for f in folders if f == "/tmp" or f.startswith("/tmp/"))
 
+    def _kept(self) -> list[str]:
+        """What must stay visible under a hidden folder: Python and the relayrl package."""
+        if not self.hide_paths:
+            return []
+        return _python_paths() + [os.path.realpath(os.path.join(_package_root(), "relayrl"))]
+
     def _spawn(self) -> _Server:
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
@@ -241,9 +259,7 @@ class WorkerPool:
             # RLIMIT_NPROC counts every task of the uid on the machine: what it runs already + a budget
             "nproc": _count_tasks(NOBODY) + self.workers * self._procs_per_worker if root else None,
         }
-        # the folder holding relayrl/ (this file is relayrl/workers/pool.py)
-        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        cmd = self._prefix + [sys.executable, "-c", _BOOT, json.dumps(cfg), package_root]
+        cmd = self._prefix + [sys.executable, "-c", _BOOT, json.dumps(cfg), _package_root()]
         try:
             proc = subprocess.Popen(cmd, pass_fds=(req_r, rep_w), stdin=subprocess.DEVNULL,
                                     stdout=self._log or subprocess.DEVNULL, stderr=self._log, cwd=self.cwd)
@@ -265,6 +281,11 @@ class WorkerPool:
             proc.wait()
             raise ImportFailed(next(iter(ready["errors"].values())))
         return _Server(proc, requests, replies)
+
+
+def _package_root() -> str:
+    """The folder holding relayrl/ (this file is relayrl/workers/pool.py)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _read_ready(proc: subprocess.Popen, replies, timeout: float) -> dict:

@@ -1,0 +1,578 @@
+"""A sandboxed Python code-execution tool for agents: model-written code runs in the isolated
+worker pool (``relayrl.workers.WorkerPool``), under bubblewrap by default.
+
+    tool = PythonTool(timeout_s=5.0, memory_mb=512, hide=[run_dir])
+    tool("print(2**100)")                    # '1267650600228229401496703205376\\n'
+    text = await asyncio.wrap_future(tool.submit(code))   # from asyncio code
+    schemas = tool_schemas([tool.as_function()])          # relayrl.envs.tools; name "python"
+    tool.close()
+
+``python(code)`` is the same tool as a plain function on a default instance (made on first
+use, closed at exit), for environments that need no settings of their own; one that does
+binds ``PythonTool(...).as_function()`` instead.
+
+What the model reads: stdout, then stderr (a traceback), each cut in the middle when the two
+exceed ``max_output_chars`` (``[... N characters truncated ...]``), then one line when the run
+did not end normally: ``[timed out after 2.0 s]``, ``[killed: out of memory (limit 512 MB)]``,
+``[killed by signal SIGSEGV]``, ``[exit code 1]``; ``[no output]`` when there was nothing.
+Failures of the sandbox itself come back as text too, so an episode goes on; a closed tool
+raises ``PoolError``.
+
+Design
+------
+A call is one pool call of ``_execute``, which starts a fresh interpreter,
+``python -I -X utf8 -u -c CODE``, as a child of the worker: nothing of an earlier call (modules,
+globals, the cwd) is there, and output is captured from pipes, so it comes from C code and
+subprocesses too. The child runs:
+
+- in its own session and process group, in a fresh 0700 directory under /tmp (also its HOME
+  and TMPDIR), with a minimal environment (the trainer's variables, tokens included, are not
+  passed), stdin /dev/null;
+- with the worker's isolation (see ``relayrl.workers``): the sandbox's namespaces (no
+  network, own pid namespace and /tmp, read-only host), uid 65534 when the trainer is root,
+  no_new_privs, RLIMIT_NPROC (shared by the pool's calls), RLIMIT_FSIZE 64 MiB, no core
+  dumps; on top, set before exec: RLIMIT_AS = ``memory_mb`` for its whole address space,
+  RLIMIT_CPU = the timeout rounded up + 1 s, SIGKILL when the worker dies, and, under bwrap,
+  no capabilities (the worker keeps CAP_DAC_READ_SEARCH, which would let code read any file).
+
+The worker reads both pipes, keeping the first and the last ``max_output_chars`` bytes of
+each (never more, however much is printed), until the child exits or the deadline passes;
+then it SIGKILLs the child's group and every other descendant of the worker (one that left
+the group with setsid stays one: a worker is a child subreaper), stopping them all first so a
+fork bomb cannot outrun the kill, reaps them, and removes the call's directory. Under bwrap it also
+removes what earlier calls left in the sandbox's /tmp (files older than every call still
+running), so no state passes from one call to a later one through the filesystem either. The
+pool's deadline (timeout + ``_GRACE_S``) is only the backstop for a worker that hangs.
+
+Filesystem under bwrap: the folder the trainer runs in, the home folder and ``hide`` are
+covered by empty read-only tmpfs mounts (``WorkerPool(hide_paths=...)``), except the Python
+installation and the relayrl package, which stay readable beneath; the rest of the host is
+read-only; /tmp is private and limited to ``tmp_mb``.
+
+Limits: calls of one tool share the sandbox's /tmp and uid while they run at once, so
+concurrent calls can see (and disturb) each other's files; a fork bomb in one call uses up
+the process budget the others need meanwhile (they fail to start, with a message). Memory is
+limited per process, not per call: a call may run up to RLIMIT_NPROC processes of
+``memory_mb`` each until its deadline. ``sandbox="none"`` is resource control only: the code
+can read what the trainer can (as root it also keeps the worker's CAP_DAC_READ_SEARCH, so that
+a Python under a 0700 home still starts). As another user than root, code and workers share a
+uid, so keep secrets out of the trainer's environment (a worker's /proc/PID/environ). A call
+costs an interpreter start plus ~5 ms (measured on 2 busy cores: ~15 ms for ``python -I -S``,
+~50 ms with this machine's site-packages, whose ``.pth`` files import certifi).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import errno
+import fcntl
+import functools
+import math
+import os
+import resource
+import select
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from typing import Iterable
+
+from relayrl.workers import CallFailed, PoolError, WorkerPool
+from relayrl.workers.isolation import _LINUX_CAPABILITY_VERSION_3, _CapData, _CapHeader
+
+_SPEC = "relayrl.envs.python_tool:_execute"
+_GRACE_S = 5.0  # the pool's deadline is the tool's + this: time to kill, drain and clean up
+_WORKER_MEMORY_MB = 64  # what a worker may add to its address space besides the child's budget
+_PROCS_PER_WORKER = 32  # RLIMIT_NPROC budget per worker (as root): bounds a fork bomb
+_DIR_PREFIX = "relayrl-python-"
+_CONTINUATION = bytes(range(0x80, 0xC0))  # UTF-8 continuation bytes: not the start of a character
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class PythonTool:
+    """Runs model-written Python, one fresh interpreter per call, in an isolated worker pool.
+
+    ``timeout_s``: wall-clock limit per call (interpreter start included). ``memory_mb``: the
+    address space of the process that runs the code. ``sandbox``: "bwrap" (default) or "none"
+    (resource limits only, no security boundary). ``workers``: calls at once (0: one per core).
+    ``max_output_chars``: stdout and stderr together are cut to this (plus the marker and the
+    note). ``hide``: folders the code must not read, besides the trainer's folder and the home
+    folder, which are always hidden (bwrap only; each must exist). ``tmp_mb``: size of the
+    sandbox's private /tmp (bwrap only)."""
+
+    def __init__(self, timeout_s: float = 10.0, memory_mb: int = 1024, sandbox: str = "bwrap", workers: int = 0,
+                 max_output_chars: int = 4000, hide: Iterable[str] = (), tmp_mb: int = 256):
+        self.timeout_s = _check_timeout(timeout_s)
+        self.memory_mb, self.max_output_chars, self.sandbox = int(memory_mb), int(max_output_chars), sandbox
+        if self.memory_mb < 32 or self.max_output_chars < 100:
+            raise ValueError("memory_mb must be >= 32 and max_output_chars >= 100")
+        hidden = list(hide)
+        if sandbox == "bwrap":  # the trainer's folder and the home folder, where they can be hidden
+            hidden += [p for p in (os.getcwd(), os.path.expanduser("~"))
+                       if os.path.isdir(p) and os.path.realpath(p) != "/"]
+        self._pool = WorkerPool([_SPEC], workers=workers, timeout_s=self.timeout_s + _GRACE_S,
+                                memory_mb=self.memory_mb + _WORKER_MEMORY_MB, sandbox=sandbox, prefetch=1,
+                                procs_per_worker=_PROCS_PER_WORKER, hide_paths=hidden,
+                                tmp_size_mb=tmp_mb if sandbox == "bwrap" else None)
+        self.hidden = self._pool.hide_paths
+
+    def __call__(self, code: str, timeout_s: float | None = None) -> str:
+        """Run ``code``; what it printed, its traceback and how it ended, as text."""
+        return self.submit(code, timeout_s).result()
+
+    def submit(self, code: str, timeout_s: float | None = None) -> Future:
+        """Like calling the tool, but returns at once: a ``concurrent.futures.Future`` of the
+        text (``await asyncio.wrap_future(tool.submit(code))`` in asyncio code)."""
+        if not isinstance(code, str):
+            raise TypeError(f"code must be a str, not {type(code).__name__}")
+        timeout = self.timeout_s if timeout_s is None else _check_timeout(timeout_s)
+        inner = self._pool.submit(_SPEC, [code, timeout, self.memory_mb, self.max_output_chars,
+                                          self.sandbox == "bwrap"], timeout_s=timeout + _GRACE_S)
+        outer: Future = Future()
+        outer.set_running_or_notify_cancel()
+
+        def resolve(fut: Future) -> None:
+            try:
+                text = _render(fut.result(), timeout, self.memory_mb, self.max_output_chars)
+            except CallFailed as e:  # the worker itself failed: the code killed it, or it hung
+                text = _failure_note(e, timeout, self.memory_mb)
+            except PoolError as e:
+                text = f"[the sandbox failed: {e}]"
+            except BaseException as e:  # a bug here must reach the caller, not hang its future
+                outer.set_exception(e)
+                return
+            outer.set_result(text)
+
+        inner.add_done_callback(resolve)
+        return outer
+
+    def as_function(self, name: str = "python"):
+        """This tool as a plain function ``name(code: str) -> str`` with a docstring, for
+        ``relayrl.envs.tools.tool_schemas`` and for calling."""
+
+        def python(code: str) -> str:
+            return self(code)
+
+        python.__doc__ = _python_doc
+        python.__name__ = python.__qualname__ = name
+        return python
+
+    def close(self) -> None:
+        self._pool.close()
+
+    def __enter__(self) -> PythonTool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_default: PythonTool | None = None
+_default_lock = threading.Lock()
+
+
+def python(code: str) -> str:
+    """Run Python code in a fresh interpreter and return what it printed.
+
+    Nothing carries over between calls: no variables, imports or files. There is no network,
+    and time and memory are limited. Print the values you need; if the code fails, the
+    traceback is returned.
+
+    Args:
+        code: The Python source to run, for example "print(123456789 * 987654321)".
+    """
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = PythonTool()
+            atexit.register(_default.close)
+    return _default(code)
+
+
+_python_doc = python.__doc__
+
+
+def _check_timeout(timeout_s: float) -> float:
+    t = float(timeout_s)
+    if not (t > 0 and math.isfinite(t)):
+        raise ValueError(f"timeout_s must be a positive number, not {timeout_s!r}")
+    return t
+
+
+# ---------------------------------------------------------------- the text the model reads
+
+
+def _render(result: dict, timeout_s: float, memory_mb: int, max_chars: int) -> str:
+    if result.get("error"):
+        return f"[could not run the code: {result['error']}]"
+    out, err = result["stdout"], result["stderr"]
+    n_out, n_err = _length(out), _length(err)
+    if n_out + n_err <= max_chars:
+        out_budget, err_budget = n_out, n_err
+    else:  # stderr (a traceback) keeps at least half when both are long
+        err_budget = min(n_err, max(max_chars // 2, max_chars - n_out))
+        out_budget = max_chars - err_budget
+    text = _join(_fit(out, out_budget), _fit(err, err_budget))
+    return _join(text, _note(result, _tail_line(err), timeout_s, memory_mb)) or "[no output]"
+
+
+def _length(stream: list) -> int:
+    head, tail, cut = stream
+    return len(head) + cut + len(tail)
+
+
+def _fit(stream: list, budget: int) -> str:
+    """The stream, cut in the middle to ``budget`` characters (plus the marker)."""
+    head, tail, cut = stream
+    if not cut and len(head) + len(tail) <= budget:
+        return head + tail
+    first, last = budget - budget // 2, budget // 2
+    if cut:
+        start, end = head[:first], tail[len(tail) - last:] if last else ""
+    else:
+        joined = head + tail
+        start, end = joined[:first], joined[len(joined) - last:] if last else ""
+    omitted = _length(stream) - len(start) - len(end)
+    return f"{start}\n[... {omitted} characters truncated ...]\n{end}"
+
+
+def _join(a: str, b: str) -> str:
+    if not a or not b:
+        return a or b
+    return a + ("" if a.endswith("\n") else "\n") + b
+
+
+def _tail_line(stream: list) -> str:
+    head, tail, _ = stream
+    lines = (head + tail).strip().splitlines() if not tail else tail.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def _note(result: dict, last_err_line: str, timeout_s: float, memory_mb: int) -> str:
+    code = result["returncode"]
+    if result["timed_out"]:
+        return f"[timed out after {float(timeout_s)} s]"
+    if code == 1 and last_err_line.startswith("MemoryError"):
+        return f"[killed: out of memory (limit {memory_mb} MB)]"
+    if code is not None and code < 0:
+        if -code == signal.SIGXCPU:
+            return "[killed: CPU time limit exceeded]"
+        try:
+            return f"[killed by signal {signal.Signals(-code).name}]"
+        except ValueError:
+            return f"[killed by signal {-code}]"
+    return f"[exit code {code}]" if code else ""
+
+
+def _failure_note(e: CallFailed, timeout_s: float, memory_mb: int) -> str:
+    if e.kind == "timeout":
+        return f"[timed out after {float(timeout_s)} s]"
+    if e.kind == "oom":
+        return f"[killed: out of memory (limit {memory_mb} MB)]"
+    if e.kind == "crashed":
+        return f"[killed: the process running the code was lost ({e})]"
+    return f"[the sandbox failed: {e}]"
+
+
+# ---------------------------------------------------------------- in the worker
+
+
+def _execute(code: str, timeout_s: float, memory_mb: int, keep_bytes: int, sandboxed: bool) -> dict:
+    """Run ``code`` in a fresh interpreter (a pool call, in a worker); the result as JSON data."""
+    deadline = time.monotonic() + timeout_s
+    folder, lock = _call_dir()
+    try:
+        cmd = [sys.executable, "-I", "-X", "utf8", "-u", "-c", code]
+        env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin", "HOME": folder,
+               "TMPDIR": folder, "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+               "MKL_NUM_THREADS": "1"}
+        setup = functools.partial(_child_setup, os.getpid(), memory_mb, timeout_s, sandboxed)
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    cwd=folder, env=env, start_new_session=True, preexec_fn=setup)
+        except (OSError, ValueError, subprocess.SubprocessError) as e:
+            return {"error": _start_error(e, code)}
+        out, err = _Kept(keep_bytes), _Kept(keep_bytes)
+        streams = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+        try:
+            timed_out = _pump(proc, streams, deadline)
+            _killpg(proc.pid)  # the child is still unreaped, so its pid (the group's id) is not reused
+            proc.wait()
+            _kill_leftovers()
+            _drain(streams, time.monotonic() + 0.5)
+        finally:
+            proc.stdout.close()
+            proc.stderr.close()
+        return {"stdout": out.result(), "stderr": err.result(), "returncode": proc.returncode,
+                "timed_out": timed_out}
+    finally:
+        _rmtree(folder)
+        os.close(lock)
+        if sandboxed:
+            _sweep_tmp()
+
+
+def _child_setup(worker: int, memory_mb: int, timeout_s: float, drop_caps: bool) -> None:
+    """In the child, before exec (it inherits the worker's uid, namespaces and other limits)."""
+    libc = _libc
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != worker:
+        os._exit(1)  # the worker died before the line above
+    if drop_caps and libc.capset(ctypes.byref(_CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)), (_CapData * 2)()) != 0:
+        os._exit(1)  # every set empty (the ambient one follows the permitted one)
+    cpu = math.ceil(timeout_s) + 1
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    if hard != resource.RLIM_INFINITY:
+        cpu = min(cpu, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+    resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20,) * 2)  # last: nothing is allocated after it
+
+
+def _start_error(e: BaseException, code: str) -> str:
+    if isinstance(e, ValueError):
+        return "the code contains a NUL character"
+    if isinstance(e, OSError) and e.errno == errno.E2BIG:
+        return f"the code is too long ({len(code.encode())} bytes; the limit is about 128 KiB)"
+    if isinstance(e, OSError) and e.errno == errno.EAGAIN:
+        return "the process limit is reached (another call is using it up); try again"
+    return f"{type(e).__name__}: {e}"
+
+
+class _Kept:
+    """The first and the last ``n`` bytes of a stream, and how many characters between them
+    were dropped."""
+
+    def __init__(self, n: int):
+        self.n, self.head, self.tail, self.cut = n, bytearray(), bytearray(), 0
+
+    def add(self, data: bytes) -> None:
+        room = self.n - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        self.tail += data
+        extra = len(self.tail) - self.n
+        if extra > 0:
+            self.cut += len(bytes(self.tail[:extra]).translate(None, _CONTINUATION))
+            del self.tail[:extra]
+
+    def result(self) -> list:
+        if not self.cut:
+            return [bytes(self.head + self.tail).decode("utf-8", "replace"), "", 0]
+        return [self.head.decode("utf-8", "replace"), self.tail.decode("utf-8", "replace"), self.cut]
+
+
+def _pump(proc: subprocess.Popen, streams: dict, deadline: float) -> bool:
+    """Read the child's output until it exits (False) or the deadline passes (True)."""
+    try:
+        exit_fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        exit_fd = None  # before Linux 5.3: look every 20 ms
+    poller = select.poll()
+    for fd in [*streams, exit_fd]:
+        if fd is not None:
+            poller.register(fd, select.POLLIN)
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if exit_fd is None and _exited(proc.pid):
+                return False
+            if left <= 0:
+                return True
+            wait = left if exit_fd is not None else min(left, 0.02)
+            for fd, _ in poller.poll(math.ceil(wait * 1000)):
+                if fd == exit_fd:
+                    return False
+                if not _read(fd, streams[fd]):
+                    poller.unregister(fd)
+    finally:
+        if exit_fd is not None:
+            os.close(exit_fd)
+
+
+def _exited(pid: int) -> bool:
+    """Has ``pid`` exited? (without reaping it)"""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def _read(fd: int, kept: _Kept) -> bool:
+    data = os.read(fd, 1 << 16)
+    kept.add(data)
+    return bool(data)
+
+
+def _drain(streams: dict, until: float) -> None:
+    """What is left in the pipes, once every writer is dead (bounded, in case one is not)."""
+    open_fds = dict(streams)
+    for fd in open_fds:
+        os.set_blocking(fd, False)
+    while open_fds and time.monotonic() < until:
+        for fd in list(open_fds):
+            try:
+                if not _read(fd, open_fds[fd]):
+                    del open_fds[fd]
+            except BlockingIOError:
+                pass
+        if open_fds:
+            select.select(list(open_fds), [], [], max(0.0, until - time.monotonic()))
+
+
+def _killpg(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _kill_leftovers(for_s: float = 2.0) -> None:
+    """SIGKILL and reap every process the call left: all descendants of this worker, wherever
+    their group or session (the worker is a child subreaper, so orphans stay in its subtree).
+    A fork bomb outruns killing one layer at a time, so first everything is stopped (SIGSTOP
+    cannot be caught; a stopped process cannot fork), then killed."""
+    end = time.monotonic() + for_s
+    me = os.getpid()
+    while time.monotonic() < end:  # stop them all
+        running = [pid for pid, state in _descendants(me) if state not in "ZXTt"]
+        if not running:
+            break
+        _signal(running, signal.SIGSTOP)
+    while True:  # then kill them; the dead are reaped here, their orphaned children come to us
+        procs = _descendants(me)
+        _signal([pid for pid, state in procs if state not in "ZX"], signal.SIGKILL)
+        while True:
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        if not procs or time.monotonic() > end + for_s:
+            return  # what may be left makes the pool replace this worker, and its server sweep
+        time.sleep(0.001)
+
+
+def _descendants(root: int) -> list[tuple[int, str]]:
+    """(pid, state) of every descendant of ``root``, from /proc."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()  # after "(comm)", which may hold spaces
+            except OSError:
+                continue  # it exited
+            children.setdefault(int(fields[1]), []).append((int(name), fields[0]))
+    found, todo = [], [root]
+    while todo:
+        for pid, state in children.get(todo.pop(), ()):
+            found.append((pid, state))
+            todo.append(pid)
+    return found
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------- the call's directory, /tmp
+
+
+def _call_dir() -> tuple[str, int]:
+    """A fresh 0700 folder under /tmp, named after its start time, and a lock on it (held
+    while the call runs: the sweep of another worker leaves a locked folder alone)."""
+    for _ in range(10):
+        folder = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{time.time_ns()}-", dir="/tmp")
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.path.samestat(os.fstat(fd), os.stat(folder)):
+                return folder, fd
+        except OSError:
+            pass  # swept away by another worker between the two lines: take another
+        os.close(fd)
+    raise OSError("could not make a folder for the call under /tmp")
+
+
+def _sweep_tmp() -> None:
+    """Under bwrap (the sandbox's own /tmp): remove what calls left there, so that no state
+    passes through it to later calls. Folders of running calls (locked) stay, and so do other
+    entries changed since the oldest running call started (they may be its files)."""
+    me, tmp_dev = os.geteuid(), os.stat("/tmp").st_dev
+    entries = []
+    running_since = math.inf
+    try:
+        with os.scandir("/tmp") as it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if st.st_uid == me and st.st_dev == tmp_dev:
+                    entries.append((entry.path, entry.name, st))
+    except OSError:
+        return
+    locks = []
+    try:
+        loose = []
+        for path, name, st in entries:
+            if name.startswith(_DIR_PREFIX) and stat.S_ISDIR(st.st_mode):
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                except OSError:
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    locks.append((fd, path))  # a finished call's: removed below, lock held
+                except OSError:
+                    os.close(fd)
+                    started = name[len(_DIR_PREFIX):].partition("-")[0]
+                    if started.isdigit():
+                        running_since = min(running_since, int(started))
+            else:
+                loose.append((path, st))
+        for fd, path in locks:
+            _rmtree(path)
+        for path, st in loose:  # 50 ms: the clock of ctime is coarse
+            if running_since == math.inf or st.st_ctime_ns < running_since - 50_000_000:
+                _rmtree(path)
+    finally:
+        for fd, _ in locks:
+            os.close(fd)
+
+
+def _rmtree(path: str) -> None:
+    """Remove a file or a folder tree the call wrote, even one it made unreadable."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return
+    try:
+        os.chmod(path, 0o700)
+    except OSError:
+        pass
+    for root, dirs, _ in os.walk(path):
+        for d in dirs:  # before os.walk lists them
+            p = os.path.join(root, d)
+            try:
+                if stat.S_ISDIR(os.lstat(p).st_mode):  # never chmod through a symlink
+                    os.chmod(p, 0o700)
+            except OSError:
+                pass
+    shutil.rmtree(path, ignore_errors=True)
