@@ -204,6 +204,9 @@ def _bwrap_prefix(binds: list[str], hide: list[str] = (), keep: list[str] = (),
     cmd = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", *tmp_size,
            "--tmpfs", "/tmp", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--new-session", "--die-with-parent"]
     for folder in binds:
+        parts = folder.split("/")
+        for i in range(3, len(parts)):  # folders between /tmp and it: 0755, not bwrap's 0700
+            cmd += ["--perms", "0755", "--dir", "/".join(parts[:i])]
         cmd += ["--ro-bind", folder, folder]
     mounts = _hide_and_keep(hide, keep)
     for path, hidden, parents in mounts:

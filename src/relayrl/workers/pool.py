@@ -234,11 +234,14 @@ class WorkerPool:
             return self._server
 
     def _binds(self) -> list[str]:
-        """Folders bwrap must show although they lie under the private /tmp: the cwd and the
-        folders of file specs (read-only, like the rest of the host)."""
-        folders = {self.cwd} | {os.path.dirname(os.path.join(self.cwd, s.rpartition(":")[0]))
-                                for s in self._preload if s.rpartition(":")[0].endswith(".py")}
-        return sorted(f for f in folders if f == "/tmp" or f.startswith("/tmp/"))
+        """Folders bwrap must show although they lie under the private /tmp: the cwd, the folders
+        of file specs, this Python installation and the relayrl package (a virtual environment or
+        a checkout under /tmp, as in a fresh CI clone), read-only like the rest of the host."""
+        folders = {self.cwd, _package_root(), *_python_paths()} | {
+            os.path.dirname(os.path.join(self.cwd, s.rpartition(":")[0]))
+            for s in self._preload if s.rpartition(":")[0].endswith(".py")}
+        under = sorted(os.path.realpath(f) for f in folders if f == "/tmp" or f.startswith("/tmp/"))
+        return [f for f in under if not any(f.startswith(g + "/") for g in under)]  # outermost only
 
     def _kept(self) -> list[str]:
         """What must stay visible under a hidden folder: Python and the relayrl package."""
