@@ -29,12 +29,12 @@ def flatten(groups: list[Group]) -> list:
     return [t for g in groups for t in g.trajectories]
 
 
-def rollout_step(cfg: Config, c, state, step: int, lengths: LengthModel | None = None) -> tuple[list[Group], int]:
-    """Groups for training step ``step``, and the tokens generated for them and for the carried-over
+def rollout_step(cfg: Config, c, state, lengths: LengthModel | None = None) -> tuple[list[Group], int]:
+    """Groups for the next training step, and the tokens generated for them and for the carried-over
     rest: a synchronous barrier, or APRIL's over-provisioned partial rollouts. Groups carried in
     the buffer (cut off, or prefetched before a checkpoint) are served first. Requests go to the
     engine in ``rollout.schedule`` order, with lengths learnt from earlier steps (``lengths``)."""
-    groups, generated = _rollout_step(cfg, c, state, step, lengths)
+    groups, generated = _rollout_step(cfg, c, state, lengths)
     if lengths is not None:
         for t in flatten(groups):
             lengths.observe(t.prompt.id, t.group_id, len(t.response_ids))
@@ -49,7 +49,7 @@ def new_groups(cfg: Config, c, state, prompts: list) -> list[Group]:
     return make_groups(prompts, c.tokenizer, cfg.rollout.group_size, tag, cfg.data.prompt_format)
 
 
-def _rollout_step(cfg: Config, c, state, step: int, lengths: LengthModel | None):
+def _rollout_step(cfg: Config, c, state, lengths: LengthModel | None):
     r = cfg.rollout
     if not r.partial:
         carried = c.buffer.take(r.prompts_per_step)
@@ -74,12 +74,12 @@ class SyncSource:
         self.cfg, self.c, self.state, self.tl = cfg, c, state, tl
         self.lengths = LengthModel()  # used by one rollout at a time
 
-    def _rollout(self, step: int):
+    def _rollout(self):
         with self.tl.busy("engine"):
-            return rollout_step(self.cfg, self.c, self.state, step, self.lengths)
+            return rollout_step(self.cfg, self.c, self.state, self.lengths)
 
     def next_batch(self) -> tuple[list[Group], int]:
-        return self._rollout(self.state.step)
+        return self._rollout()
 
     def publish(self, load) -> None:
         load()
@@ -110,10 +110,10 @@ class PeriodicSource(SyncSource):
         self.future = None
 
     def next_batch(self):
-        out = self.future.result() if self.future is not None else self._rollout(self.state.step)
+        out = self.future.result() if self.future is not None else self._rollout()
         self.future = None
         if self.state.step + 1 < self.cfg.run.steps:
-            self.future = self.pool.submit(self._rollout, self.state.step + 1)
+            self.future = self.pool.submit(self._rollout)
         return out
 
     def publish(self, load) -> None:
