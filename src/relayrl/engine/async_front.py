@@ -1,0 +1,92 @@
+"""An asyncio front over any ``Engine``: ``await engine.generate(request)``.
+
+Episodes (an agent's turns, a tool call between them) are coroutines; many run at once on one
+event loop, each awaiting its own generations while the engine batches whatever is in flight.
+One dispatcher thread drains the engine's completions (``get``) and resolves each request's
+future on the loop. Cancelling an awaiting coroutine (an episode's deadline, a rollout being
+held for a checkpoint) aborts its request in the engine: the engine stops it at the next token.
+Shaped like vLLM's ``AsyncLLM`` (generate / abort / weight updates), so the two can stand in
+for each other behind the rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Iterable
+
+from relayrl.engine.base import Engine, EngineError
+from relayrl.records import Completion, GenRequest
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop):
+        self.engine, self.loop = engine, loop
+        self._futures: dict[str, asyncio.Future] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._error: EngineError | None = None  # why the engine stopped, for later callers too
+        self._thread = threading.Thread(target=self._dispatch, name="relayrl-async-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    async def generate(self, request: GenRequest) -> Completion:
+        """The completion of ``request`` (finished, or aborted with the tokens so far)."""
+        fut = self.loop.create_future()
+        with self._lock:
+            if self._closed.is_set():
+                raise self._error or EngineError("the async engine front is closed")
+            self._futures[request.request_id] = fut
+        self.engine.submit([request])
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self.engine.abort([request.request_id])  # its completion is dropped by the dispatcher
+            raise
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Stop these requests at the next token; their ``generate`` returns the tokens so far."""
+        self.engine.abort(list(request_ids))
+
+    async def load_weights(self, state_dict: dict, version: int) -> None:
+        """Swap weights without blocking the loop (the engine pauses at a token boundary)."""
+        await asyncio.to_thread(self.engine.load_weights, state_dict, version)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=10)
+
+    def _dispatch(self) -> None:
+        while not self._closed.is_set():
+            try:
+                done = self.engine.get(timeout=0.05)
+            except BaseException as e:  # noqa: BLE001 - every waiting episode learns why
+                self._fail_all(e)
+                return
+            for c in done:
+                with self._lock:
+                    fut = self._futures.pop(c.request_id, None)
+                if fut is not None:
+                    self.loop.call_soon_threadsafe(_resolve, fut, c)
+
+    def _fail_all(self, error: BaseException) -> None:
+        err = error if isinstance(error, EngineError) else EngineError(f"engine failed: {error!r}")
+        with self._lock:
+            futures, self._futures = list(self._futures.values()), {}
+            self._error = err
+            self._closed.set()
+        for fut in futures:
+            self.loop.call_soon_threadsafe(_reject, fut, err)
+
+
+def _resolve(fut: asyncio.Future, c: Completion) -> None:
+    if not fut.done():  # a cancelled waiter has gone
+        fut.set_result(c)
+
+
+def _reject(fut: asyncio.Future, err: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(err)

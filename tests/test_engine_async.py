@@ -1,0 +1,91 @@
+"""The asyncio front: many episodes await their own generations at once; cancelling one aborts
+its request; an engine failure reaches every waiter."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from relayrl.engine import EngineError
+from relayrl.engine.async_front import AsyncEngine
+from relayrl.engine.hf import HFEngine
+from relayrl.models import token_logprobs
+from relayrl.records import FinishReason, GenRequest, SamplingParams
+from tests.fake_engine import FakeEngine
+
+
+def _ids(tok):
+    return list(tok.apply_chat_template([{"role": "user", "content": "Add 3 4"}], add_generation_prompt=True)["input_ids"])
+
+
+def test_concurrent_episodes_each_get_their_own_completion(tiny):
+    model, tok = tiny
+    engine = HFEngine(model, tok, eos_token_ids=[])
+
+    async def main():
+        front = AsyncEngine(engine, asyncio.get_running_loop())
+        try:
+            budgets = [3, 9, 5, 12, 1, 7]
+            reqs = [GenRequest(f"e{i}", _ids(tok), SamplingParams(n, 1.0)) for i, n in enumerate(budgets)]
+            outs = await asyncio.gather(*(front.generate(r) for r in reqs))
+        finally:
+            front.close()
+        return reqs, outs
+
+    try:
+        reqs, outs = asyncio.run(main())
+    finally:
+        engine.close()
+    for r, c in zip(reqs, outs):
+        assert c.request_id == r.request_id and len(c.token_ids) == r.params.max_new_tokens
+        assert c.finish_reason == FinishReason.LENGTH and set(c.versions) == {0}
+        x = torch.tensor([r.prompt_ids + c.token_ids])
+        with torch.no_grad():
+            lp = token_logprobs(model(input_ids=x).logits[:, len(r.prompt_ids) - 1 : -1], x[:, len(r.prompt_ids):])
+        assert torch.allclose(lp[0], torch.tensor(c.logprobs), atol=1e-4)
+
+
+def test_cancelling_an_episode_aborts_its_request(tiny):
+    model, tok = tiny
+    engine = HFEngine(model, tok, eos_token_ids=[])
+
+    async def main():
+        front = AsyncEngine(engine, asyncio.get_running_loop())
+        try:
+            task = asyncio.create_task(front.generate(GenRequest("long", _ids(tok), SamplingParams(10**5, 1.0))))
+            await asyncio.sleep(0.3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            deadline = time.monotonic() + 10
+            while engine.num_pending() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert engine.num_pending() == 0  # the engine stopped it (it would run 10^5 tokens)
+            after = await front.generate(GenRequest("next", _ids(tok), SamplingParams(4, 1.0)))
+            assert len(after.token_ids) == 4
+        finally:
+            front.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.close()
+
+
+def test_an_engine_failure_reaches_every_waiting_episode():
+    class Broken(FakeEngine):
+        def get(self, timeout=None):
+            time.sleep(0.05)
+            raise EngineError("the engine process died (killed by SIGKILL)")
+
+    async def main():
+        front = AsyncEngine(Broken(0), asyncio.get_running_loop())
+        try:
+            reqs = [GenRequest(f"r{i}", [1, 2], SamplingParams(5)) for i in range(3)]
+            return await asyncio.gather(*(front.generate(r) for r in reqs), return_exceptions=True)
+        finally:
+            front.close()
+
+    outs = asyncio.run(asyncio.wait_for(main(), 10))
+    assert all(isinstance(o, EngineError) and "died" in str(o) for o in outs)
