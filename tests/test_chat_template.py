@@ -63,33 +63,47 @@ def test_turns_concatenate_to_the_template_rendering(template, demo_tokenizer, c
     for reply, new in CONVERSATION[1:]:
         engine = _engine_turn(tok, messages, reply)
         context, masks = context + engine, masks + [1] * len(engine)
-        messages = messages + [{"role": "assistant", "content": reply}] + [{**m, "role": observe if m["role"] == "tool"
-                                                                            else m["role"]} for m in new]
+        messages = messages + [{"role": "assistant", "content": reply}]
+        new = [{**m, "role": observe if m["role"] == "tool" else m["role"]} for m in new]
         if not new:
             break
-        suffix = next_turn_suffix(tok, context, messages)
+        suffix = next_turn_suffix(tok, messages, new)
         assert suffix, "a new turn always adds tokens"
-        context, masks = context + suffix, masks + [0] * len(suffix)
+        context, masks, messages = context + suffix, masks + [0] * len(suffix), messages + new
     full = render_ids(tok, messages, add_generation_prompt=False)
     assert context == full[: len(context)] and len(full) - len(context) <= 1  # at most the separator after the end
     assert sum(masks) == sum(len(_engine_turn(tok, messages[: i], m["content"])) for i, m in enumerate(messages)
                              if m["role"] == "assistant")
     if template == "chatml":  # the "\n" after <|im_end|> the engine never emits is a template token
-        first_suffix = next_turn_suffix(tok, render_ids(tok, CONVERSATION[0], True)
-                                        + _engine_turn(tok, CONVERSATION[0], "call add(3, 4)"),
-                                        CONVERSATION[0] + [{"role": "assistant", "content": "call add(3, 4)"},
-                                                           {"role": "tool", "content": "7"}])
+        first_suffix = next_turn_suffix(tok, CONVERSATION[0] + [{"role": "assistant", "content": "call add(3, 4)"}],
+                                        [{"role": "tool", "content": "7"}])
         assert tok.decode(first_suffix).startswith("\n<|im_start|>user")
+
+
+def test_the_suffix_does_not_depend_on_how_the_engine_spelled_its_turn(demo_tokenizer):
+    """A policy may emit its turn in other tokens than the tokenizer's own (BPE pieces one by one):
+    the suffix comes from the template alone, so the context stays the engine's tokens + suffix."""
+    tok = demo_tokenizer
+    messages = list(CONVERSATION[0]) + [{"role": "assistant", "content": "call add(3, 4)"}]
+    canonical = tok("call add(3, 4)", add_special_tokens=False)["input_ids"]
+    spelled = [i for ch in "call add(3, 4)" for i in tok(ch, add_special_tokens=False)["input_ids"]]
+    assert spelled != canonical and tok.decode(spelled) == tok.decode(canonical)
+    assert next_turn_suffix(tok, messages, [{"role": "user", "content": "7"}]) == \
+        render_ids(tok, messages + [{"role": "user", "content": "7"}], True)[len(render_ids(tok, messages, False)):]
 
 
 def test_a_template_that_re_renders_earlier_turns_fails_closed(chatml_tokenizer):
     tok = chatml_tokenizer
-    messages = list(CONVERSATION[0])
-    context = render_ids(tok, messages, add_generation_prompt=True)
-    context += _engine_turn(tok, messages, "call add(3, 4)")
-    messages += [{"role": "assistant", "content": "call add(3, 4)"}, {"role": "tool", "content": "7"}]
-    assert next_turn_suffix(tok, context, messages)  # consistent template: fine
+    messages = list(CONVERSATION[0]) + [{"role": "assistant", "content": "call add(3, 4)"}]
+    assert next_turn_suffix(tok, messages, [{"role": "tool", "content": "7"}])  # consistent template: fine
     tok.chat_template = FORGETFUL
+    later = messages + [{"role": "tool", "content": "7"}, {"role": "assistant", "content": "x"}]
     with pytest.raises(TemplateMismatch, match="first difference at token"):
-        next_turn_suffix(tok, context, messages + [{"role": "assistant", "content": "x"},
-                                                   {"role": "user", "content": "y"}])
+        next_turn_suffix(tok, later, [{"role": "user", "content": "y"}])
+
+
+def test_a_template_without_the_end_of_turn_token_fails_closed(chatml_tokenizer):
+    tok = chatml_tokenizer
+    tok.chat_template = CHATML.replace("'<|im_end|>\n'", "'\n'")
+    with pytest.raises(TemplateMismatch, match="end-of-turn token"):
+        next_turn_suffix(tok, CONVERSATION[0] + [{"role": "assistant", "content": "hi"}], [{"role": "user", "content": "y"}])

@@ -178,11 +178,15 @@ class AlgoCfg(_Section):
         False, description="Scale each step's learning rate by sqrt(min(1, ESS/B)) of the sequence importance "
         "weights (VCPO): smaller steps on batches that are far off-policy.")
 
+    gamma: float = Field(0.95, ge=0, le=1, description="advantage=gigpo: discount of later turns' rewards (γ).")
+    gigpo_omega: float = Field(1.0, ge=0, description="advantage=gigpo: weight ω of the step-level advantage.")
+
     @model_validator(mode="after")
     def _names(self) -> "AlgoCfg":
-        from relayrl.algos import ADVANTAGES, AGGREGATIONS, POLICY_LOSSES
+        from relayrl.algos import ADVANTAGES, AGGREGATIONS, POLICY_LOSSES, STEP_ADVANTAGES
 
-        for key, reg in (("advantage", ADVANTAGES), ("loss", POLICY_LOSSES), ("agg", AGGREGATIONS)):
+        for key, reg in (("advantage", {**ADVANTAGES, **STEP_ADVANTAGES}), ("loss", POLICY_LOSSES),
+                         ("agg", AGGREGATIONS)):
             val = getattr(self, key)
             if val not in reg:
                 raise ValueError(f"algo.{key}={val!r} is not one of: {', '.join(sorted(reg))}")
@@ -223,6 +227,19 @@ class EvalCfg(_Section):
     samples: int = Field(1, ge=1, le=1024, description="Sampled responses per prompt for sampled accuracy.")
 
 
+class EnvCfg(_Section):
+    """Agents: the environment each episode talks to (multi-turn, tools)."""
+
+    name: str | None = Field(
+        None, description="Environment: null (one response per prompt, scored by reward.fn), a built-in "
+        "(single_turn, calculator, python) or 'module:Class' / 'path/file.py:Class' (see relayrl.envs.base.Env).")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the environment's constructor.")
+    max_turns: int = Field(4, ge=1, description="Most assistant turns in one episode.")
+    max_tokens: int = Field(
+        256, ge=1, description="Token budget of one episode after its prompt: the policy's turns and the tool "
+        "results and template tokens between them (rollout.max_new_tokens bounds each turn).")
+
+
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -234,6 +251,7 @@ class Config(BaseModel):
     algo: AlgoCfg = Field(default_factory=AlgoCfg)
     trainer: TrainerCfg = Field(default_factory=TrainerCfg)
     eval: EvalCfg = Field(default_factory=EvalCfg)
+    env: EnvCfg = Field(default_factory=EnvCfg)
 
     @property
     def run_dir(self) -> Path:
@@ -254,6 +272,12 @@ class Config(BaseModel):
         if self.eval.every > self.run.steps:
             raise ValueError(f"eval.every={self.eval.every} is more than run.steps={self.run.steps}: it would never "
                              "evaluate during training (0: only before and after)")
+        if self.env.name is not None and self.run.mode == "periodic":
+            raise ValueError("run.mode='periodic' is for single-turn runs; with an environment (env.name="
+                             f"{self.env.name!r}) use sync or async")
+        if self.algo.advantage == "gigpo" and self.env.name is None:
+            raise ValueError("algo.advantage='gigpo' needs an environment (env.name): its step-level credit is "
+                             "over the turns of an episode")
         for field in inapplicable_set(self):
             applies, when, deciding = APPLIES_ONLY[field]
             now = ", ".join(f"{d}={_show(self.get(d))}" for d in deciding)
@@ -275,16 +299,14 @@ _ASYNC = (lambda c: c.run.mode == "async", "with run.mode=async", ("run.mode",))
 _CB = (lambda c: c.rollout.engine == "hf-cb", "with rollout.engine=hf-cb", ("rollout.engine",))
 _TIS = (lambda c: c.algo.offpolicy == "tis", "with algo.offpolicy=tis", ("algo.offpolicy",))
 _EVAL = (lambda c: c.data.eval_path is not None, "when data.eval_path is set", ("data.eval_path",))
+_ENV = (lambda c: c.env.name is not None, "with an environment (env.name set)", ("env.name",))
+_SINGLE = (lambda c: c.env.name is None, "to single-turn runs (env.name=null)", ("env.name",))
 
 # Fields that the chosen mode/options ignore: field -> (does it apply?, when it applies, the fields
 # that decide). Setting one where it does not apply would silently do nothing, so it is an error
 # (only when set explicitly: defaults are always present).
 APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] = {
     "rollout.max_staleness": _ASYNC,
-    "rollout.stale": _ASYNC,
-    "rollout.over_provision": (lambda c: c.rollout.partial and c.run.mode != "async",
-                               "with rollout.partial=true in run.mode=sync or periodic (async over-provisions by "
-                               "its staleness bound)", ("rollout.partial", "run.mode")),
     "rollout.cb_num_blocks": _CB,
     "rollout.cb_page_size": _CB,
     "rollout.cb_max_batch_tokens": _CB,
@@ -299,6 +321,18 @@ APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] =
     "algo.kl_estimator": (lambda c: c.algo.kl_coef > 0, "with algo.kl_coef > 0", ("algo.kl_coef",)),
     "model.system_prompt": (lambda c: c.data.prompt_format == "chat", "with data.prompt_format=chat (a raw prompt "
                             "has no messages)", ("data.prompt_format",)),
+    "env.args": _ENV,
+    "env.max_turns": _ENV,
+    "env.max_tokens": _ENV,
+    "algo.gamma": (lambda c: c.algo.advantage == "gigpo", "with algo.advantage=gigpo", ("algo.advantage",)),
+    "algo.gigpo_omega": (lambda c: c.algo.advantage == "gigpo", "with algo.advantage=gigpo", ("algo.advantage",)),
+    "rollout.stale": (lambda c: c.run.mode == "async" and c.env.name is None,
+                      "with run.mode=async and env.name=null (episodes are never stale: see relayrl.episodes)",
+                      ("run.mode", "env.name")),
+    "rollout.over_provision": (lambda c: c.rollout.partial and c.run.mode != "async" and c.env.name is None,
+                               "with rollout.partial=true in run.mode=sync or periodic, single-turn (async "
+                               "over-provisions by its staleness bound)", ("rollout.partial", "run.mode", "env.name")),
+    "rollout.schedule": _SINGLE,
     "eval.size": _EVAL,
     "eval.every": _EVAL,
     "eval.samples": _EVAL,

@@ -21,13 +21,16 @@ from relayrl.config import Config, dump_config
 from relayrl.data import PromptSampler, load_prompts
 from relayrl.engine import EngineError, make_engine
 from relayrl.engine.process import ProcessEngine
-from relayrl.evaluation import evaluate
+from relayrl.envs.base import make_env_factory
+from relayrl.episode_rollout import EpisodeSource
+from relayrl.episodes import EpisodeLimits, EpisodeRunner
+from relayrl.evaluation import episode_stats, evaluate, evaluate_episodes
 from relayrl.models import check_prompt_lengths, load_policy, load_tokenizer, model_context, resolve_model_path
 from relayrl.partial import PartialBuffer
 from relayrl.records import Group, SamplingParams, group_to_dict
 from relayrl.resume import ResumeError, check_compatible, data_fingerprint, prepare_run_dir, start_state
 from relayrl.rewards import RewardRunner
-from relayrl.rollout import drop_failed, group_advantages, score_groups
+from relayrl.rollout import advantages_for, drop_failed
 from relayrl.sources import SOURCES, flatten
 from relayrl.timeline import Timeline
 from relayrl.tracking import MetricsLog, ProgressBar, Timers
@@ -48,6 +51,18 @@ class Components:
     eval_prompts: list | None
     params: SamplingParams
     buffer: PartialBuffer
+    episodes: EpisodeRunner | None = None  # agents (env.name set): episodes on an asyncio loop
+
+    def evaluate(self, cfg: Config) -> dict:
+        if self.episodes is not None:
+            return evaluate_episodes(self.episodes, self.tokenizer, self.eval_prompts, cfg)
+        return evaluate(self.engine, self.tokenizer, self.eval_prompts, self.reward, cfg)
+
+    def close(self) -> None:
+        if self.episodes is not None:
+            self.episodes.close()
+        self.engine.close()
+        self.reward.close()
 
 
 def placement(cfg: Config) -> tuple[bool, int, int]:
@@ -80,7 +95,10 @@ def check_prompts_fit(cfg: Config, weights: str, tokenizer, prompts: list, eval_
     context = model_context(weights)
     if context is None:
         return
-    limit, fmt = context - cfg.rollout.max_new_tokens, cfg.data.prompt_format
+    limit, fmt = context - (cfg.env.max_tokens if cfg.env.name else cfg.rollout.max_new_tokens), cfg.data.prompt_format
+    if cfg.env.name and limit < 1:
+        raise ValueError(f"env.max_tokens={cfg.env.max_tokens} leaves no room for a prompt in the model's "
+                         f"context of {context} tokens: lower it")
     check_prompt_lengths(prompts or [], tokenizer, limit, fmt, source=cfg.data.path)
     if eval_prompts:
         check_prompt_lengths(eval_prompts, tokenizer, limit, fmt, source=cfg.data.eval_path)
@@ -108,6 +126,7 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         reward = make_reward_runner(cfg)  # first: a bad reward.fn fails before the model loads
         undo.callback(reward.close)
         reward.stats.failures, reward.stats.timeouts = state.reward_failures, state.reward_timeouts
+        make_env = make_env_factory(cfg.env.name, cfg.env.args) if cfg.env.name else None
         base = resolve_model_path(cfg.model.path, log=log)
         weights = str(ckpt) if ckpt else base
         tokenizer, tok_path = load_tokenizer_for(cfg, base, log)
@@ -119,6 +138,14 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
                                    state.version, engine_threads, seed=cfg.run.seed * 1_000_003 + state.step)
         else:
             engine = make_engine(cfg.rollout, load_policy(weights, cfg.model.dtype), tokenizer, version=state.version)
+        undo.callback(engine.close)
+        episodes = None
+        if make_env is not None:
+            def score(text, prompt):
+                return reward.score([(text, prompt.answer, dict(prompt.metadata))])[0]
+
+            episodes = EpisodeRunner(engine, tokenizer, make_env, EpisodeLimits(cfg.env.max_turns, cfg.env.max_tokens),
+                                     score)
         undo.pop_all()
     r = cfg.rollout
     trainer = Trainer(policy, cfg.trainer, cfg.algo, r.temperature, cfg.run.steps,
@@ -127,7 +154,7 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
     buffer = PartialBuffer()
     buffer.load_state_dict(state.partial_buffer)
-    return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params, buffer)
+    return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params, buffer, episodes)
 
 
 def step_metrics(groups: list[Group], generated: int, step_seconds: float, state: RunState) -> dict:
@@ -150,6 +177,7 @@ def step_metrics(groups: list[Group], generated: int, step_seconds: float, state
         "staleness_max": max(stale),
         "staleness_mean": sum(stale) / len(stale),
         "staleness_hist": [stale.count(k) for k in range(max(stale) + 1)],  # groups by versions behind
+        **(episode_stats(trajs) if any(t.info for t in trajs) else {}),
     }
 
 
@@ -170,8 +198,7 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
     try:
         return _train(cfg, c, state, trainer_state, ckpt, log, console)
     finally:
-        c.engine.close()
-        c.reward.close()
+        c.close()
 
 
 def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log, console) -> dict:
@@ -185,11 +212,11 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=state.step)
     trained_log = MetricsLog(run_dir / "trained_prompts.jsonl", resume_step=state.step)
     if state.eval_before is None and c.eval_prompts:
-        state.eval_before = evaluate(c.engine, c.tokenizer, c.eval_prompts, c.reward, cfg)
+        state.eval_before = c.evaluate(cfg)
         log(f"eval before: {fmt_eval(state.eval_before)}")
     timers, t_start, tl = Timers(), time.perf_counter() - state.wall_seconds, Timeline()
     writer = CheckpointWriter(run_dir, c.policy, c.tokenizer, cfg.run.keep_checkpoints)
-    source = SOURCES[cfg.run.mode](cfg, c, state, tl)
+    source = (EpisodeSource if c.episodes else SOURCES[cfg.run.mode])(cfg, c, state, tl)
     try:
         with ProgressBar(cfg.run.steps, state.step, cfg.run.progress, console) as bar:
             while state.step < cfg.run.steps:
@@ -198,10 +225,9 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                     with timers("generate"):  # all of it when synchronous; what training did not hide otherwise
                         groups, generated = source.next_batch()
                     groups = drop_failed_or_raise(groups, state)
-                    with timers("reward"):
-                        score_groups(groups, c.reward, c.tokenizer)
-                    batch = build_batch(flatten(groups), group_advantages(groups, cfg.algo.advantage),
-                                        c.tokenizer.pad_token_id)
+                    with timers("reward"):  # episodes score themselves, off this thread
+                        source.score(groups)
+                    batch = build_batch(flatten(groups), advantages_for(groups, cfg.algo), c.tokenizer.pad_token_id)
                     with timers("train"), tl.busy("trainer"):
                         train_metrics = c.trainer.step(batch, version=state.version)
                     with timers("publish"):
@@ -245,7 +271,7 @@ def record_step(cfg: Config, c: Components, state: RunState, groups, generated: 
     if cfg.eval.every and state.step % cfg.eval.every == 0 and c.eval_prompts:
         source.held()  # the rollout stops using the engine while it evaluates
         try:
-            m.update({f"eval/{k}": v for k, v in evaluate(c.engine, c.tokenizer, c.eval_prompts, c.reward, cfg).items()})
+            m.update({f"eval/{k}": v for k, v in c.evaluate(cfg).items()})
         finally:
             source.release()
     metrics.write(m)
@@ -257,7 +283,7 @@ def fmt_eval(e: dict) -> str:
 
 
 def finish(cfg: Config, c: Components, state: RunState, log) -> dict:
-    after = evaluate(c.engine, c.tokenizer, c.eval_prompts, c.reward, cfg) if c.eval_prompts else None
+    after = c.evaluate(cfg) if c.eval_prompts else None
     before = state.eval_before
     summary = {
         "steps": state.step,
@@ -273,6 +299,10 @@ def finish(cfg: Config, c: Components, state: RunState, log) -> dict:
         "reward_timeouts": state.reward_timeouts,
         "reward_errors": c.reward.stats.errors[:5],
     }
+    if c.episodes is not None:
+        summary.update({f"eval_{k}_{when}": e.get(k) if e else None for k in ("tool_call_rate", "tool_call_rate_greedy")
+                        for when, e in (("before", before), ("after", after))})
+        summary.update(episode_errors=c.episodes.error_count, episode_error_examples=c.episodes.errors)
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     log(f"[bold]done[/bold]: {state.step} steps, {state.samples} samples, {state.wall_seconds:.0f}s")
     if before and after:

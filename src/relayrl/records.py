@@ -79,6 +79,8 @@ class Trajectory:
     versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     mask: list[int] = field(default_factory=list)  # per response token, 1 = trained (empty: all trained)
+    turns: list[int] = field(default_factory=list)  # per response token, its turn (multi-turn episodes)
+    info: dict[str, Any] = field(default_factory=dict)  # an episode's counts: turns, tool calls, step rewards
     text: str = ""
     reward: float = 0.0
     reward_failed: bool = False

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from relayrl.algos import ADVANTAGES, lookup
+from relayrl.algos import ADVANTAGES, STEP_ADVANTAGES, lookup
+from relayrl.algos.agents import discounted_returns, gigpo, steps_to_tokens
 from relayrl.engine.base import Engine
 from relayrl.models import encode_prompt
 from relayrl.records import (
@@ -70,6 +71,41 @@ def drop_failed(groups: list[Group]) -> tuple[list[Group], int]:
         if ok:
             out.append(g if len(ok) == len(g.trajectories) else Group(g.prompt, g.group_id, ok))
     return out, dropped
+
+
+def advantages_for(groups: list[Group], algo) -> torch.Tensor | list[torch.Tensor]:
+    """Advantages for ``[t for g in groups for t in g.trajectories]``: one per trajectory, or with
+    a step-level estimator (``algo.advantage=gigpo``) one per response token."""
+    if algo.advantage in STEP_ADVANTAGES:
+        return step_advantages(groups, algo.gamma, algo.gigpo_omega)
+    return group_advantages(groups, algo.advantage)
+
+
+def step_advantages(groups: list[Group], gamma: float, omega: float) -> list[torch.Tensor]:
+    """GiGPO over the turns of episodes: per-step rewards (``info["step_rewards"]``, the last
+    one the episode's final reward) discounted by γ within the episode, anchor states
+    (``info["anchors"]``, the observation each turn started from) shared across a group's episodes
+    whatever policy version generated them; each token gets its turn's advantage."""
+    trajs = [t for g in groups for t in g.trajectories]
+    step_rewards, step_episode, anchors, episode_group = [], [], [], []
+    for e, (gi, t) in enumerate((gi, t) for gi, g in enumerate(groups) for t in g.trajectories):
+        rewards = t.info.get("step_rewards") or [t.reward]
+        step_rewards += rewards
+        step_episode += [e] * len(rewards)
+        seen = t.info.get("anchors") or []
+        anchors += [seen[k] if k < len(seen) else 0 for k in range(len(rewards))]
+        episode_group.append(gi)
+    ep = torch.tensor(step_episode, dtype=torch.long)
+    returns = discounted_returns(torch.tensor(step_rewards, dtype=torch.float64), ep, gamma)
+    adv = gigpo(torch.tensor([t.reward for t in trajs], dtype=torch.float64), torch.tensor(episode_group),
+                returns, ep, torch.tensor(anchors, dtype=torch.long), omega)
+    out, first = [], 0
+    for e, t in enumerate(trajs):
+        n = int((ep == e).sum())
+        turns = torch.tensor(t.turns if t.turns else [0] * len(t.response_ids), dtype=torch.long).clamp(max=n - 1)
+        out.append(steps_to_tokens(adv[first:first + n].float(), turns))
+        first += n
+    return out
 
 
 def group_advantages(groups: list[Group], estimator: str) -> torch.Tensor:

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from relayrl.async_rollout import AsyncRollout
 from relayrl.config import Config
 from relayrl.records import Group
-from relayrl.rollout import generate_groups, generate_until, make_groups
+from relayrl.rollout import generate_groups, generate_until, make_groups, score_groups
 from relayrl.scheduling import LengthModel
 from relayrl.timeline import Timeline
 
@@ -81,6 +81,9 @@ class SyncSource:
     def next_batch(self) -> tuple[list[Group], int]:
         return self._rollout()
 
+    def score(self, groups: list[Group]) -> None:
+        score_groups(groups, self.c.reward, self.c.tokenizer)
+
     def publish(self, load) -> None:
         load()
 
@@ -133,7 +136,7 @@ class PeriodicSource(SyncSource):
 class AsyncSource:
     def __init__(self, cfg: Config, c, state, tl: Timeline):
         r = cfg.rollout
-        self.state = state
+        self.state, self.c = state, c
         self.rollout = AsyncRollout(
             c.engine, c.sampler.take, lambda prompts: new_groups(cfg, c, state, prompts),
             c.params, r.prompts_per_step, r.max_staleness, partial=r.partial, stale=r.stale, schedule=r.schedule,
@@ -142,6 +145,9 @@ class AsyncSource:
 
     def next_batch(self):
         return self.rollout.next_batch(self.state.version)
+
+    def score(self, groups: list[Group]) -> None:
+        score_groups(groups, self.c.reward, self.c.tokenizer)
 
     def publish(self, load) -> None:
         self.rollout.publish(load, self.state.version + 1)
@@ -162,4 +168,5 @@ class AsyncSource:
         self.rollout.close()
 
 
+# env.name set: relayrl.episode_rollout.EpisodeSource (sync and async)
 SOURCES = {"sync": SyncSource, "periodic": PeriodicSource, "async": AsyncSource}

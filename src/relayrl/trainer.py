@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from relayrl.algos import ADVANTAGES, AGGREGATIONS, POLICY_LOSSES, kl_penalty, lookup
+from relayrl.algos import AGGREGATIONS, POLICY_LOSSES, kl_penalty, lookup
 from relayrl.algos.offpolicy import decoupled_ppo, ess_lr_scale, m2po, m2po_mask, tis_weights
 from relayrl.config import AlgoCfg, TrainerCfg
 from relayrl.faults import fault_point
@@ -130,7 +130,6 @@ class Trainer:
             self.ref = (ref_model or copy.deepcopy(model)).eval().requires_grad_(False)
         self.loss_fn = lookup(POLICY_LOSSES, acfg.loss, "policy loss")
         self.agg_fn = lookup(AGGREGATIONS, acfg.agg, "aggregation")
-        self.adv_fn = lookup(ADVANTAGES, acfg.advantage, "advantage estimator")
 
     # -- forward helpers -------------------------------------------------------------------
     def _logits(self, model, mb: TrainBatch, params: dict | None = None) -> torch.Tensor:

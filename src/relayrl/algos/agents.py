@@ -77,3 +77,8 @@ def steps_to_tokens(step_adv: Tensor, token_step: Tensor) -> Tensor:
     """
     padded = torch.cat([step_adv, step_adv.new_zeros(1)])  # index −1 picks the appended 0
     return padded[token_step]
+
+
+# Step-level estimators (token-level advantages from the turns of episodes), by name, beside the
+# episode-level ones in ``advantages.ADVANTAGES``.
+STEP_ADVANTAGES = {"gigpo": gigpo}

@@ -2,14 +2,16 @@
 the chat template adds for new messages (tool results, the next user turn, the next assistant
 header, the separators between turns) are tokenized, as a suffix. The history is never
 re-rendered into the trajectory: re-tokenising drifts (a missing "\\n" after ``<|im_end|>``,
-verl #3720; BPE merges across a turn boundary), and costs most of the generation time at
-many turns.
+verl #3720; BPE merges across a turn boundary; a model that spells a word in other tokens than
+the tokenizer would), and costs most of the generation time at many turns.
 
-The suffix is where the template's rendering of the whole conversation goes past the tokens the
-trajectory already holds. That only works if those tokens *are* a prefix of the rendering: a
-template that renders earlier turns differently once later ones exist (some drop earlier
-reasoning) breaks it, and then ``next_turn_suffix`` fails closed with ``TemplateMismatch``
-instead of training on a context the model would never see.
+The suffix is what the template's rendering of the conversation gains from the new messages,
+plus what it renders after the end-of-turn token the engine stopped at (ChatML's "\\n"). It is
+computed from two renderings of the same message texts, never by comparing them with the
+engine's tokens, so a policy's non-canonical spelling of its own turn does not matter. It only
+works if the template renders earlier turns the same once later ones exist (some drop earlier
+reasoning): ``next_turn_suffix`` checks that and fails closed with ``TemplateMismatch`` instead
+of training on a context the model would never see.
 """
 
 from __future__ import annotations
@@ -27,21 +29,27 @@ def render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, too
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5: a BatchEncoding
 
 
-def next_turn_suffix(tokenizer, context_ids: list[int], messages: list[dict], tools: list[dict] | None = None
+def next_turn_suffix(tokenizer, messages: list[dict], new: list[dict], tools: list[dict] | None = None
                      ) -> list[int]:
-    """Token ids to append to ``context_ids`` (the prompt and every turn so far, as the engine
-    saw and produced them) so that the context becomes the template's rendering of ``messages``
-    (the same conversation plus the new messages) with the next assistant turn's header.
+    """Token ids to append to a context whose last tokens are the engine's assistant turn (ending
+    with the end-of-turn token, ``tokenizer.eos_token_id``) so that it continues as the template
+    renders ``messages + new`` with the next assistant turn's header. ``messages`` is the
+    conversation so far, its last message that assistant turn (as text).
 
     These tokens come from the template, not the policy: give them loss mask 0. Raises
-    ``TemplateMismatch`` when ``context_ids`` is not a prefix of that rendering."""
-    full = render_ids(tokenizer, messages, add_generation_prompt=True, tools=tools)
-    n = len(context_ids)
-    if full[:n] != list(context_ids):
-        at = next((i for i, (a, b) in enumerate(zip(full, context_ids)) if a != b), min(n, len(full)))
+    ``TemplateMismatch`` when the template renders ``messages`` differently once ``new`` follows,
+    or does not end the assistant turn with the end-of-turn token."""
+    base = render_ids(tokenizer, messages, add_generation_prompt=False, tools=tools)
+    full = render_ids(tokenizer, messages + new, add_generation_prompt=True, tools=tools)
+    if full[: len(base)] != base:
+        at = next((i for i, (a, b) in enumerate(zip(full, base)) if a != b), min(len(base), len(full)))
         raise TemplateMismatch(
-            f"the chat template renders this conversation differently from the tokens the trajectory holds "
-            f"(first difference at token {at} of {n}: template {full[at:at + 5]} vs trajectory "
-            f"{list(context_ids[at:at + 5])}); token-in-token-out needs a template that renders earlier turns "
-            f"the same once later turns exist")
-    return full[n:]
+            f"the chat template renders the conversation so far differently once new messages follow (first "
+            f"difference at token {at} of {len(base)}: {base[at:at + 5]} becomes {full[at:at + 5]}); token-in-token-out "
+            f"needs a template that renders earlier turns the same once later turns exist")
+    eos = tokenizer.eos_token_id
+    if eos not in base:
+        raise TemplateMismatch(f"the chat template does not end an assistant turn with the end-of-turn token "
+                               f"{tokenizer.eos_token!r} (id {eos}), where generation stops")
+    after_eos = len(base) - base[::-1].index(eos)  # the separator the template puts after the turn's end
+    return base[after_eos:] + full[len(base):]

@@ -1,0 +1,222 @@
+"""Build the agent demo policy offline: a byte-level BPE tokenizer and a tiny Llama that knows the
+calculator tool-call format but does not use it reliably.
+
+Nothing is downloaded. ``build_agent_demo_model(path)`` trains the tokenizer on generated
+conversations of the agent demo task (``relayrl.demo.agent_task``), builds a small Llama from a
+config and fine-tunes it on multi-turn reference episodes, with loss on the assistant turns only.
+About a third of those episodes call the calculator (call, tool result, ``\\boxed{result}``), the
+rest answer directly with the true product boxed; which one is drawn at random per episode,
+independently of the prompt. So the model learns the call format (it copies the factors into the
+call and the result into the answer) and calls the tool about a third of the time when sampled,
+but answers directly, and mostly wrong, when decoded greedily: RL has to teach it *when* to call.
+
+Both are saved with ``save_pretrained``, so the rest of relayrl loads it like any other model:
+``AutoModelForCausalLM.from_pretrained(path)``. Regenerate by hand with
+``python -m relayrl.demo.agent_model OUT_DIR``. It is deterministic for a given seed and takes
+well under a minute on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from relayrl.demo import agent_task
+
+# Every turn renders the same whatever follows it (token-in, token-out multi-turn needs that).
+# The ``tools=`` argument is ignored on purpose: a model this small cannot read a schema; it knows
+# the one calculator call from its warm start.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}<|system|>{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}<|user|>{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<|end|>"
+    "{% elif m['role'] == 'tool' %}<|tool|>{{ m['content'] }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
+
+# Everything that changes the built model; its hash names the cache folder.
+RECIPE = {
+    "version": 1,
+    "vocab_size": 512,
+    "tokenizer_texts": 2000,
+    "hidden_size": 192,
+    "layers": 4,
+    "heads": 4,
+    "intermediate_size": 512,
+    "sft_steps": 400,
+    "sft_batch": 32,
+    "sft_lr": 1e-3,
+    "tool_rate": 0.35,
+    "seed": 1234,
+}
+
+
+def build_tokenizer(seed: int, vocab_size: int, n_texts: int = 2000):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Digits stay single tokens: merged digit strings make copying and arithmetic needlessly hard.
+    # Everything else may merge across spaces and punctuation (no GPT-2 regex split), so the fixed
+    # tool-call JSON around the expression becomes two tokens and "\boxed{" one.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    text = [m["content"] for conv in agent_task.corpus(n_texts, seed, tool_rate=0.5) for m in conv]
+    tok.train_from_iterator(text, trainer)
+    # padding_side survives save_pretrained only when given to the constructor.
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<|pad|>",
+        eos_token="<|end|>",
+        padding_side="left",
+        chat_template=CHAT_TEMPLATE,
+        additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"],
+    )
+
+
+def build_model(tokenizer, recipe: dict):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=recipe["hidden_size"],
+        intermediate_size=recipe["intermediate_size"],
+        num_hidden_layers=recipe["layers"],
+        num_attention_heads=recipe["heads"],
+        num_key_value_heads=recipe["heads"],
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def assistant_mask(tokenizer, ids: list[int]) -> list[bool]:
+    """True on the tokens of every assistant turn's content and its ``<|end|>`` (not the
+    ``<|assistant|>`` header, nor user, tool or system tokens)."""
+    start, end = tokenizer.convert_tokens_to_ids(["<|assistant|>", "<|end|>"])
+    mask, inside = [], False
+    for t in ids:
+        if t == start:
+            mask.append(False)
+            inside = True
+            continue
+        mask.append(inside)
+        if t == end:
+            inside = False
+    return mask
+
+
+def encode_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Token ids of the whole conversation as the template renders it, and labels (-100 off the
+    assistant turns)."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    labels = [t if m else -100 for t, m in zip(ids, assistant_mask(tokenizer, ids))]
+    return ids, labels
+
+
+def sft_batch(encoded: list[tuple[list[int], list[int]]], pad: int):
+    """Right-padded batch of (ids, labels) pairs."""
+    n = max(len(ids) for ids, _ in encoded)
+    ids = torch.tensor([s + [pad] * (n - len(s)) for s, _ in encoded])
+    lab = torch.tensor([lb + [-100] * (n - len(lb)) for _, lb in encoded])
+    att = torch.tensor([[1] * len(s) + [0] * (n - len(s)) for s, _ in encoded])
+    return ids, att, lab
+
+
+def warm_start(model, tokenizer, recipe: dict, log=print) -> None:
+    torch.manual_seed(recipe["seed"])
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe["sft_lr"], weight_decay=0.0)
+    steps, bs = recipe["sft_steps"], recipe["sft_batch"]
+    convs = agent_task.corpus(steps * bs, recipe["seed"] + 1, tool_rate=recipe["tool_rate"])
+    encoded = [encode_conversation(tokenizer, c) for c in convs]
+    model.train()
+    t0 = time.time()
+    for step in range(steps):
+        ids, att, lab = sft_batch(encoded[step * bs : (step + 1) * bs], tokenizer.pad_token_id)
+        # linear warm-up, then cosine decay to a tenth
+        warm = min(1.0, (step + 1) / 20)
+        decay = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps))
+        for g in opt.param_groups:
+            g["lr"] = recipe["sft_lr"] * warm * decay
+        loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0 or step == steps - 1:
+            log(f"  sft step {step + 1}/{steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)")
+    model.eval()
+
+
+def build_agent_demo_model(out_dir: str | os.PathLike, recipe: dict | None = None, log=print) -> Path:
+    """Build tokenizer + warm-started model into ``out_dir`` (atomically: tmp dir then rename)."""
+    recipe = {**RECIPE, **(recipe or {})}
+    out = Path(out_dir)
+    torch.manual_seed(recipe["seed"])
+    tokenizer = build_tokenizer(recipe["seed"], recipe["vocab_size"], recipe["tokenizer_texts"])
+    model = build_model(tokenizer, recipe)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"building agent demo model ({n_params / 1e6:.2f}M params), supervised warm start ...")
+    warm_start(model, tokenizer, recipe, log)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".building-"))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "relayrl_recipe.json").write_text(json.dumps(recipe, indent=1))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def recipe_key(recipe: dict | None = None) -> str:
+    import hashlib
+
+    blob = json.dumps({**RECIPE, **(recipe or {})}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+SHIPPED = Path(__file__).parent / "agent_weights"
+
+
+def agent_demo_model_path(log=print) -> Path:
+    """The agent demo model: the shipped weights if they match ``RECIPE``, else built once and
+    cached (under $RELAYRL_CACHE or ~/.cache/relayrl)."""
+    recipe_file = SHIPPED / "relayrl_recipe.json"
+    if recipe_file.exists() and json.loads(recipe_file.read_text()) == RECIPE:
+        return SHIPPED
+    root = Path(os.environ.get("RELAYRL_CACHE", Path.home() / ".cache" / "relayrl"))
+    path = root / f"agent-demo-model-{recipe_key()}"
+    if not (path / "config.json").exists():
+        build_agent_demo_model(path, log=log)
+    return path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m relayrl.demo.agent_model OUT_DIR")
+    print(build_agent_demo_model(sys.argv[1]))

@@ -1,0 +1,225 @@
+"""The episode: one coroutine drives the engine and an environment and returns the trajectory,
+scored, token-in-token-out.
+
+    messages = await env.reset(prompt)
+    loop: generate a turn (the engine's tokens, mask 1) → env.step(text) → observations
+          → the template's suffix for them (mask 0) → the next turn ... until done
+
+Every token the policy generated keeps its id, behaviour log-prob and policy version; the
+tokens between turns (tool results, headers, separators) come from the chat template
+(``envs.chat.next_turn_suffix``) and are not trained. ``Trajectory.turns`` says which turn each
+token belongs to. The reward is computed inside the episode (the environment's, or ``reward.fn``
+on the final turn), off the trainer's thread.
+
+A turn cut by a weight update (``rollout.partial``: in-flight requests are aborted at the
+update) is continued from its tokens under the new weights: partial rollout at the episode level.
+
+``EpisodeRunner`` owns one asyncio loop in a thread and the async front of the engine; many
+episodes run at once on it, so while one waits on a tool the others generate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import hashlib
+import itertools
+import json
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from relayrl.engine.async_front import AsyncEngine
+from relayrl.engine.base import Engine, EngineError
+from relayrl.envs.base import Env
+from relayrl.envs.chat import next_turn_suffix, render_ids
+from relayrl.envs.tools import tool_schemas
+from relayrl.records import FinishReason, GenRequest, Group, SamplingParams, Trajectory
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int
+    max_tokens: int  # after the prompt: the policy's turns and the observations between them
+
+
+def anchor(messages: list[dict]) -> int:
+    """A stable id of an observation (GiGPO's anchor state): equal messages, equal ids."""
+    blob = json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:7], "little")
+
+
+class EpisodeRunner:
+    """Runs episodes on one asyncio loop (a daemon thread). ``score(text, prompt)`` is the
+    verifier (blocking; run on a thread), ``make_env()`` makes one environment per episode."""
+
+    def __init__(self, engine: Engine, tokenizer, make_env: Callable[[], Env], limits: EpisodeLimits,
+                 score: Callable[[str, object], tuple[float, bool]]):
+        self.tokenizer, self.make_env, self.limits, self.score = tokenizer, make_env, limits, score
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="relayrl-episodes", daemon=True)
+        self._thread.start()
+        self.engine = AsyncEngine(engine, self.loop)
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self.inflight: set[str] = set()  # request ids being generated (aborted by a partial publish)
+        self.generated = 0  # policy tokens since ``take_generated``
+        self.continued = 0  # turns continued after an abort (cumulative)
+        self.errors: list[str] = []  # episodes that failed in the environment (first few messages)
+        self.error_count = 0
+        self._verify = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="relayrl-verify")
+        self.timeline = None  # a Timeline: the engine lane is busy while a request is in flight
+        self._busy_since: float | None = None
+
+    # -- called from other threads -------------------------------------------------------------
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro):
+        return self.submit(coro).result()
+
+    def abort_inflight(self) -> None:
+        with self._lock:
+            ids = list(self.inflight)
+        self.engine.abort(ids)
+
+    def mark_engine(self) -> None:
+        """Record the engine lane: busy while requests are in flight, in pieces of at most 0.1 s
+        so a step's idle fraction sees a busy period that has not ended yet."""
+        with self._lock:
+            self._mark()
+
+    def _mark(self) -> None:
+        if self.timeline is None:
+            return
+        now, busy = self.timeline.now(), bool(self.inflight)
+        if self._busy_since is not None and (not busy or now - self._busy_since >= 0.1):
+            self.timeline.record("engine", self._busy_since, now)
+            self._busy_since = None
+        if busy and self._busy_since is None:
+            self._busy_since = now
+
+    def take_generated(self) -> int:
+        with self._lock:
+            n, self.generated = self.generated, 0
+        return n
+
+    def close(self) -> None:
+        async def cancel_all():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self.loop.is_running():
+            try:
+                self.submit(cancel_all()).result(timeout=30)
+            except concurrent.futures.TimeoutError:
+                pass
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+        self.engine.close()
+        self._verify.shutdown(wait=False, cancel_futures=True)
+
+    # -- on the loop ---------------------------------------------------------------------------
+    async def group(self, g: Group, params: SamplingParams) -> Group:
+        """Every unfinished episode of ``g``, at once."""
+        await asyncio.gather(*(self.episode(t, params) for t in g.trajectories if not t.done))
+        return g
+
+    async def episode(self, t: Trajectory, params: SamplingParams) -> None:
+        """Run ``t`` (fresh) to its end; an environment that raises fails this episode only."""
+        try:
+            await self._episode(t, params)
+        except (EngineError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001 - user code: counted, reported, the run goes on
+            t.finish_reason = FinishReason.FAILED
+            t.info["error"] = f"{type(e).__name__}: {e}"
+            self.error_count += 1
+            if len(self.errors) < 5:
+                self.errors.append(t.info["error"])
+
+    async def _episode(self, t: Trajectory, params: SamplingParams) -> None:
+        env = self.make_env()
+        messages = list(await env.reset(t.prompt))
+        tools = tool_schemas(env.tools) if getattr(env, "tools", None) else None
+        t.prompt_ids = render_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
+        t.response_ids, t.behav_logprobs, t.versions, t.mask, t.turns = [], [], [], [], []
+        counts: Counter = Counter()
+        step_rewards, anchors = [], [anchor(messages)]
+        final: float | None = None
+        for turn in range(self.limits.max_turns):
+            left = self.limits.max_tokens - len(t.response_ids)
+            text = await self._turn(t, turn, min(params.max_new_tokens, left), params)
+            messages.append({"role": "assistant", "content": text})
+            if t.finish_reason == FinishReason.FAILED:  # the engine failed on it: not the policy's answer
+                return
+            if t.finish_reason != FinishReason.STOP:  # cut by its token budget: scored as it stands
+                break
+            result = await env.step(text)
+            counts.update(result.info)
+            if result.done:
+                final = result.reward
+                break
+            step_rewards.append(float(result.reward or 0.0))
+            if turn + 1 == self.limits.max_turns:
+                counts["turn_limit"] += 1
+                break
+            suffix = next_turn_suffix(self.tokenizer, messages, result.messages, tools)
+            if len(t.response_ids) + len(suffix) >= self.limits.max_tokens:
+                t.finish_reason = FinishReason.LENGTH
+                break
+            self._append(t, suffix, [0.0] * len(suffix), [t.versions[-1]] * len(suffix), 0, turn)
+            messages += result.messages
+            anchors.append(anchor(result.messages))
+        if final is None:  # the verifier decides on the last turn
+            final, failed = await asyncio.get_running_loop().run_in_executor(
+                self._verify, self.score, messages[-1]["content"], t.prompt)
+            counts["reward_failed"] += int(failed)
+        step_rewards.append(float(final))
+        t.reward = sum(step_rewards)
+        t.text = messages[-1]["content"]
+        t.info = {"turns": len(step_rewards), "step_rewards": step_rewards, "anchors": anchors[: len(step_rewards)],
+                  **{k: int(v) for k, v in counts.items()}}
+
+    async def _turn(self, t: Trajectory, turn: int, limit: int, params: SamplingParams) -> str:
+        """Generate one assistant turn onto ``t`` (continued across aborts); its text."""
+        start = len(t.response_ids)
+        while True:
+            left = limit - (len(t.response_ids) - start)
+            if left <= 0:
+                t.finish_reason = FinishReason.LENGTH
+                break
+            rid = f"{t.request_id}#{next(self._ids)}"  # unique: an aborted id may still be in the engine
+            req = GenRequest(rid, t.prompt_ids, dataclasses.replace(params, max_new_tokens=left), list(t.response_ids))
+            with self._lock:
+                self.inflight.add(rid)
+                self._mark()
+            try:
+                c = await self.engine.generate(req)
+            finally:
+                with self._lock:
+                    self.inflight.discard(rid)
+                    self._mark()
+            self._append(t, c.token_ids, c.logprobs, c.versions, 1, turn)
+            with self._lock:
+                self.generated += len(c.token_ids)
+            t.finish_reason = c.finish_reason
+            if c.finish_reason != FinishReason.ABORTED:  # FAILED: the loop drops the episode
+                break
+            self.continued += 1
+        ids = t.response_ids[start:]
+        if ids and ids[-1] == self.tokenizer.eos_token_id:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    @staticmethod
+    def _append(t: Trajectory, ids, logprobs, versions, mask: int, turn: int) -> None:
+        t.response_ids += list(ids)
+        t.behav_logprobs += list(logprobs)
+        t.versions += list(versions)
+        t.mask += [mask] * len(ids)
+        t.turns += [turn] * len(ids)
