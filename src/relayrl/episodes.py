@@ -161,13 +161,11 @@ class EpisodeRunner:
                 break
             result = await env.step(text)
             counts.update(result.info)
-            if result.done:
+            if result.done or turn + 1 == self.limits.max_turns:  # at the turn limit: that step's reward
                 final = result.reward
+                counts["turn_limit"] += int(not result.done)
                 break
             step_rewards.append(float(result.reward or 0.0))
-            if turn + 1 == self.limits.max_turns:
-                counts["turn_limit"] += 1
-                break
             suffix = next_turn_suffix(self.tokenizer, messages, result.messages, tools)
             if len(t.response_ids) + len(suffix) >= self.limits.max_tokens:
                 t.finish_reason = FinishReason.LENGTH

@@ -1,0 +1,310 @@
+"""The episode core: token-in-token-out turns with tools, deadlines, limits, continuation across
+an abort, failures that stay inside one episode, the gymnasium adapter, loading environments."""
+
+import asyncio
+import contextlib
+import threading
+import time
+
+import pytest
+
+from relayrl.engine.base import Engine
+from relayrl.envs.base import Env, StepResult, ToolEnv, load_env_class, make_env_factory
+from relayrl.envs.chat import render_ids
+from relayrl.envs.gym import GymTextEnv
+from relayrl.episodes import EpisodeLimits, EpisodeRunner
+from relayrl.records import Completion, FinishReason, Prompt, SamplingParams, Trajectory
+from relayrl.rewards import last_boxed
+from tests.test_chat_template import CHATML
+
+
+class ScriptedEngine(Engine):
+    """Replies with ``reply(context_text)`` (text of the assistant turn), one token per ``get``,
+    then the end-of-turn token. Tokens carry the loaded version; an aborted request returns
+    exactly the tokens emitted so far."""
+
+    def __init__(self, tok, reply, delay: float = 0.001):
+        self.tok, self.reply, self.delay = tok, reply, delay
+        self._version, self.live, self.aborted = 0, {}, set()
+        self.lock = threading.RLock()
+
+    @property
+    def version(self):
+        return self._version
+
+    def submit(self, requests):
+        with self.lock:
+            for r in requests:
+                context = self.tok.decode(r.prompt_ids + r.response_so_far)
+                ids = self.tok(self.reply(context), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+                context_ids = r.prompt_ids + r.response_so_far
+                done_before = len(context_ids) - _last_turn_start(self.tok, context_ids)  # of this turn
+                self.live[r.request_id] = {"todo": ids[done_before:], "out": [], "left": r.params.max_new_tokens}
+
+    def get(self, timeout=None):
+        time.sleep(self.delay)
+        out = []
+        with self.lock:
+            for rid in list(self.live):
+                s = self.live[rid]
+                if rid in self.aborted:
+                    self.aborted.discard(rid)
+                    del self.live[rid]
+                    out.append(Completion(rid, s["out"], [-0.1] * len(s["out"]), [self._version] * len(s["out"]),
+                                          FinishReason.ABORTED))
+                    continue
+                s["out"].append(s["todo"].pop(0))
+                if not s["todo"] or len(s["out"]) == s["left"]:
+                    del self.live[rid]
+                    reason = FinishReason.STOP if not s["todo"] else FinishReason.LENGTH
+                    out.append(Completion(rid, s["out"], [-0.1] * len(s["out"]), [self._version] * len(s["out"]), reason))
+        return out
+
+    def abort(self, ids):
+        with self.lock:
+            self.aborted |= set(ids) & set(self.live)
+
+    @contextlib.contextmanager
+    def pause(self):
+        with self.lock:
+            yield
+
+    def load_weights(self, state_dict, version):
+        self._version = version
+
+    def num_pending(self):
+        return len(self.live)
+
+
+def _last_turn_start(tok, ids) -> int:
+    """Index just after the last assistant header in ``ids`` (the current turn's first token)."""
+    header = tok.convert_tokens_to_ids("<|im_start|>")
+    starts = [i for i, x in enumerate(ids) if x == header]
+    return starts[-1] + len(tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"])
+
+
+@pytest.fixture()
+def tok(tiny_path):
+    from relayrl.models import load_tokenizer
+
+    tok = load_tokenizer(tiny_path)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    tok.eos_token = "<|im_end|>"
+    return tok
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+def calc_reply(context: str) -> str:
+    """A policy that calls ``add`` once, then answers with what the tool said."""
+    if "<tool_response>" not in context:
+        return '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    return "\\boxed{" + context.split("<tool_response>\n")[-1].split("\n")[0] + "}"
+
+
+def _score(text, prompt):  # the pipeline's verifier runs in the worker pool; here, its answer check
+    return float(last_boxed(text) == prompt.answer), False
+
+
+def run(runner, t, params=SamplingParams(1000, 1.0)):
+    runner.run(runner.episode(t, params))
+    return t
+
+
+def make_runner(tok, reply, env_factory, limits=EpisodeLimits(4, 4000), **kw):
+    return EpisodeRunner(ScriptedEngine(tok, reply, **kw), tok, env_factory, limits, _score)
+
+
+PROMPT = Prompt("p0", [{"role": "user", "content": "What is 2+3?"}], answer="5")
+
+
+def test_a_tool_episode_is_the_template_rendering_with_the_engine_tokens_trained(tok):
+    runner = make_runner(tok, calc_reply, lambda: ToolEnv([add]))
+    try:
+        t = run(runner, Trajectory(PROMPT, "g", 0, []))
+    finally:
+        runner.close()
+    assert t.reward == 1.0 and t.finish_reason == FinishReason.STOP
+    assert t.info["turns"] == 2 and t.info["tool_calls"] == 1 and t.info.get("tool_errors", 0) == 0
+    conversation = PROMPT.messages + [
+        {"role": "assistant", "content": calc_reply("")}, {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "\\boxed{5}"}]
+    full = render_ids(tok, conversation, add_generation_prompt=False)
+    assert t.prompt_ids + t.response_ids == full[: len(t.prompt_ids) + len(t.response_ids)]
+    assert len(full) - len(t.prompt_ids) - len(t.response_ids) == 1  # ChatML's "\n" after the last <|im_end|>
+    trained = [x for x, m in zip(t.response_ids, t.mask) if m]
+    turn1 = tok(calc_reply(""), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    turn2 = tok("\\boxed{5}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert trained == turn1 + turn2  # exactly the engine's tokens; the tool result and headers are not
+    assert t.turns == sorted(t.turns) and set(t.turns) == {0, 1}
+    assert len(t.behav_logprobs) == len(t.versions) == len(t.mask) == len(t.turns) == len(t.response_ids)
+
+
+async def slow_tool(seconds: float) -> str:
+    """Sleep, then say so.
+
+    Args:
+        seconds: How long.
+    """
+    await asyncio.sleep(seconds)
+    return "slept"
+
+
+def broken_tool(x: int) -> int:
+    """Always fails.
+
+    Args:
+        x: Anything.
+    """
+    raise RuntimeError("the tool broke")
+
+
+def test_tool_timeouts_errors_and_bad_calls_go_back_to_the_model(tok):
+    calls = ('<tool_call>{"name": "slow_tool", "arguments": {"seconds": 30}}</tool_call>'
+             '<tool_call>{"name": "broken_tool", "arguments": {"x": 1}}</tool_call>'
+             '<tool_call>{"name": "nope", "arguments": {}}</tool_call><tool_call>{bad json</tool_call>')
+    seen = []
+
+    def reply(context):
+        if "<tool_response>" in context:
+            seen.append(context)
+            return "\\boxed{5}"
+        return calls
+
+    runner = make_runner(tok, reply, lambda: ToolEnv([slow_tool, broken_tool], timeout_s=0.5))
+    try:
+        start = time.monotonic()
+        t = run(runner, Trajectory(PROMPT, "g", 0, []))
+        took = time.monotonic() - start
+    finally:
+        runner.close()
+    assert took < 5  # the 30 s call was cut at its 0.5 s deadline
+    assert t.info["tool_calls"] == 4 and t.info["tool_timeouts"] == 1 and t.info["tool_errors"] == 3
+    context = seen[0]
+    assert "slow_tool timed out after 0.5 s" in context and "RuntimeError: the tool broke" in context
+    assert "unknown tool 'nope'" in context and "invalid JSON" in context
+    assert t.reward == 1.0  # the episode went on to its answer
+
+
+def test_calls_of_one_turn_run_at_once(tok):
+    two = '<tool_call>{"name": "slow_tool", "arguments": {"seconds": 0.4}}</tool_call>' * 2
+    runner = make_runner(tok, lambda c: "\\boxed{5}" if "<tool_response>" in c else two,
+                         lambda: ToolEnv([slow_tool], timeout_s=5))
+    try:
+        start = time.monotonic()
+        t = run(runner, Trajectory(PROMPT, "g", 0, []))
+        assert time.monotonic() - start < 0.75 and t.info["tool_calls"] == 2
+    finally:
+        runner.close()
+
+
+def test_max_turns_and_the_token_budget_end_an_episode(tok):
+    always = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>'
+    runner = make_runner(tok, lambda c: always, lambda: ToolEnv([add]), limits=EpisodeLimits(3, 10_000))
+    try:
+        t = run(runner, Trajectory(PROMPT, "g", 0, []))
+        assert t.info["turns"] == 3 and t.info["turn_limit"] == 1 and t.info["tool_calls"] == 3 and t.reward == 0
+        runner.limits = EpisodeLimits(10, 60)
+        t = run(runner, Trajectory(PROMPT, "g", 1, []))
+        assert len(t.response_ids) <= 60 and t.finish_reason == FinishReason.LENGTH and t.reward == 0
+    finally:
+        runner.close()
+
+
+def test_a_turn_cut_by_an_abort_continues_from_its_tokens(tok):
+    runner = make_runner(tok, calc_reply, lambda: ToolEnv([add]), delay=0.01)
+    try:
+        fut = runner.submit(runner.episode(Trajectory(PROMPT, "g", 0, []), SamplingParams(64, 1.0)))
+        t0 = time.monotonic()
+        while not runner.inflight and time.monotonic() - t0 < 5:
+            time.sleep(0.005)
+        time.sleep(0.05)
+        runner.engine.engine.load_weights({}, 1)
+        runner.abort_inflight()
+        fut.result(timeout=30)
+        assert runner.continued >= 1
+    finally:
+        runner.close()
+
+
+def test_an_environment_that_raises_fails_only_its_episode(tok):
+    class Broken(Env):
+        async def step(self, text):
+            raise KeyError("env bug")
+
+    runner = make_runner(tok, calc_reply, Broken)
+    try:
+        t = run(runner, Trajectory(PROMPT, "g", 0, []))
+        assert t.finish_reason == FinishReason.FAILED and "env bug" in t.info["error"]
+        assert runner.error_count == 1
+    finally:
+        runner.close()
+
+
+class GuessNumber:
+    """A gymnasium-style text game: guess the hidden digit; told higher/lower."""
+
+    def reset(self, seed=None):
+        self.target = seed % 10
+        return "Guess a digit.", {}
+
+    def step(self, action):
+        guess = int(action.strip()[-1]) if action.strip()[-1:].isdigit() else -1
+        if guess == self.target:
+            return "right", 1.0, True, False, {}
+        return ("higher" if guess < self.target else "lower"), 0.0, False, False, {}
+
+
+def test_the_gym_adapter_plays_a_text_game(tok):
+    def bisect(context):
+        lo, hi = 0, 9
+        for line in context.split("<|im_start|>"):
+            said = line.split("\n")[1].replace("<|im_end|>", "") if line.startswith("assistant") else ""
+            if said:
+                last = int(said[-1])
+            if line.startswith("user") and "higher" in line:
+                lo = last + 1
+            if line.startswith("user") and "lower" in line:
+                hi = last - 1
+        return f"guess {(lo + hi) // 2}"
+
+    runner = make_runner(tok, bisect, lambda: GymTextEnv(GuessNumber), limits=EpisodeLimits(5, 4000))
+    try:
+        t = run(runner, Trajectory(Prompt("x", [], metadata={"seed": 7}), "g", 0, []))
+    finally:
+        runner.close()
+    assert t.reward == 1.0 and t.info["step_rewards"][-1] == 1.0 and t.info["turns"] >= 2
+
+
+def test_environments_load_by_name_module_or_file(tmp_path, monkeypatch):
+    assert load_env_class("single_turn") is Env and load_env_class("calculator").__name__ == "CalculatorEnv"
+    (tmp_path / "my_env.py").write_text("class Mine:\n    def __init__(self, k=1): pass\n"
+                                        "    async def reset(self, p): return []\n    async def step(self, t): pass\n")
+    assert load_env_class(f"{tmp_path}/my_env.py:Mine").__name__ == "Mine"
+    monkeypatch.chdir(tmp_path)
+    assert load_env_class("my_env:Mine").__name__ == "Mine"
+    with pytest.raises(ValueError, match="not a built-in environment"):
+        load_env_class("calculater")
+    with pytest.raises(ValueError, match="cannot import no_such_mod"):
+        load_env_class("no_such_mod:X")
+    with pytest.raises(ValueError, match="has no 'Nope'"):
+        load_env_class("my_env:Nope")
+    with pytest.raises(ValueError, match="no reset/step"):
+        load_env_class("relayrl.records:Prompt")
+    with pytest.raises(ValueError, match="env.args do not fit Mine"):
+        make_env_factory("my_env:Mine", {"j": 2})
+    assert make_env_factory("my_env:Mine", {"k": 2})().__class__.__name__ == "Mine"
+
+
+def test_step_result_defaults_end_nothing():
+    r = StepResult()
+    assert r.messages == [] and r.reward == 0.0 and not r.done
