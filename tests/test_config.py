@@ -1,3 +1,4 @@
+import re
 import pytest
 
 from relayrl.cli import main
@@ -249,3 +250,22 @@ def test_cli_unexpected_errors_keep_their_traceback(monkeypatch):
     monkeypatch.setattr(relayrl.pipeline, "train", bug)
     with pytest.raises(KeyError):
         main(["train"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["env.max_turns=3"], "env.max_turns is set, but it only applies with an environment"),
+    (["env.name=calculator", "run.mode=periodic"], "run.mode='periodic' is for single-turn runs"),
+    (["algo.advantage=gigpo"], "algo.advantage='gigpo' needs an environment"),
+    (["env.name=calculator", "algo.gamma=0.9"], "algo.gamma is set, but it only applies with algo.advantage=gigpo"),
+    (["env.name=calculator", "run.mode=async", "rollout.stale=discard"], "rollout.stale is set"),
+    (["env.name=calculator", "rollout.schedule=srpt"], "rollout.schedule is set"),
+])
+def test_agent_settings_that_do_not_apply_are_rejected(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, overrides)
+
+
+def test_agent_settings_load():
+    cfg = load_config(None, ["env.name=calculator", "env.args={delay_s: 0.2}", "env.max_turns=3",
+                             "algo.advantage=gigpo", "algo.gamma=0.9", "run.mode=async"])
+    assert cfg.env.args == {"delay_s": 0.2} and cfg.env.max_turns == 3 and cfg.algo.gamma == 0.9

@@ -56,6 +56,9 @@ class EpisodeSource:
         self.hold = self.closed = False
         self.error: BaseException | None = None
         self.tasks: set[asyncio.Task] = set()
+        # survivor-bias check: episodes finished and trained, by length (several turns or one)
+        self.finished = {"long": 0, "short": 0}
+        self.trained = {"long": 0, "short": 0}
         self.wake = self.runner.run(_event())
         self.admission = self.runner.submit(self._admit())
 
@@ -68,6 +71,8 @@ class EpisodeSource:
                 self.cv.wait(0.5)
             for g in batch:
                 self.ready.remove(g)
+                for t in g.trajectories:
+                    self.trained[_length_class(t)] += 1
         return batch, self.runner.take_generated()
 
     def _pick(self, version: int) -> list[Group] | None:
@@ -104,7 +109,9 @@ class EpisodeSource:
 
     def metrics(self) -> dict:
         return {"partial_resumed_total": self.runner.continued, "groups_in_flight": len(self.running),
-                "episode_errors_total": self.runner.error_count}
+                "episode_errors_total": self.runner.error_count,
+                **{f"episodes_{k}_{c}_total": v[c] for k, v in (("finished", self.finished), ("trained", self.trained))
+                   for c in v}}
 
     def counters(self) -> dict:
         return {"partial_resumed": self.runner.continued}
@@ -165,6 +172,8 @@ class EpisodeSource:
             return
         with self.cv:
             del self.running[id(g)]
+            for t in g.trajectories:
+                self.finished[_length_class(t)] += 1
             self.mgr.finish(accepted=True)
             self.ready.append(g)
             self.cv.notify_all()
@@ -188,6 +197,10 @@ class EpisodeSource:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self.admission.cancel()
+
+
+def _length_class(t: Trajectory) -> str:
+    return "long" if t.info.get("turns", 1) > 1 else "short"
 
 
 async def _event() -> asyncio.Event:
