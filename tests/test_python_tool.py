@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import time
 import uuid
@@ -316,7 +317,10 @@ def test_escape_reading_the_run_dir_and_the_project(tool, unsandboxed, run_dirs)
     code = READ.format(secret=SECRET, hidden=str(hidden), repo=str(REPO), shown=str(shown))
     r = run_json(tool, code)
     assert r["secret"].startswith("refused") and r["run_dir"] == []  # an empty folder where the run dir is
-    assert r["readme"].startswith("refused") and set(r["repo"]) <= {"src"}  # only the way to relayrl
+    # only the way to relayrl, and to the Python installation when it lives in the checkout (a .venv)
+    python_home = {Path(sys.prefix).resolve().relative_to(REPO.resolve()).parts[0]} \
+        if Path(sys.prefix).resolve().is_relative_to(REPO.resolve()) else set()
+    assert r["readme"].startswith("refused") and set(r["repo"]) <= {"src"} | python_home
     assert r["public"] == "public data"  # the rest of the host is readable: it is the hiding that works
     assert r["env"] is False and r["environ_of"] == []  # the trainer's environment does not reach the code
     # control: without the sandbox the same code reads it all
