@@ -36,6 +36,7 @@ from relayrl.records import GenRequest, SamplingParams  # noqa: E402
 SETTINGS = [
     ("transformers generate (static batch)", None),
     ("hf (relayrl's loop, rows leave the batch)", ["rollout.engine=hf"]),
+    (ASYNC_FRONT := "hf through the async front (one awaited generate per request)", ["rollout.engine=hf"]),
     ("hf-cb blocks 64, page 64, batch-tokens 512", ["rollout.engine=hf-cb", "rollout.cb_num_blocks=64",
                                                     "rollout.cb_page_size=64", "rollout.cb_max_batch_tokens=512"]),
     ("hf-cb blocks 256, page 32, batch-tokens 2048", ["rollout.engine=hf-cb", "rollout.cb_num_blocks=256",
@@ -71,7 +72,8 @@ def measure_generate(model_path: str, n: int, group: int, repeats: int) -> tuple
     return tokens / seconds, seconds / repeats
 
 
-def measure(model_path: str, overrides: list[str] | None, n: int, group: int, repeats: int) -> tuple[float, float]:
+def measure(model_path: str, overrides: list[str] | None, n: int, group: int, repeats: int,
+            async_front: bool = False) -> tuple[float, float]:
     if overrides is None:
         return measure_generate(model_path, n, group, repeats)
     cfg = load_config(None, overrides + [f"rollout.max_batch={n}"])
@@ -87,12 +89,30 @@ def measure(model_path: str, overrides: list[str] | None, n: int, group: int, re
             reqs = [GenRequest(f"{r}-{p.id}-{i}", encode_prompt(tok, p.messages), params)
                     for p in batch for i in range(group)]
             t0 = time.perf_counter()
-            outs = eng.generate(reqs)
+            outs = generate_async(eng, reqs) if async_front else eng.generate(reqs)
             seconds += time.perf_counter() - t0
             tokens += sum(len(c.token_ids) for c in outs)
         return tokens / seconds, seconds / repeats
     finally:
         eng.close()
+
+
+def generate_async(eng, reqs) -> list:
+    """The episodes' way: every request its own awaiting coroutine on one asyncio loop."""
+    import asyncio
+
+    from relayrl.engine.async_front import AsyncEngine
+
+    loop = asyncio.new_event_loop()
+    front = AsyncEngine(eng, loop)
+    try:
+        async def all_of_them():
+            return await asyncio.gather(*(front.generate(r) for r in reqs))
+
+        return loop.run_until_complete(all_of_them())
+    finally:
+        front.close()
+        loop.close()
 
 
 def main() -> None:
@@ -102,13 +122,16 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--only", nargs="+", help="settings whose label starts with one of these (default: all)")
     args = ap.parse_args()
     model_path = resolve_model_path(args.model)
     rows, data = [], {"machine": machine_info(), "model": args.model, "results": {}}
     for n in args.requests:
         base = None
         for label, overrides in SETTINGS:
-            rate, per_batch = measure(model_path, overrides, n, args.group, args.repeats)
+            if args.only and not any(label.startswith(o) for o in args.only) and overrides is not None:
+                continue
+            rate, per_batch = measure(model_path, overrides, n, args.group, args.repeats, label == ASYNC_FRONT)
             base = base or rate
             rows.append([str(n), label, f"{rate:,.0f}", f"{per_batch:.2f}", f"{rate / base:.2f}x"])
             data["results"][f"{n}/{label}"] = {"tokens_per_s": rate, "seconds_per_batch": per_batch}
