@@ -117,7 +117,14 @@ def _builtin_rows(path: str) -> list[dict]:
         return task.make_rows(20000, seed=1, id_prefix="train")
     if which == "demo-eval":
         return task.make_rows(1000, seed=2, id_prefix="eval")
-    raise DataError(f"unknown built-in dataset {path!r}; valid: builtin:demo, builtin:demo-eval")
+    if which in ("agent-demo", "agent-demo-eval"):
+        from relayrl.demo import agent_task
+
+        if which == "agent-demo":
+            return agent_task.make_rows(4000, seed=1, id_prefix="agent-train")
+        return agent_task.make_rows(200, seed=2, id_prefix="agent-eval", split="eval")
+    raise DataError(f"unknown built-in dataset {path!r}; valid: builtin:demo, builtin:demo-eval, "
+                    "builtin:agent-demo, builtin:agent-demo-eval")
 
 
 def _iter_rows(path: str) -> Iterator[tuple[int, Any]]:

@@ -67,8 +67,12 @@ def resolve_model_path(path: str, log=print, field: str = "model.path") -> str:
         from relayrl.demo.model import demo_model_path
 
         return str(demo_model_path(log=log))
+    if path == "builtin:agent-demo":
+        from relayrl.demo.agent_model import agent_demo_model_path
+
+        return str(agent_demo_model_path(log=log))
     if path.startswith("builtin:"):
-        raise ModelError(f"{field}={path!r}: unknown built-in model; valid: builtin:demo")
+        raise ModelError(f"{field}={path!r}: unknown built-in model; valid: builtin:demo, builtin:agent-demo")
     return path
 
 
