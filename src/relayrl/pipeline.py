@@ -308,6 +308,12 @@ def finish(cfg: Config, c: Components, state: RunState, log) -> dict:
     if before and after:
         log(f"held-out accuracy: {before['accuracy']:.1%} → {after['accuracy']:.1%} "
             f"(greedy {before['accuracy_greedy']:.1%} → {after['accuracy_greedy']:.1%})")
+    if c.episodes is not None and before and after:
+        log(f"tool-call rate: {before['tool_call_rate']:.1%} → {after['tool_call_rate']:.1%} (greedy "
+            f"{before['tool_call_rate_greedy']:.1%} → {after['tool_call_rate_greedy']:.1%}), tool errors "
+            f"{after['tool_errors']} and timeouts {after['tool_timeouts']} in the last evaluation")
+    if c.episodes is not None and c.episodes.error_count:
+        log(f"[yellow]{c.episodes.error_count} episodes failed in the environment; first: {c.episodes.errors[0]}")
     if state.reward_failures or state.reward_timeouts:
         log(f"[yellow]{state.reward_failures} reward calls failed and {state.reward_timeouts} timed out (scored 0); "
             f"last: {c.reward.stats.last_error}")
