@@ -33,3 +33,24 @@ def test_episodes_survive_kill_and_resume(tmp_path, mode):
     assert measured and all(x < 1e-3 for x in measured)
     if eta:
         assert any(x["offpolicy_token_frac"] > 0 for x in m) and m[-1]["partial_resumed_total"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_agent_demo_learns_to_call_its_tool(tmp_path, mode):
+    """A shortened agent demo: the policy starts calling the calculator on about a third of the
+    prompts and never greedily; a few steps of RL make calling it the greedy choice."""
+    from pathlib import Path
+
+    from relayrl.config import load_config
+    from relayrl.pipeline import train
+
+    example = Path(__file__).parent.parent / "examples" / "agent_demo.yaml"
+    cfg = load_config(str(example), [f"run.output_dir={tmp_path}", f"run.mode={mode}", "run.steps=15",
+                                     "run.progress=false", "eval.size=48"])
+    s = train(cfg)
+    assert s["eval_tool_call_rate_greedy_before"] == 0 and s["eval_greedy_accuracy_before"] < 0.05
+    assert s["eval_tool_call_rate_greedy_after"] > 0.9 and s["eval_greedy_accuracy_after"] > 0.5
+    assert s["eval_tool_call_rate_after"] > s["eval_tool_call_rate_before"] + 0.3
+    rows = _metrics(cfg.run_dir)
+    assert rows[-1]["tool_call_rate"] > rows[0]["tool_call_rate"] and all("tool_errors" in r for r in rows)

@@ -1,6 +1,7 @@
 """The README's "Your own environment in 20 lines", run as written: its Python and YAML blocks
 saved under the names their first lines give, then its shell block run in that folder."""
 
+import asyncio
 import json
 import os
 import re
@@ -38,4 +39,18 @@ def test_the_readme_environment_trains_as_written(tmp_path):
     assert summary["steps"] == 5 and summary["samples"] == 5 * 3 * 4
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all("tool_call_rate" in r and "turns_mean" in r for r in rows)
-    assert any(r["tool_call_rate"] > 0 for r in rows)  # the warm-started model does call the tool
+    # the example's environment does what the README says (the demo model, trained on products,
+    # rarely thinks of asking for the weather)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from weather_env import WeatherEnv
+    finally:
+        sys.path.remove(str(tmp_path))
+    from relayrl.records import Prompt
+
+    env = WeatherEnv(timeout_s=1.0)
+    asyncio.run(env.reset(Prompt("paris", [{"role": "user", "content": "How warm?"}], answer="18")))
+    call = asyncio.run(env.step('<tool_call>{"name": "temperature", "arguments": {"city": "Paris"}}</tool_call>'))
+    assert call.messages == [{"role": "tool", "name": "temperature", "content": "18"}] and not call.done
+    assert asyncio.run(env.step("It is 18 degrees.")).reward == 1.0
+    assert asyncio.run(env.step("It is 20 degrees.")).reward == 0.0
