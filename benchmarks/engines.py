@@ -36,7 +36,6 @@ from relayrl.records import GenRequest, SamplingParams  # noqa: E402
 SETTINGS = [
     ("transformers generate (static batch)", None),
     ("hf (relayrl's loop, rows leave the batch)", ["rollout.engine=hf"]),
-    (ASYNC_FRONT := "hf through the async front (one awaited generate per request)", ["rollout.engine=hf"]),
     ("hf-cb blocks 64, page 64, batch-tokens 512", ["rollout.engine=hf-cb", "rollout.cb_num_blocks=64",
                                                     "rollout.cb_page_size=64", "rollout.cb_max_batch_tokens=512"]),
     ("hf-cb blocks 256, page 32, batch-tokens 2048", ["rollout.engine=hf-cb", "rollout.cb_num_blocks=256",
@@ -72,8 +71,7 @@ def measure_generate(model_path: str, n: int, group: int, repeats: int) -> tuple
     return tokens / seconds, seconds / repeats
 
 
-def measure(model_path: str, overrides: list[str] | None, n: int, group: int, repeats: int,
-            async_front: bool = False) -> tuple[float, float]:
+def measure(model_path: str, overrides: list[str] | None, n: int, group: int, repeats: int) -> tuple[float, float]:
     if overrides is None:
         return measure_generate(model_path, n, group, repeats)
     cfg = load_config(None, overrides + [f"rollout.max_batch={n}"])
@@ -89,7 +87,7 @@ def measure(model_path: str, overrides: list[str] | None, n: int, group: int, re
             reqs = [GenRequest(f"{r}-{p.id}-{i}", encode_prompt(tok, p.messages), params)
                     for p in batch for i in range(group)]
             t0 = time.perf_counter()
-            outs = generate_async(eng, reqs) if async_front else eng.generate(reqs)
+            outs = eng.generate(reqs)
             seconds += time.perf_counter() - t0
             tokens += sum(len(c.token_ids) for c in outs)
         return tokens / seconds, seconds / repeats
@@ -97,22 +95,54 @@ def measure(model_path: str, overrides: list[str] | None, n: int, group: int, re
         eng.close()
 
 
-def generate_async(eng, reqs) -> list:
-    """The episodes' way: every request its own awaiting coroutine on one asyncio loop."""
+def measure_front(model_path: str, n: int, group: int, repeats: int) -> tuple[float, float]:
+    """The hf engine behind the async front, as episodes use it: one front for the engine's life,
+    every request its own awaiting coroutine on one asyncio loop (measured like ``measure``)."""
     import asyncio
 
     from relayrl.engine.async_front import AsyncEngine
 
+    cfg = load_config(None, ["rollout.engine=hf", f"rollout.max_batch={n}"])
+    tok = load_tokenizer(model_path)
+    eng = make_engine(cfg.rollout, load_policy(model_path), tok)
     loop = asyncio.new_event_loop()
     front = AsyncEngine(eng, loop)
-    try:
+    prompts = load_prompts("builtin:demo", limit=n // group * repeats + 1)
+    params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature)
+
+    def generate(reqs):
         async def all_of_them():
             return await asyncio.gather(*(front.generate(r) for r in reqs))
 
         return loop.run_until_complete(all_of_them())
+
+    try:
+        generate([GenRequest("warm", encode_prompt(tok, prompts[-1].messages), SamplingParams(8, 1.0))])
+        tokens, seconds = 0, 0.0
+        for r in range(repeats):
+            batch = prompts[r * (n // group) : (r + 1) * (n // group)]
+            reqs = [GenRequest(f"{r}-{p.id}-{i}", encode_prompt(tok, p.messages), params)
+                    for p in batch for i in range(group)]
+            t0 = time.perf_counter()
+            outs = generate(reqs)
+            seconds += time.perf_counter() - t0
+            tokens += sum(len(c.token_ids) for c in outs)
+        return tokens / seconds, seconds / repeats
     finally:
         front.close()
         loop.close()
+        eng.close()
+
+
+def in_fresh_process(fn, *args):
+    """Each measurement in its own process: engines built earlier in one process leave it slower
+    (measured: the same engine loses up to half its speed after a few others ran), which would
+    penalise whichever setting runs last."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        return ex.submit(fn, *args).result()
 
 
 def main() -> None:
@@ -131,11 +161,16 @@ def main() -> None:
         for label, overrides in SETTINGS:
             if args.only and not any(label.startswith(o) for o in args.only) and overrides is not None:
                 continue
-            rate, per_batch = measure(model_path, overrides, n, args.group, args.repeats, label == ASYNC_FRONT)
+            rate, per_batch = in_fresh_process(measure, model_path, overrides, n, args.group, args.repeats)
             base = base or rate
             rows.append([str(n), label, f"{rate:,.0f}", f"{per_batch:.2f}", f"{rate / base:.2f}x"])
             data["results"][f"{n}/{label}"] = {"tokens_per_s": rate, "seconds_per_batch": per_batch}
             print(rows[-1], flush=True)
+        rate, per_batch = in_fresh_process(measure_front, model_path, n, args.group, args.repeats)
+        label = "hf through the async front (episodes' way: one awaited request each)"
+        rows.append([str(n), label, f"{rate:,.0f}", f"{per_batch:.2f}", f"{rate / base:.2f}x"])
+        data["results"][f"{n}/{label}"] = {"tokens_per_s": rate, "seconds_per_batch": per_batch}
+        print(rows[-1], flush=True)
     write_results(Path(args.out), "engines", ["requests", "engine", "tokens/s", "s/batch", "vs generate"], rows, data)
 
 

@@ -26,6 +26,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._error: EngineError | None = None  # why the engine stopped, for later callers too
+        self._pending: list[GenRequest] = []  # submitted together at the end of this loop iteration
         self._thread = threading.Thread(target=self._dispatch, name="relayrl-async-engine", daemon=True)
         self._thread.start()
 
@@ -40,12 +41,26 @@ class AsyncEngine:
             if self._closed.is_set():
                 raise self._error or EngineError("the async engine front is closed")
             self._futures[request.request_id] = fut
-        self.engine.submit([request])
+        if not self._pending:
+            self.loop.call_soon(self._flush)
+        self._pending.append(request)
         try:
             return await fut
         except asyncio.CancelledError:
-            self.engine.abort([request.request_id])  # its completion is dropped by the dispatcher
+            if request in self._pending:
+                self._pending.remove(request)
+            else:
+                self.engine.abort([request.request_id])  # its completion is dropped by the dispatcher
+            with self._lock:
+                self._futures.pop(request.request_id, None)
             raise
+
+    def _flush(self) -> None:
+        """One ``submit`` for every request made in this loop iteration: the engine sees them as one
+        batch (prefilled together), as it would from a synchronous caller, not one at a time."""
+        requests, self._pending = self._pending, []
+        if requests:
+            self.engine.submit(requests)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Stop these requests at the next token; their ``generate`` returns the tokens so far."""
@@ -66,11 +81,10 @@ class AsyncEngine:
             except BaseException as e:  # noqa: BLE001 - every waiting episode learns why
                 self._fail_all(e)
                 return
-            for c in done:
-                with self._lock:
-                    fut = self._futures.pop(c.request_id, None)
-                if fut is not None:
-                    self.loop.call_soon_threadsafe(_resolve, fut, c)
+            with self._lock:
+                ready = [(f, c) for c in done if (f := self._futures.pop(c.request_id, None)) is not None]
+            if ready:  # one wake-up of the loop for everything that finished together
+                self.loop.call_soon_threadsafe(_resolve_all, ready)
 
     def _fail_all(self, error: BaseException) -> None:
         err = error if isinstance(error, EngineError) else EngineError(f"engine failed: {error!r}")
@@ -82,9 +96,10 @@ class AsyncEngine:
             self.loop.call_soon_threadsafe(_reject, fut, err)
 
 
-def _resolve(fut: asyncio.Future, c: Completion) -> None:
-    if not fut.done():  # a cancelled waiter has gone
-        fut.set_result(c)
+def _resolve_all(ready: list[tuple[asyncio.Future, Completion]]) -> None:
+    for fut, c in ready:
+        if not fut.done():  # a cancelled waiter has gone
+            fut.set_result(c)
 
 
 def _reject(fut: asyncio.Future, err: BaseException) -> None:
