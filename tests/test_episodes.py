@@ -4,6 +4,7 @@ an abort, failures that stay inside one episode, the gymnasium adapter, loading 
 import asyncio
 import contextlib
 import threading
+import os
 import time
 
 import pytest
@@ -308,3 +309,29 @@ def test_environments_load_by_name_module_or_file(tmp_path, monkeypatch):
 def test_step_result_defaults_end_nothing():
     r = StepResult()
     assert r.messages == [] and r.reward == 0.0 and not r.done
+
+
+def test_the_python_environment_runs_the_models_code_in_the_sandbox(tok):
+    """env.name=python: the model's code runs in the sandboxed worker pool and its output comes
+    back as the tool message the next turn reads."""
+    import shutil
+
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
+    code = '<tool_call>{"name": "python", "arguments": {"code": "import os; print(6 * 7, os.getuid())"}}</tool_call>'
+    seen = []
+
+    def reply(context):
+        if "<tool_response>" in context:
+            seen.append(context.split("<tool_response>\n")[-1].split("\n</tool_response>")[0])
+            return "\\boxed{42}"
+        return code
+
+    runner = make_runner(tok, reply, load_env_class("python"))
+    try:
+        t = run(runner, Trajectory(Prompt("p", [{"role": "user", "content": "6*7?"}], answer="42"), "g", 0, []))
+    finally:
+        runner.close()
+    assert t.reward == 1.0 and t.info["tool_calls"] == 1 and t.info.get("tool_errors", 0) == 0
+    out = seen[0].split()
+    assert out[0] == "42" and (os.getuid() != 0 or out[1] == "65534")  # as root the code runs as nobody

@@ -91,7 +91,7 @@ class EpisodeSource:
         """New weights into the engine; with partial rollouts the turns in flight are cut at the
         update (inside one engine pause) and continue under the new weights."""
         if self.partial:
-            with self.c.engine.pause():
+            with self.runner.engine.pause():
                 self.runner.abort_inflight()
                 load()
         else:

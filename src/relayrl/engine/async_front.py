@@ -66,6 +66,11 @@ class AsyncEngine:
         """Stop these requests at the next token; their ``generate`` returns the tokens so far."""
         self.engine.abort(list(request_ids))
 
+    def pause(self):
+        """Context manager: generation stopped at a token boundary while inside (around a weight
+        update: abort what must not continue under the new weights, then load them)."""
+        return self.engine.pause()
+
     async def load_weights(self, state_dict: dict, version: int) -> None:
         """Swap weights without blocking the loop (the engine pauses at a token boundary)."""
         await asyncio.to_thread(self.engine.load_weights, state_dict, version)
