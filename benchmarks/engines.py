@@ -71,46 +71,29 @@ def measure_generate(model_path: str, n: int, group: int, repeats: int) -> tuple
     return tokens / seconds, seconds / repeats
 
 
-def measure(model_path: str, overrides: list[str] | None, n: int, group: int, repeats: int) -> tuple[float, float]:
+def measure(model_path: str, overrides: list[str] | None, n: int, group: int, repeats: int,
+            async_front: bool = False) -> tuple[float, float]:
+    """Tokens/s and seconds per batch of an engine setting; ``async_front``: the engine behind the
+    asyncio front, as episodes use it (one front for the engine's life, every request its own
+    awaiting coroutine on one loop)."""
+    import asyncio
+
+    from relayrl.engine.async_front import AsyncEngine
+
     if overrides is None:
         return measure_generate(model_path, n, group, repeats)
     cfg = load_config(None, overrides + [f"rollout.max_batch={n}"])
     tok = load_tokenizer(model_path)
     eng = make_engine(cfg.rollout, load_policy(model_path), tok)
-    prompts = load_prompts("builtin:demo", limit=n // group * repeats + 1)
-    params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature)
-    try:
-        eng.generate([GenRequest("warm", encode_prompt(tok, prompts[-1].messages), SamplingParams(8, 1.0))])
-        tokens, seconds = 0, 0.0
-        for r in range(repeats):
-            batch = prompts[r * (n // group) : (r + 1) * (n // group)]
-            reqs = [GenRequest(f"{r}-{p.id}-{i}", encode_prompt(tok, p.messages), params)
-                    for p in batch for i in range(group)]
-            t0 = time.perf_counter()
-            outs = eng.generate(reqs)
-            seconds += time.perf_counter() - t0
-            tokens += sum(len(c.token_ids) for c in outs)
-        return tokens / seconds, seconds / repeats
-    finally:
-        eng.close()
-
-
-def measure_front(model_path: str, n: int, group: int, repeats: int) -> tuple[float, float]:
-    """The hf engine behind the async front, as episodes use it: one front for the engine's life,
-    every request its own awaiting coroutine on one asyncio loop (measured like ``measure``)."""
-    import asyncio
-
-    from relayrl.engine.async_front import AsyncEngine
-
-    cfg = load_config(None, ["rollout.engine=hf", f"rollout.max_batch={n}"])
-    tok = load_tokenizer(model_path)
-    eng = make_engine(cfg.rollout, load_policy(model_path), tok)
     loop = asyncio.new_event_loop()
-    front = AsyncEngine(eng, loop)
+    front = AsyncEngine(eng, loop) if async_front else None
     prompts = load_prompts("builtin:demo", limit=n // group * repeats + 1)
     params = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature)
 
     def generate(reqs):
+        if front is None:
+            return eng.generate(reqs)
+
         async def all_of_them():
             return await asyncio.gather(*(front.generate(r) for r in reqs))
 
@@ -129,7 +112,8 @@ def measure_front(model_path: str, n: int, group: int, repeats: int) -> tuple[fl
             tokens += sum(len(c.token_ids) for c in outs)
         return tokens / seconds, seconds / repeats
     finally:
-        front.close()
+        if front is not None:
+            front.close()
         loop.close()
         eng.close()
 
@@ -166,7 +150,8 @@ def main() -> None:
             rows.append([str(n), label, f"{rate:,.0f}", f"{per_batch:.2f}", f"{rate / base:.2f}x"])
             data["results"][f"{n}/{label}"] = {"tokens_per_s": rate, "seconds_per_batch": per_batch}
             print(rows[-1], flush=True)
-        rate, per_batch = in_fresh_process(measure_front, model_path, n, args.group, args.repeats)
+        rate, per_batch = in_fresh_process(measure, model_path, ["rollout.engine=hf"], n, args.group, args.repeats,
+                                           True)
         label = "hf through the async front (episodes' way: one awaited request each)"
         rows.append([str(n), label, f"{rate:,.0f}", f"{per_batch:.2f}", f"{rate / base:.2f}x"])
         data["results"][f"{n}/{label}"] = {"tokens_per_s": rate, "seconds_per_batch": per_batch}

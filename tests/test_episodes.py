@@ -16,7 +16,7 @@ from relayrl.envs.gym import GymTextEnv
 from relayrl.episodes import EpisodeLimits, EpisodeRunner
 from relayrl.records import Completion, FinishReason, Prompt, SamplingParams, Trajectory
 from relayrl.rewards import last_boxed
-from tests.test_chat_template import CHATML
+from tests.test_chat_template import chatml_tokenizer  # noqa: F401 - a fixture
 
 
 class ScriptedEngine(Engine):
@@ -85,14 +85,8 @@ def _last_turn_start(tok, ids) -> int:
 
 
 @pytest.fixture()
-def tok(tiny_path):
-    from relayrl.models import load_tokenizer
-
-    tok = load_tokenizer(tiny_path)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = CHATML
-    tok.eos_token = "<|im_end|>"
-    return tok
+def tok(chatml_tokenizer):
+    return chatml_tokenizer
 
 
 def add(a: int, b: int) -> int:
