@@ -21,19 +21,17 @@ about 75 seconds on a 2-core CPU.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from relayrl.demo import agent_task
+from relayrl.demo.model import _key, build_model, save_built, shipped_or_cached
 
 # Every turn renders the same whatever follows it (token-in, token-out multi-turn needs that).
 # The ``tools=`` argument is ignored on purpose: a model this small cannot read a schema; it knows
@@ -96,25 +94,6 @@ def build_tokenizer(seed: int, vocab_size: int, n_texts: int = 2000):
         chat_template=CHAT_TEMPLATE,
         additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"],
     )
-
-
-def build_model(tokenizer, recipe: dict):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=recipe["hidden_size"],
-        intermediate_size=recipe["intermediate_size"],
-        num_hidden_layers=recipe["layers"],
-        num_attention_heads=recipe["heads"],
-        num_key_value_heads=recipe["heads"],
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=True,
-    )
-    return AutoModelForCausalLM.from_config(cfg)
 
 
 def assistant_mask(tokenizer, ids: list[int]) -> list[bool]:
@@ -216,30 +195,17 @@ def warm_start(model, tokenizer, recipe: dict, log=print) -> None:
 def build_agent_demo_model(out_dir: str | os.PathLike, recipe: dict | None = None, log=print) -> Path:
     """Build tokenizer + warm-started model into ``out_dir`` (atomically: tmp dir then rename)."""
     recipe = {**RECIPE, **(recipe or {})}
-    out = Path(out_dir)
     torch.manual_seed(recipe["seed"])
     tokenizer = build_tokenizer(recipe["seed"], recipe["vocab_size"], recipe["tokenizer_texts"])
     model = build_model(tokenizer, recipe)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"building agent demo model ({n_params / 1e6:.2f}M params), supervised warm start ...")
     warm_start(model, tokenizer, recipe, log)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".building-"))
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "relayrl_recipe.json").write_text(json.dumps(recipe, indent=1))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+    return save_built(out_dir, model, tokenizer, recipe)
 
 
 def recipe_key(recipe: dict | None = None) -> str:
-    import hashlib
-
-    blob = json.dumps({**RECIPE, **(recipe or {})}, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:12]
+    return _key({**RECIPE, **(recipe or {})})
 
 
 SHIPPED = Path(__file__).parent / "agent_weights"
@@ -248,14 +214,7 @@ SHIPPED = Path(__file__).parent / "agent_weights"
 def agent_demo_model_path(log=print) -> Path:
     """The agent demo model: the shipped weights if they match ``RECIPE``, else built once and
     cached (under $RELAYRL_CACHE or ~/.cache/relayrl)."""
-    recipe_file = SHIPPED / "relayrl_recipe.json"
-    if recipe_file.exists() and json.loads(recipe_file.read_text()) == RECIPE:
-        return SHIPPED
-    root = Path(os.environ.get("RELAYRL_CACHE", Path.home() / ".cache" / "relayrl"))
-    path = root / f"agent-demo-model-{recipe_key()}"
-    if not (path / "config.json").exists():
-        build_agent_demo_model(path, log=log)
-    return path
+    return shipped_or_cached(SHIPPED, RECIPE, "agent-demo-model", lambda path: build_agent_demo_model(path, log=log))
 
 
 if __name__ == "__main__":

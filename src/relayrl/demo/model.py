@@ -137,13 +137,18 @@ def warm_start(model, tokenizer, recipe: dict, log=print) -> None:
 def build_demo_model(out_dir: str | os.PathLike, recipe: dict | None = None, log=print) -> Path:
     """Build tokenizer + warm-started model into ``out_dir`` (atomically: tmp dir then rename)."""
     recipe = {**RECIPE, **(recipe or {})}
-    out = Path(out_dir)
     torch.manual_seed(recipe["seed"])
     tokenizer = build_tokenizer(recipe["seed"], recipe["vocab_size"])
     model = build_model(tokenizer, recipe)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"building demo model ({n_params / 1e6:.2f}M params), supervised warm start ...")
     warm_start(model, tokenizer, recipe, log)
+    return save_built(out_dir, model, tokenizer, recipe)
+
+
+def save_built(out_dir: str | os.PathLike, model, tokenizer, recipe: dict) -> Path:
+    """``save_pretrained`` both, with the recipe beside them, into ``out_dir`` atomically."""
+    out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".building-"))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -157,26 +162,34 @@ def build_demo_model(out_dir: str | os.PathLike, recipe: dict | None = None, log
 
 
 def recipe_key(recipe: dict | None = None) -> str:
+    return _key({**RECIPE, **(recipe or {})})
+
+
+def _key(recipe: dict) -> str:
     import hashlib
 
-    blob = json.dumps({**RECIPE, **(recipe or {})}, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:12]
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def shipped_or_cached(shipped: Path, recipe: dict, name: str, build) -> Path:
+    """``shipped`` if its recipe equals ``recipe``, else ``build(path)`` once into a cache folder
+    named by the recipe's hash (under $RELAYRL_CACHE or ~/.cache/relayrl)."""
+    recipe_file = shipped / "relayrl_recipe.json"
+    if recipe_file.exists() and json.loads(recipe_file.read_text()) == recipe:
+        return shipped
+    root = Path(os.environ.get("RELAYRL_CACHE", Path.home() / ".cache" / "relayrl"))
+    path = root / f"{name}-{_key(recipe)}"
+    if not (path / "config.json").exists():
+        build(path)
+    return path
 
 
 SHIPPED = Path(__file__).parent / "weights"
 
 
 def demo_model_path(log=print) -> Path:
-    """The demo model: the shipped weights if they match ``RECIPE``, else built once and cached
-    (under $RELAYRL_CACHE or ~/.cache/relayrl)."""
-    recipe_file = SHIPPED / "relayrl_recipe.json"
-    if recipe_file.exists() and json.loads(recipe_file.read_text()) == RECIPE:
-        return SHIPPED
-    root = Path(os.environ.get("RELAYRL_CACHE", Path.home() / ".cache" / "relayrl"))
-    path = root / f"demo-model-{recipe_key()}"
-    if not (path / "config.json").exists():
-        build_demo_model(path, log=log)
-    return path
+    """The demo model: the shipped weights if they match ``RECIPE``, else built once and cached."""
+    return shipped_or_cached(SHIPPED, RECIPE, "demo-model", lambda path: build_demo_model(path, log=log))
 
 
 if __name__ == "__main__":
