@@ -44,6 +44,8 @@ def test_resume_refuses_unsafe_changes_and_allows_safe_ones(tiny_path, tmp_path)
         train(_cfg(tiny_path, tmp_path, f"data.path={data}", "run.seed=1", "run.steps=3"), resume=True)
     with pytest.raises(ResumeError, match=r"trainer\.lr"):
         train(_cfg(tiny_path, tmp_path, f"data.path={data}", "trainer.lr=1e-3", "run.steps=3"), resume=True)
+    with pytest.raises(ResumeError, match=r"env\.name was None and is now 'single_turn'"):
+        train(_cfg(tiny_path, tmp_path, f"data.path={data}", "env.name=single_turn", "run.steps=3"), resume=True)
     rows[3]["prompt"] = "something else"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ResumeError, match="training data"):

@@ -35,6 +35,7 @@ UNSAFE_ON_RESUME = {
     "model.path": "held groups were tokenized with its tokenizer (and a KL reference is built from it)",
     "model.tokenizer": "held groups were tokenized with it",
     "rollout.group_size": "held groups have that many responses",
+    "env.name": "held groups are episodes of that environment (or single responses without one)",
     "trainer.lr": "the optimiser state restored from the checkpoint would silently override it",
     "trainer.betas": "the optimiser state restored from the checkpoint would silently override it",
     "trainer.weight_decay": "the optimiser state restored from the checkpoint would silently override it",
