@@ -191,15 +191,29 @@ def test_tool_timeouts_errors_and_bad_calls_go_back_to_the_model(tok):
 
 
 def test_calls_of_one_turn_run_at_once(tok):
-    two = '<tool_call>{"name": "slow_tool", "arguments": {"seconds": 0.4}}</tool_call>' * 2
-    runner = make_runner(tok, lambda c: "\\boxed{5}" if "<tool_response>" in c else two,
-                         lambda: ToolEnv([slow_tool], timeout_s=5))
-    try:
+    spans = []
+
+    def timed(seconds: float) -> str:
+        """Sleep in a thread, recording when.
+
+        Args:
+            seconds: How long.
+        """
         start = time.monotonic()
+        time.sleep(seconds)
+        spans.append((start, time.monotonic()))
+        return "slept"
+
+    two = '<tool_call>{"name": "timed", "arguments": {"seconds": 0.3}}</tool_call>' * 2
+    runner = make_runner(tok, lambda c: "\\boxed{5}" if "<tool_response>" in c else two,
+                         lambda: ToolEnv([timed], timeout_s=5))
+    try:
         t = run(runner, Trajectory(PROMPT, "g", 0, []))
-        assert time.monotonic() - start < 0.75 and t.info["tool_calls"] == 2
     finally:
         runner.close()
+    assert t.info["tool_calls"] == 2 and len(spans) == 2
+    (a0, a1), (b0, b1) = sorted(spans)
+    assert b0 < a1  # the second started before the first ended
 
 
 def test_max_turns_and_the_token_budget_end_an_episode(tok):
