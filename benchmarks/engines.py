@@ -4,8 +4,9 @@ Generates rollout batches of the default task (prompts × G requests, EOS on, th
 lengths) with transformers' ``model.generate`` (a static batch: finished rows keep costing until
 the longest ends; what relayrl's engine wrapped before, and what TRL uses), relayrl's ``hf``
 engine (its own decoding loop, finished rows leave the batch) and ``hf-cb`` (transformers'
-continuous batching) under several cache / batch-token budgets. Prints generated tokens/s side
-by side with the ratio to ``model.generate``.
+continuous batching) under several cache / batch-token budgets, and ``hf`` behind the asyncio
+front that episodes use (one awaited request each). Each setting runs in its own process.
+Prints generated tokens/s side by side with the ratio to ``model.generate``.
 
     python benchmarks/engines.py
     python benchmarks/engines.py --requests 64 128 --repeats 3
