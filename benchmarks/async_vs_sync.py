@@ -60,7 +60,7 @@ def run_mode(name: str, steps: int, extra: list[str], out: Path) -> dict:
         "trainer_idle": weighted("trainer_idle_frac"),
         "accuracy": summary["eval_accuracy_after"],
         "greedy_accuracy": summary["eval_greedy_accuracy_after"],
-        "stale_requeued": rows[-1].get("stale_requeued_total", 0),
+        "staleness_max": max(r["staleness_max"] for r in rows),
         "response_len_trained": sum(r["response_len_mean"] for r in rows) / len(rows),
         "accuracy_before": summary["eval_accuracy_before"],
         "loop_seconds": wall,
@@ -81,10 +81,10 @@ def main() -> None:
     res = {m: run_mode(m, args.steps, args.overrides, Path(args.out)) for m in args.modes}
     base = res.get("sync")
     header = ["mode", "samples/s", "gen tokens/s", "engine idle", "trainer idle", "accuracy after", "greedy after",
-              "off-policy tokens", "stale groups requeued", "vs sync"]
+              "off-policy tokens", "max staleness", "vs sync"]
     rows = [[m, f"{v['samples_per_s']:.1f}", f"{v['tokens_per_s']:,.0f}", f"{v['engine_idle']:.0%}",
              f"{v['trainer_idle']:.0%}", f"{v['accuracy']:.1%}", f"{v['greedy_accuracy']:.1%}",
-             f"{v['offpolicy_token_frac']:.1%}", v["stale_requeued"],
+             f"{v['offpolicy_token_frac']:.1%}", v["staleness_max"],
              f"{v['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "n/a"] for m, v in res.items()]
     write_results(Path(args.out), args.name, header, rows,
                   {"machine": machine_info(), "steps": args.steps, "results": res})

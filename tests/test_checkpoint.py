@@ -59,7 +59,7 @@ def test_group_ids_continue_across_a_resume(tiny):
     from relayrl.checkpoint import RunState
     from relayrl.config import Config
     from relayrl.records import Prompt
-    from relayrl.sources import new_groups
+    from relayrl.episode_rollout import new_groups
 
     _, tok = tiny
     cfg, c = Config(), SimpleNamespace(tokenizer=tok)

@@ -96,7 +96,6 @@ def test_updates_per_step_beyond_the_batch_names_both_fields():
 
 @pytest.mark.parametrize("overrides, field, when", [
     (["rollout.max_staleness=3"], "rollout.max_staleness", "run.mode=async"),
-    (["run.mode=periodic", "rollout.stale=discard"], "rollout.stale", "run.mode=async"),
     (["rollout.over_provision=2"], "rollout.over_provision", "rollout.partial=true"),
     (["run.mode=async", "rollout.partial=true", "rollout.over_provision=2"], "rollout.over_provision",
      "sync or periodic"),
@@ -121,7 +120,7 @@ def test_fields_the_mode_ignores_are_rejected_when_set(overrides, field, when):
 
 
 @pytest.mark.parametrize("overrides", [
-    ["run.mode=async", "rollout.max_staleness=4", "rollout.stale=discard"],
+    ["run.mode=async", "rollout.max_staleness=4"],
     ["rollout.partial=true", "rollout.over_provision=2"],
     ["rollout.engine=hf-cb", "rollout.cb_num_blocks=64"],
     ["algo.offpolicy=tis", "algo.tis_cap=3", "algo.tis_level=sequence"],
@@ -254,11 +253,9 @@ def test_cli_unexpected_errors_keep_their_traceback(monkeypatch):
 
 @pytest.mark.parametrize("overrides, message", [
     (["env.max_turns=3"], "env.max_turns is set, but it only applies with an environment"),
-    (["env.name=calculator", "run.mode=periodic"], "run.mode='periodic' is for single-turn runs"),
     (["algo.advantage=gigpo"], "algo.advantage='gigpo' needs an environment"),
     (["env.name=calculator", "algo.gamma=0.9"], "algo.gamma is set, but it only applies with algo.advantage=gigpo"),
-    (["env.name=calculator", "run.mode=async", "rollout.stale=discard"], "rollout.stale is set"),
-    (["env.name=calculator", "rollout.schedule=srpt"], "rollout.schedule is set"),
+    (["env.name=calculator", "run.mode=async", "rollout.stale=discard"], "rollout.stale"),  # removed: never stale
 ])
 def test_agent_settings_that_do_not_apply_are_rejected(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -114,7 +114,6 @@ def _field_info(dotted: str):
 # here independently of config.APPLIES_ONLY, so that table is tested, not reused).
 IGNORED = {
     "rollout.max_staleness": (3, [["run.mode=sync"], ["run.mode=periodic"], []]),
-    "rollout.stale": ("discard", [["run.mode=periodic", "rollout.partial=true"], []]),
     "rollout.over_provision": (2.0, [[], ["rollout.partial=false"], ["run.mode=async", "rollout.partial=true"]]),
     "rollout.cb_num_blocks": (64, [[], ["rollout.engine=hf"]]),
     "rollout.cb_page_size": (64, [[]]),

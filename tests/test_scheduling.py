@@ -52,26 +52,33 @@ def test_expected_remaining_and_gittins_by_hand():
 
 
 def test_a_step_barrier_submits_longest_expected_first():
-    """generate_groups with longest_first hands the engine the prompt with the longest history first."""
+    """The episode runner hands the engine one submission in ``rollout.schedule`` order: with
+    longest_first the prompt with the longest history first, srpt the shortest."""
+    from relayrl.episodes import EpisodeRunner
     from relayrl.records import Group, Prompt, SamplingParams, Trajectory
-    from relayrl.rollout import generate_groups
     from tests.fake_engine import FakeEngine
+    from tests.test_rollout_driver import Tok
 
-    groups = []
-    for pid in ("short", "long", "mid"):
-        p = Prompt(pid, [{"role": "user", "content": pid}])
-        groups.append(Group(p, f"g-{pid}", [Trajectory(p, f"g-{pid}", i, [1, 2]) for i in range(2)]))
-    lm = LengthModel()
-    for pid, n in (("short", 5), ("long", 90), ("mid", 40)):
-        lm.observe(pid, f"old-{pid}", n)
     for schedule, first in (("fifo", "g-short"), ("longest_first", "g-long"), ("srpt", "g-short")):
-        for g in groups:
-            for t in g.trajectories:
-                t.response_ids, t.behav_logprobs, t.versions, t.finish_reason = [], [], [], None
+        groups = []
+        for pid in ("short", "long", "mid"):
+            p = Prompt(pid, [{"role": "user", "content": pid}])
+            groups.append(Group(p, f"g-{pid}", [Trajectory(p, f"g-{pid}", i, [1, 2]) for i in range(2)]))
         eng = FakeEngine(seed=0)
-        generate_groups(eng, groups, SamplingParams(10), schedule, lm)
+        runner = EpisodeRunner(eng, Tok(), None, None, lambda text, prompt: (0.0, False), schedule)
+        for pid, n in (("short", 5), ("long", 90), ("mid", 40)):
+            runner.lengths.observe(pid, f"old-{pid}", n)
+
+        async def barrier():
+            import asyncio
+            await asyncio.gather(*(runner.group(g, SamplingParams(10)) for g in groups))
+
+        try:
+            runner.run(barrier())
+        finally:
+            runner.close()
         assert eng.submitted[0].startswith(first), (schedule, eng.submitted)
-        assert all(t.done for g in groups for t in g.trajectories)
+        assert all(t.complete for g in groups for t in g.trajectories)
     assert [s.rsplit("/", 1)[0] for s in eng.submitted[::2]] == ["g-short", "g-mid", "g-long"]  # srpt: shortest first
 
 

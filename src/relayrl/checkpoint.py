@@ -38,9 +38,9 @@ class RunState:
     eval_before: dict | None = None
     reward_failures: int = 0
     reward_timeouts: int = 0
-    partial_buffer: list = field(default_factory=list)  # PartialBuffer.state_dict(): carried groups
+    partial_buffer: list = field(default_factory=list)  # groups not yet trained (group_to_dict), run on when resumed
     partial_resumed: int = 0  # cumulative groups continued from the buffer
-    staleness: dict = field(default_factory=dict)  # async mode: cumulative resumed/requeued/discarded counts
+    staleness: dict = field(default_factory=dict)  # the rollout's cumulative counts (turns continued)
     failed_generations: int = 0  # responses the engine failed on (dropped, not trained)
     groups_made: int = 0  # groups created so far: their ids stay unique across resumes
     config: dict = field(default_factory=dict)  # the resolved config the run was started with

@@ -114,18 +114,16 @@ class RolloutCfg(_Section):
     max_batch: int = Field(256, ge=1, description="Most sequences the engine decodes at once.")
     partial: bool = Field(
         False,
-        description="Partial rollouts (APRIL): over-provision groups, stop once the step has prompts_per_step "
-        "complete groups, carry the unfinished ones (tokens, log-probs, versions) into the next step.",
+        description="Partial rollouts (APRIL): responses in flight at a weight update are cut and continue under "
+        "the new weights (tokens, log-probs, versions kept); in sync/periodic mode groups are also over-provisioned "
+        "and the step takes the first complete ones.",
     )
     over_provision: float = Field(
         1.5, ge=1.0, le=10, description="sync/periodic with partial: groups in flight per step / prompts_per_step, "
         "1 to 10 (async mode over-provisions by its staleness bound instead).")
     max_staleness: int = Field(
-        2, ge=0, description="async: η, how many policy versions generation may run ahead of training; a group whose "
-        "oldest token is older than η versions is not trained on. 0 behaves synchronously.")
-    stale: Literal["requeue", "discard"] = Field(
-        "requeue", description="async: a group beyond the staleness bound is regenerated from its prompt (requeue, "
-        "nothing lost from the epoch) or dropped (discard). Both are counted.")
+        2, ge=0, description="async: η, how many policy versions generation may run ahead of training; a group "
+        "about to exceed it is waited for, never dropped. 0 behaves synchronously.")
     schedule: Literal["fifo", "partial_first", "longest_first", "srpt", "gittins"] = Field(
         "fifo", description="Order requests are handed to the engine: arrival, continued responses first, longest "
         "expected first (for a step barrier), shortest expected remaining, or Gittins index (for streaming).")
@@ -272,9 +270,6 @@ class Config(BaseModel):
         if self.eval.every > self.run.steps:
             raise ValueError(f"eval.every={self.eval.every} is more than run.steps={self.run.steps}: it would never "
                              "evaluate during training (0: only before and after)")
-        if self.env.name is not None and self.run.mode == "periodic":
-            raise ValueError("run.mode='periodic' is for single-turn runs; with an environment (env.name="
-                             f"{self.env.name!r}) use sync or async")
         if self.algo.advantage == "gigpo" and self.env.name is None:
             raise ValueError("algo.advantage='gigpo' needs an environment (env.name): its step-level credit is "
                              "over the turns of an episode")
@@ -300,7 +295,6 @@ _CB = (lambda c: c.rollout.engine == "hf-cb", "with rollout.engine=hf-cb", ("rol
 _TIS = (lambda c: c.algo.offpolicy == "tis", "with algo.offpolicy=tis", ("algo.offpolicy",))
 _EVAL = (lambda c: c.data.eval_path is not None, "when data.eval_path is set", ("data.eval_path",))
 _ENV = (lambda c: c.env.name is not None, "with an environment (env.name set)", ("env.name",))
-_SINGLE = (lambda c: c.env.name is None, "to single-turn runs (env.name=null)", ("env.name",))
 
 # Fields that the chosen mode/options ignore: field -> (does it apply?, when it applies, the fields
 # that decide). Setting one where it does not apply would silently do nothing, so it is an error
@@ -326,13 +320,9 @@ APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] =
     "env.max_tokens": _ENV,
     "algo.gamma": (lambda c: c.algo.advantage == "gigpo", "with algo.advantage=gigpo", ("algo.advantage",)),
     "algo.gigpo_omega": (lambda c: c.algo.advantage == "gigpo", "with algo.advantage=gigpo", ("algo.advantage",)),
-    "rollout.stale": (lambda c: c.run.mode == "async" and c.env.name is None,
-                      "with run.mode=async and env.name=null (episodes are never stale: see relayrl.episodes)",
-                      ("run.mode", "env.name")),
-    "rollout.over_provision": (lambda c: c.rollout.partial and c.run.mode != "async" and c.env.name is None,
-                               "with rollout.partial=true in run.mode=sync or periodic, single-turn (async "
-                               "over-provisions by its staleness bound)", ("rollout.partial", "run.mode", "env.name")),
-    "rollout.schedule": _SINGLE,
+    "rollout.over_provision": (lambda c: c.rollout.partial and c.run.mode != "async",
+                               "with rollout.partial=true in run.mode=sync or periodic (async over-provisions "
+                               "by its staleness bound)", ("rollout.partial", "run.mode")),
     "eval.size": _EVAL,
     "eval.every": _EVAL,
     "eval.samples": _EVAL,

@@ -1,58 +1,109 @@
-"""The rollout driver for episodes, sync and async alike (``run.mode``; ``env.name`` set).
+"""The rollout driver: where a training step's groups come from, in every mode (``run.mode``).
 
-Groups of episodes are admitted while the staleness manager grants capacity: η versions ahead
-of the trainer at most (AReaL's rule), η = 0 for ``sync``, where a step's groups start once its
-weights are published and the step waits for all of them (the barrier). Admitted groups run at
-once on the episode runner's loop; whichever finish first are trained first.
+Groups of episodes (``episodes.EpisodeRunner``: single-turn or with an environment) are admitted
+while the staleness manager grants capacity (AReaL's rule): η versions ahead of the trainer at
+most. Admitted groups run at once on the runner's loop; whichever finish first are trained first.
 
-Staleness without survivor bias. A group admitted at version a is *due* at version a + η: the
-trainer takes due groups first and waits for one that is still running, so no group is ever
-older than η versions and none is discarded or requeued. Discarding stale episodes (or
-regenerating them) trains on the ones that happened to finish quickly, which for agents means
-few turns and short tool calls; here every admitted episode is trained, whatever its length.
-The capacity rule bounds the due groups at any version by one batch, so waiting on them is
-waiting for the slowest of at most one batch, never more. With ``rollout.partial`` a weight
-update aborts the turns in flight and the episodes continue them under the new weights (so a
-long episode's later tokens are fresh); without it they finish under the weights they started.
+    sync      η = 0: a step's groups start once its weights are published; the step waits for
+              them (the barrier).
+    periodic  η = 1: the next step's groups generate while this one trains, from the weights of
+              the last publish; weights change only once they are all done (or, with partial
+              rollouts, cut them: they continue under the new weights).
+    async     η = rollout.max_staleness: generation runs ahead; a weight update goes into the
+              engine while requests are in flight (cut and continued with partial rollouts,
+              finished under the weights they started with otherwise).
 
-Checkpoints: ``held`` stops admitting and returns the complete groups not yet trained and the
-running ones as fresh groups (restarted from their prompt after a resume: nothing lost, nothing
-trained twice); the live run goes on with them meanwhile.
+Partial rollouts with over-provisioning (APRIL; sync and periodic): ``rollout.over_provision``
+× the step's groups are in flight; a step takes the first complete ones and the rest are cut at
+the weight update and continued (in sync mode they wait, held, while the trainer has the
+cores), to be trained at the next step at the latest.
+
+Staleness without survivor bias. A group admitted at version a has a deadline, a + η (plus
+⌈extra / B⌉ when over-provisioned): the last version that may train it. The trainer takes ready
+groups earliest deadline first, and takes one ahead of a group still running only while every
+group left can still meet its deadline (EDF feasibility: the i-th of them by deadline is trained
+1 + i // B steps later at the earliest); otherwise it waits for the running one. The capacity rule
+makes that always possible, so no group is ever older than its bound and none is discarded or
+requeued. Discarding stale groups (or regenerating them) trains on the ones that happened to
+finish quickly — short responses, few turns, fast tools; here every admitted group is trained,
+whatever its length, and the wait is for the slowest of at most one batch.
+
+Checkpoints: ``held`` stops the episodes at a token boundary and returns every group not yet
+trained: complete ones, running ones with what their episodes generated so far (an episode past
+its first tool call restarts from its prompt: ``episodes``), and those not yet started. A
+resumed run admits them first, as of the version of their oldest token, so the staleness bound
+holds across the resume; nothing is lost and nothing is trained twice.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 import threading
 from collections import deque
+from typing import Callable
 
 from relayrl.config import Config
 from relayrl.engine.base import EngineError
-from relayrl.records import Group, SamplingParams, Trajectory
+from relayrl.records import Group, SamplingParams, Trajectory, group_from_dict
+from relayrl.rollout import make_groups
 from relayrl.staleness import StalenessManager
 from relayrl.timeline import Timeline
 
 
-class EpisodeSource:
-    def __init__(self, cfg: Config, c, state, tl: Timeline):
-        from relayrl.sources import new_groups
+def oldest_version(g: Group) -> int | None:
+    """The policy version of the group's oldest token (None before its first token)."""
+    return min((v for t in g.trajectories for v in t.versions), default=None)
 
-        r = cfg.rollout
-        self.c, self.state, self.runner = c, state, c.episodes
-        self.new_groups = lambda prompts: new_groups(cfg, c, state, prompts)
-        self.params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
-        self.eta = r.max_staleness if cfg.run.mode == "async" else 0
-        self.batch, self.partial = r.prompts_per_step, r.partial
-        self.mgr = StalenessManager(self.eta, self.batch, version=state.version)
-        self.runner.timeline = tl
-        self.runner.continued = state.staleness.get("partial_resumed", self.runner.continued)
+
+def versions_behind(g: Group, version: int) -> int:
+    o = oldest_version(g)
+    return 0 if o is None else version - o
+
+
+def flatten(groups: list[Group]) -> list[Trajectory]:
+    return [t for g in groups for t in g.trajectories]
+
+
+def new_groups(cfg: Config, c, state, prompts: list) -> list[Group]:
+    """Empty groups for ``prompts``, with ids unique over the whole run: the counter is part of the
+    checkpoint, so a resumed run never reuses the id of a group it carries."""
+    tag = f"g{state.groups_made}"
+    state.groups_made += 1
+    return make_groups(prompts, c.tokenizer, cfg.rollout.group_size, tag, cfg.data.prompt_format)
+
+
+class EpisodeRollout:
+    """``take_prompts(n)``/``new_groups(prompts)`` feed it; ``batch`` groups per step; ``eta`` the
+    staleness bound; ``extra`` over-provisioned groups (partial only); ``park_while_training``:
+    sync, the cut episodes wait for the next publish; ``drain_before_publish``: periodic without
+    partial, weights change only once every admitted group is done. ``carried``: groups from a
+    checkpoint, admitted first; ``max_groups``: groups to admit in all (carried ones included), the
+    ones the run's remaining steps train, so nothing is generated past the last step."""
+
+    def __init__(self, runner, take_prompts: Callable[[int], list], new_groups: Callable[[list], list[Group]],
+                 params: SamplingParams, batch: int, eta: int, *, partial: bool = False, extra: int = 0,
+                 park_while_training: bool = False, drain_before_publish: bool = False, version: int = 0,
+                 carried: list[Group] = (), timeline: Timeline | None = None, counters: dict | None = None,
+                 max_groups: int | None = None):
+        if extra and not partial:
+            raise ValueError("over-provisioning needs partial rollouts (the extra groups are cut and carried)")
+        self.runner, self.take_prompts, self.new_groups, self.params = runner, take_prompts, new_groups, params
+        self.batch, self.eta, self.partial, self.version = batch, eta, partial, version
+        self.slack = math.ceil(extra / batch)  # an over-provisioned group may be carried that many steps
+        self.park, self.drain = park_while_training and partial, drain_before_publish and not partial
+        self.mgr = StalenessManager(eta, batch, version=version, extra=extra)
+        self.runner.timeline = timeline
+        self.runner.continued = (counters or {}).get("partial_resumed", self.runner.continued)
         self.cv = threading.Condition()
-        self.waiting: deque[Group] = deque(c.buffer.take(len(c.buffer)))  # carried by a checkpoint
+        self.waiting: deque[Group] = deque(carried)
         self.ready: list[Group] = []
         self.running: dict[int, Group] = {}
         self.seq: dict[int, int] = {}  # id(group) -> admission order
-        self.admitted_at: dict[int, int] = {}  # id(group) -> version when admitted
+        self.admitted_at: dict[int, int] = {}  # id(group) -> the version it counts its staleness from
         self.next_seq = 0
+        self.left = max_groups if max_groups is not None else float("inf")  # groups still to admit
         self.hold = self.closed = False
         self.error: BaseException | None = None
         self.tasks: set[asyncio.Task] = set()
@@ -62,49 +113,82 @@ class EpisodeSource:
         self.wake = self.runner.run(_event())
         self.admission = self.runner.submit(self._admit())
 
+    @classmethod
+    def from_config(cls, cfg: Config, c, state, tl: Timeline) -> EpisodeRollout:
+        r, mode = cfg.rollout, cfg.run.mode
+        extra = math.ceil((r.over_provision - 1) * r.prompts_per_step) if r.partial and mode != "async" else 0
+        return cls(c.runner, c.sampler.take, lambda prompts: new_groups(cfg, c, state, prompts), c.params,
+                   r.prompts_per_step,
+                   {"sync": 0, "periodic": 1, "async": r.max_staleness}[mode], partial=r.partial, extra=extra,
+                   park_while_training=mode == "sync", drain_before_publish=mode == "periodic",
+                   version=state.version, carried=[group_from_dict(d) for d in state.partial_buffer], timeline=tl,
+                   counters=state.staleness, max_groups=(cfg.run.steps - state.step) * r.prompts_per_step)
+
     # -- trainer side --------------------------------------------------------------------------
     def next_batch(self) -> tuple[list[Group], int]:
-        """``batch`` complete groups: the due ones first, then in admission order."""
+        """``batch`` complete groups: the due ones first, then in admission order; and the tokens
+        generated since the previous call."""
         with self.cv:
-            while (batch := self._pick(self.state.version)) is None:
+            while (batch := self._pick(self.version)) is None:
                 self._raise_if_failed()
                 self.cv.wait(0.5)
             for g in batch:
                 self.ready.remove(g)
                 for t in g.trajectories:
                     self.trained[_length_class(t)] += 1
+        if self.park and self.running:
+            self.runner.hold()  # sync: the step's barrier; the rest wait for the new weights
         return batch, self.runner.take_generated()
 
+    def _deadline(self, g: Group) -> int:
+        """The last version at which ``g`` may be trained."""
+        return self.admitted_at[id(g)] + self.eta + self.slack
+
     def _pick(self, version: int) -> list[Group] | None:
-        def due(g: Group) -> bool:
-            return version - self.admitted_at[id(g)] >= self.eta
-
-        if len(self.ready) < self.batch or any(due(g) for g in self.running.values()):
+        """Earliest deadline first among the ready groups, unless taking them would leave the others
+        unable to meet their deadlines (the i-th of those left, by deadline, is trained ``1 + i // B``
+        steps from now at the earliest) while an earlier-deadline group is still running: then wait."""
+        if len(self.ready) < self.batch:
             return None
-        ready = sorted(self.ready, key=lambda g: self.seq[id(g)])
-        return ([g for g in ready if due(g)] + [g for g in ready if not due(g)])[: self.batch]
+        key = lambda g: (self._deadline(g), self.seq[id(g)])  # noqa: E731
+        ready = sorted(self.ready, key=key)
+        batch, rest = ready[: self.batch], sorted(ready[self.batch:] + list(self.running.values()), key=key)
+        if all(self._deadline(g) >= version + 1 + i // self.batch for i, g in enumerate(rest)):
+            return batch
+        ideal = sorted(self.ready + list(self.running.values()), key=key)[: self.batch]
+        return batch if all(id(g) not in self.running for g in ideal) else None  # (over a resume's carry)
 
-    def score(self, groups: list[Group]) -> None:
-        pass  # scored inside the episodes
-
-    def publish(self, load) -> None:
-        """New weights into the engine; with partial rollouts the turns in flight are cut at the
-        update (inside one engine pause) and continue under the new weights."""
+    def publish(self, load: Callable[[], None]) -> None:
+        """New weights into the engine (``load``) as version + 1. With partial rollouts the turns in
+        flight are cut at the update (inside one engine pause, so no token is sampled by the new
+        weights over a KV cache of the old ones) and continue under the new weights."""
+        if self.drain:
+            with self.cv:
+                while self.running or (self.mgr.capacity() and self.left and not self.hold):  # admitting
+                    self._raise_if_failed()
+                    self.cv.wait(0.5)
         if self.partial:
             with self.runner.engine.pause():
                 self.runner.abort_inflight()
                 load()
         else:
             load()
-        self.mgr.set_version(self.state.version + 1)
+        self.version += 1
+        self.mgr.set_version(self.version)
+        if self.park:
+            self.runner.release()
         self.runner.loop.call_soon_threadsafe(self.wake.set)
 
     def held(self) -> list[Group]:
-        """Stop admitting; the groups to carry in a checkpoint (see the module doc)."""
+        """Stop the episodes; the groups to carry in a checkpoint (see the module doc). They go on
+        after ``release``."""
+        self.hold = True
+        self.runner.hold()
         return self.runner.run(self._snapshot())
 
     def release(self) -> None:
         self.hold = False
+        self.runner.release()
         self.runner.loop.call_soon_threadsafe(self.wake.set)
 
     def metrics(self) -> dict:
@@ -120,13 +204,14 @@ class EpisodeSource:
         if self.closed:
             return
         self.closed = True
+        self.runner.release()
         self.runner.run(self._cancel())
 
     def _raise_if_failed(self) -> None:
         if isinstance(self.error, EngineError):
             raise EngineError(str(self.error)) from self.error
         if self.error is not None:
-            raise RuntimeError(f"episode rollout failed: {self.error!r}") from self.error
+            raise RuntimeError(f"rollout failed: {self.error!r}") from self.error
 
     # -- on the runner's loop ------------------------------------------------------------------
     async def _admit(self) -> None:
@@ -144,15 +229,18 @@ class EpisodeSource:
             self._fail(e)
 
     def _start(self) -> None:
-        n = self.mgr.try_start(10**9)
+        n = self.mgr.try_start(int(min(10**9, self.left)))
+        self.left -= n
         groups = [self.waiting.popleft() for _ in range(min(n, len(self.waiting)))]
         if len(groups) < n:
-            groups += self.new_groups(self.c.sampler.take(n - len(groups)))
+            groups += self.new_groups(self.take_prompts(n - len(groups)))
         for g in groups:
             with self.cv:
-                self.seq[id(g)], self.admitted_at[id(g)] = self.next_seq, self.mgr.version
+                oldest = oldest_version(g)  # a carried group counts from its oldest token
+                at = self.mgr.version if oldest is None else min(oldest, self.mgr.version)
+                self.seq[id(g)], self.admitted_at[id(g)] = self.next_seq, at
                 self.next_seq += 1
-                if all(t.done for t in g.trajectories):  # complete, carried by a checkpoint
+                if all(t.complete for t in g.trajectories):  # complete, carried by a checkpoint
                     self.mgr.finish(accepted=True)
                     self.ready.append(g)
                     self.cv.notify_all()
@@ -161,6 +249,8 @@ class EpisodeSource:
             task = asyncio.get_running_loop().create_task(self._run_group(g))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
+        if groups:
+            self.runner.mark_engine()
 
     async def _run_group(self, g: Group) -> None:
         try:
@@ -184,10 +274,9 @@ class EpisodeSource:
             self.cv.notify_all()
 
     async def _snapshot(self) -> list[Group]:
-        self.hold = True
         with self.cv:
             order = sorted([*self.ready, *self.running.values()], key=lambda g: self.seq[id(g)])
-            out = [g if id(g) not in self.running else _fresh(g) for g in order]
+            out = [g if id(g) not in self.running else _carry(g) for g in order]
         return out + list(self.waiting)
 
     async def _cancel(self) -> None:
@@ -207,7 +296,15 @@ async def _event() -> asyncio.Event:
     return asyncio.Event()  # made on the loop that waits on it
 
 
-def _fresh(g: Group) -> Group:
-    """``g`` as it was admitted: a restart from its prompt."""
-    return Group(g.prompt, g.group_id, [Trajectory(g.prompt, g.group_id, t.sample_idx, list(t.prompt_ids))
-                                        for t in g.trajectories])
+def _carry(g: Group) -> Group:
+    """A copy of running group ``g`` to checkpoint: complete episodes as they are, episodes in
+    their first turn with their tokens so far, the others from their prompt."""
+    def one(t: Trajectory) -> Trajectory:
+        if t.complete:
+            return dataclasses.replace(t, info=dict(t.info))
+        if 0 in t.mask:  # past a tool call: the environment's state is not saved
+            return Trajectory(t.prompt, t.group_id, t.sample_idx, list(t.prompt_ids))
+        return dataclasses.replace(t, prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids),
+                                   behav_logprobs=list(t.behav_logprobs), versions=list(t.versions),
+                                   mask=list(t.mask), turns=list(t.turns), info={})
+    return Group(g.prompt, g.group_id, [one(t) for t in g.trajectories])

@@ -1,9 +1,10 @@
-"""The episode: one coroutine drives the engine and an environment and returns the trajectory,
-scored, token-in-token-out.
+"""The episode: one coroutine drives the engine (and an environment) and returns the
+trajectory, scored, token-in-token-out. Every rollout is made of episodes.
 
-    messages = await env.reset(prompt)
-    loop: generate a turn (the engine's tokens, mask 1) → env.step(text) → observations
-          → the template's suffix for them (mask 0) → the next turn ... until done
+    single-turn (no environment):  generate → verify (``reward.fn``)
+    with an environment:           messages = await env.reset(prompt)
+        loop: generate a turn (the engine's tokens, mask 1) → env.step(text) → observations
+              → the template's suffix for them (mask 0) → the next turn ... until done
 
 Every token the policy generated keeps its id, behaviour log-prob and policy version; the
 tokens between turns (tool results, headers, separators) come from the chat template
@@ -11,11 +12,15 @@ tokens between turns (tool results, headers, separators) come from the chat temp
 token belongs to. The reward is computed inside the episode (the environment's, or ``reward.fn``
 on the final turn), off the trainer's thread.
 
-A turn cut by a weight update (``rollout.partial``: in-flight requests are aborted at the
-update) is continued from its tokens under the new weights: partial rollout at the episode level.
+A turn cut short (a weight update with ``rollout.partial``, or ``hold`` for a checkpoint) is
+continued from its tokens: partial rollout at the episode level. An episode still in its first
+turn can be carried in a checkpoint with its tokens and continued after a resume (its
+environment is reset and must render the same prompt); one past a tool call restarts from its
+prompt, since an environment's state cannot be saved.
 
 ``EpisodeRunner`` owns one asyncio loop in a thread and the async front of the engine; many
-episodes run at once on it, so while one waits on a tool the others generate.
+episodes run at once on it, so while one waits on a tool the others generate. Requests reach
+the engine in the order of ``rollout.schedule`` (lengths learnt from finished turns).
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ from relayrl.engine.base import Engine, EngineError
 from relayrl.envs.base import Env
 from relayrl.envs.chat import next_turn_suffix, render_ids
 from relayrl.envs.tools import tool_schemas
+from relayrl.faults import fault_point
 from relayrl.records import FinishReason, GenRequest, Group, SamplingParams, Trajectory
+from relayrl.scheduling import LengthModel, Pending, order
 
 
 @dataclass(frozen=True)
@@ -53,20 +60,27 @@ def anchor(messages: list[dict]) -> int:
 
 class EpisodeRunner:
     """Runs episodes on one asyncio loop (a daemon thread). ``score(text, prompt)`` is the
-    verifier (blocking; run on a thread), ``make_env()`` makes one environment per episode."""
+    verifier (blocking; run on a thread), ``make_env()`` makes one environment per episode (None:
+    single-turn episodes over prompts already tokenized, ``Trajectory.prompt_ids``)."""
 
-    def __init__(self, engine: Engine, tokenizer, make_env: Callable[[], Env], limits: EpisodeLimits,
-                 score: Callable[[str, object], tuple[float, bool]]):
+    def __init__(self, engine: Engine, tokenizer, make_env: Callable[[], Env] | None, limits: EpisodeLimits | None,
+                 score: Callable[[str, object], tuple[float, bool]], schedule: str = "fifo"):
         self.tokenizer, self.make_env, self.limits, self.score = tokenizer, make_env, limits, score
+        if make_env is not None and limits is None:
+            raise ValueError("episodes with an environment need limits (env.max_turns, env.max_tokens)")
+        self.schedule, self.lengths = schedule, LengthModel()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="relayrl-episodes", daemon=True)
         self._thread.start()
-        self.engine = AsyncEngine(engine, self.loop)
+        self.engine = AsyncEngine(engine, self.loop, order=None if schedule == "fifo" else self._order)
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self.inflight: set[str] = set()  # request ids being generated (aborted by a partial publish)
-        self.generated = 0  # policy tokens since ``take_generated``
-        self.continued = 0  # turns continued after an abort (cumulative)
+        self.inflight: dict[str, Trajectory] = {}  # request id -> its trajectory (cut by a partial publish)
+        self._turn_of: dict[str, tuple[int, bool]] = {}  # request id -> (tokens of its turn so far, continued?)
+        self._go = self.run(_event())  # cleared while held: no training turn starts
+        self._go.set()
+        self.generated = 0  # training episodes' policy tokens since ``take_generated``
+        self.continued = 0  # turns continued after a cut (cumulative)
         self.errors: list[str] = []  # episodes that failed in the environment (first few messages)
         self.error_count = 0
         self._verify = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="relayrl-verify")
@@ -84,6 +98,21 @@ class EpisodeRunner:
         with self._lock:
             ids = list(self.inflight)
         self.engine.abort(ids)
+
+    def hold(self) -> None:
+        """Stop the training episodes at a token boundary: what they have in flight is cut (kept,
+        continued after ``release``) and no turn of theirs starts. Returns once none is in flight.
+        Evaluation episodes run meanwhile."""
+        self.run(self._hold())
+
+    def release(self) -> None:
+        self.loop.call_soon_threadsafe(self._go.set)
+
+    async def _hold(self) -> None:
+        self._go.clear()
+        self.abort_inflight()
+        while any(self._turn_of.get(rid, (0, False, True))[2] for rid in list(self.inflight)):
+            await asyncio.sleep(0.002)
 
     def mark_engine(self) -> None:
         """Record the engine lane: busy while requests are in flight, in pieces of at most 0.1 s
@@ -124,15 +153,21 @@ class EpisodeRunner:
         self._verify.shutdown(wait=False, cancel_futures=True)
 
     # -- on the loop ---------------------------------------------------------------------------
-    async def group(self, g: Group, params: SamplingParams) -> Group:
-        """Every unfinished episode of ``g``, at once."""
-        await asyncio.gather(*(self.episode(t, params) for t in g.trajectories if not t.done))
+    async def group(self, g: Group, params: SamplingParams, train: bool = True) -> Group:
+        """Every episode of ``g`` not yet complete, at once (``train=False``: evaluation, which
+        runs on while training episodes are held)."""
+        await asyncio.gather(*(self.episode(t, params, train) for t in g.trajectories if not t.complete))
+        self.lengths.forget_group(g.group_id)
         return g
 
-    async def episode(self, t: Trajectory, params: SamplingParams) -> None:
-        """Run ``t`` (fresh) to its end; an environment that raises fails this episode only."""
+    async def episode(self, t: Trajectory, params: SamplingParams, train: bool = True) -> None:
+        """Run ``t`` to its end (from its start, or on from a turn carried by a checkpoint); an
+        environment that raises fails this episode only."""
         try:
-            await self._episode(t, params)
+            if self.make_env is None:
+                await self._single(t, params, train)
+            else:
+                await self._episode(t, params, train)
         except (EngineError, asyncio.CancelledError):
             raise
         except Exception as e:  # noqa: BLE001 - user code: counted, reported, the run goes on
@@ -141,19 +176,34 @@ class EpisodeRunner:
             self.error_count += 1
             if len(self.errors) < 5:
                 self.errors.append(t.info["error"])
+        t.complete = True
 
-    async def _episode(self, t: Trajectory, params: SamplingParams) -> None:
+    async def _single(self, t: Trajectory, params: SamplingParams, train: bool) -> None:
+        await self._turn(t, 0, 0, params.max_new_tokens, params, train)
+        if t.finish_reason == FinishReason.FAILED:  # the engine failed on it: not the policy's answer
+            return
+        t.text = self.tokenizer.decode(t.response_ids, skip_special_tokens=True)
+        t.reward, t.reward_failed = await asyncio.get_running_loop().run_in_executor(
+            self._verify, self.score, t.text, t.prompt)
+
+    async def _episode(self, t: Trajectory, params: SamplingParams, train: bool) -> None:
         env = self.make_env()
         messages = list(await env.reset(t.prompt))
         tools = tool_schemas(env.tools) if getattr(env, "tools", None) else None
-        t.prompt_ids = render_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
-        t.response_ids, t.behav_logprobs, t.versions, t.mask, t.turns = [], [], [], [], []
+        prompt_ids = render_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
+        carried = bool(t.response_ids) and prompt_ids == t.prompt_ids and 0 not in t.mask
+        if not carried:  # a fresh episode, or one whose environment no longer renders its prompt
+            t.prompt_ids, t.finish_reason = prompt_ids, None
+            t.response_ids, t.behav_logprobs, t.versions, t.mask, t.turns = [], [], [], [], []
         counts: Counter = Counter()
         step_rewards, anchors = [], [anchor(messages)]
         final: float | None = None
         for turn in range(self.limits.max_turns):
-            left = self.limits.max_tokens - len(t.response_ids)
-            text = await self._turn(t, turn, min(params.max_new_tokens, left), params)
+            start = len(t.response_ids) if turn else 0  # turn 0 may go on from carried tokens
+            if turn:
+                t.finish_reason = None
+            limit = min(params.max_new_tokens, self.limits.max_tokens - start)
+            text = await self._turn(t, turn, start, limit, params, train)
             messages.append({"role": "assistant", "content": text})
             if t.finish_reason == FinishReason.FAILED:  # the engine failed on it: not the policy's answer
                 return
@@ -183,36 +233,57 @@ class EpisodeRunner:
         t.info = {"turns": len(step_rewards), "step_rewards": step_rewards, "anchors": anchors[: len(step_rewards)],
                   **{k: int(v) for k, v in counts.items()}}
 
-    async def _turn(self, t: Trajectory, turn: int, limit: int, params: SamplingParams) -> str:
-        """Generate one assistant turn onto ``t`` (continued across aborts); its text."""
-        start = len(t.response_ids)
-        while True:
+    async def _turn(self, t: Trajectory, turn: int, start: int, limit: int, params: SamplingParams,
+                    train: bool) -> str:
+        """Generate turn ``turn`` (its tokens from index ``start``) onto ``t`` until it stops,
+        continued across cuts; its text. A turn already finished (carried) is not generated."""
+        while t.finish_reason in (None, FinishReason.ABORTED):
             left = limit - (len(t.response_ids) - start)
             if left <= 0:
                 t.finish_reason = FinishReason.LENGTH
                 break
+            if train:
+                await self._go.wait()  # held (a checkpoint, a sync step's barrier): wait for release
             rid = f"{t.request_id}#{next(self._ids)}"  # unique: an aborted id may still be in the engine
             req = GenRequest(rid, t.prompt_ids, dataclasses.replace(params, max_new_tokens=left), list(t.response_ids))
             with self._lock:
-                self.inflight.add(rid)
+                self.inflight[rid] = t
+                self._turn_of[rid] = (len(t.response_ids) - start, t.finish_reason is not None, train)
                 self._mark()
             try:
                 c = await self.engine.generate(req)
             finally:
                 with self._lock:
-                    self.inflight.discard(rid)
+                    self.inflight.pop(rid, None)
+                    self._turn_of.pop(rid, None)
                     self._mark()
+            if not len(c.token_ids) == len(c.logprobs) == len(c.versions):
+                raise EngineError(f"the engine returned a ragged completion for {rid}")
+            if train:
+                fault_point("generate")  # crash tests: a kill as completions arrive
             self._append(t, c.token_ids, c.logprobs, c.versions, 1, turn)
-            with self._lock:
-                self.generated += len(c.token_ids)
+            if train:
+                with self._lock:
+                    self.generated += len(c.token_ids)
             t.finish_reason = c.finish_reason
-            if c.finish_reason != FinishReason.ABORTED:  # FAILED: the loop drops the episode
-                break
-            self.continued += 1
+            self.continued += c.finish_reason == FinishReason.ABORTED
+        if t.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.lengths.observe(t.prompt.id, t.group_id, len(t.response_ids) - start)
         ids = t.response_ids[start:]
         if ids and ids[-1] == self.tokenizer.eos_token_id:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _order(self, requests: list[GenRequest]) -> list[GenRequest]:
+        """One submission in ``rollout.schedule`` order (called by the async front, on the loop)."""
+        with self._lock:
+            pending = []
+            for i, r in enumerate(requests):
+                t = self.inflight.get(r.request_id)
+                done, cont, _ = self._turn_of.get(r.request_id, (0, False, True))
+                pending.append(Pending(r.request_id, t.prompt.id if t else "", t.group_id if t else "", done, i, cont))
+        by_id = {r.request_id: r for r in requests}
+        return [by_id[p.request_id] for p in order(pending, self.schedule, self.lengths)]
 
     @staticmethod
     def _append(t: Trajectory, ids, logprobs, versions, mask: int, turn: int) -> None:
@@ -221,3 +292,7 @@ class EpisodeRunner:
         t.versions += list(versions)
         t.mask += [mask] * len(ids)
         t.turns += [turn] * len(ids)
+
+
+async def _event() -> asyncio.Event:
+    return asyncio.Event()  # made on the loop that waits on it

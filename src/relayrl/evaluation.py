@@ -1,31 +1,11 @@
-"""Held-out evaluation through the engine: sampled accuracy at the training temperature and greedy accuracy."""
+"""Held-out evaluation over episodes: sampled accuracy at the training temperature and greedy accuracy."""
 
 from __future__ import annotations
 
 from relayrl.config import Config
-from relayrl.engine.base import Engine
 from relayrl.faults import fault_point
 from relayrl.records import Prompt, SamplingParams
-from relayrl.rewards import RewardRunner
-from relayrl.rollout import generate_groups, make_groups, score_groups
-
-
-def evaluate(engine: Engine, tokenizer, prompts: list[Prompt], reward: RewardRunner, cfg: Config) -> dict:
-    """``accuracy``: mean reward (pass@1) of ``eval.samples`` sampled responses per prompt at
-    ``rollout.temperature``; ``accuracy_greedy``: mean reward of the greedy response."""
-    r = cfg.rollout
-    out = {"temperature": r.temperature, "prompts": len(prompts)}
-    for key, temp, n in (("accuracy", r.temperature, cfg.eval.samples), ("accuracy_greedy", 0.0, 1)):
-        groups = make_groups(prompts, tokenizer, n, f"eval-{key}-v{engine.version}", cfg.data.prompt_format)
-        generate_groups(engine, groups, SamplingParams(r.max_new_tokens, temp, r.top_p, r.top_k))
-        fault_point("eval")
-        score_groups(groups, reward, tokenizer)
-        rewards = [x for g in groups for x in g.rewards]
-        out[key] = sum(rewards) / len(rewards)
-        if key == "accuracy":
-            lens = [len(t.response_ids) for g in groups for t in g.trajectories]
-            out["response_len_mean"] = sum(lens) / len(lens)
-    return out
+from relayrl.rollout import make_groups
 
 
 def episode_stats(trajs: list) -> dict:
@@ -41,9 +21,11 @@ def episode_stats(trajs: list) -> dict:
     }
 
 
-def evaluate_episodes(runner, tokenizer, prompts: list[Prompt], cfg: Config) -> dict:
-    """``evaluate`` for agents: the same accuracies over whole episodes (tools and all), plus
-    the tool-call rate and errors of the sampled ones."""
+def evaluate(runner, tokenizer, prompts: list[Prompt], cfg: Config) -> dict:
+    """``accuracy``: mean reward (pass@1) of ``eval.samples`` sampled episodes per prompt at
+    ``rollout.temperature``; ``accuracy_greedy``: mean reward of the greedy one. With an
+    environment, also the tool-call rate (sampled and greedy) and tool errors of the sampled ones.
+    Runs through ``runner`` (episodes.EpisodeRunner) while the training episodes are held."""
     import asyncio
 
     r = cfg.rollout
@@ -53,15 +35,15 @@ def evaluate_episodes(runner, tokenizer, prompts: list[Prompt], cfg: Config) -> 
         params = SamplingParams(r.max_new_tokens, temp, r.top_p, r.top_k)
 
         async def run_all():
-            await asyncio.gather(*(runner.group(g, params) for g in groups))
+            await asyncio.gather(*(runner.group(g, params, train=False) for g in groups))
 
         runner.run(run_all())
         fault_point("eval")
         trajs = [t for g in groups for t in g.trajectories]
         out[key] = sum(t.reward for t in trajs) / len(trajs)
-        stats = episode_stats(trajs)
+        stats = episode_stats(trajs) if runner.make_env is not None else None
         if key == "accuracy":
-            out.update(stats, response_len_mean=sum(len(t.response_ids) for t in trajs) / len(trajs))
-        else:
+            out.update(stats or {}, response_len_mean=sum(len(t.response_ids) for t in trajs) / len(trajs))
+        elif stats:
             out["tool_call_rate_greedy"] = stats["tool_call_rate"]
     return out

@@ -15,23 +15,20 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from relayrl.async_rollout import versions_behind
 from relayrl.checkpoint import CheckpointWriter, RunState, restore_rng
 from relayrl.config import Config, dump_config
 from relayrl.data import PromptSampler, load_prompts
 from relayrl.engine import EngineError, make_engine
 from relayrl.engine.process import ProcessEngine
 from relayrl.envs.base import make_env_factory
-from relayrl.episode_rollout import EpisodeSource
+from relayrl.episode_rollout import EpisodeRollout, flatten, versions_behind
 from relayrl.episodes import EpisodeLimits, EpisodeRunner
-from relayrl.evaluation import episode_stats, evaluate, evaluate_episodes
+from relayrl.evaluation import episode_stats, evaluate
 from relayrl.models import check_prompt_lengths, load_policy, load_tokenizer, model_context, resolve_model_path
-from relayrl.partial import PartialBuffer
 from relayrl.records import Group, SamplingParams, group_to_dict
 from relayrl.resume import ResumeError, check_compatible, data_fingerprint, prepare_run_dir, start_state
 from relayrl.rewards import RewardRunner
 from relayrl.rollout import advantages_for, drop_failed
-from relayrl.sources import SOURCES, flatten
 from relayrl.timeline import Timeline
 from relayrl.tracking import MetricsLog, ProgressBar, Timers
 from relayrl.trainer import Trainer, build_batch
@@ -50,17 +47,17 @@ class Components:
     sampler: PromptSampler
     eval_prompts: list | None
     params: SamplingParams
-    buffer: PartialBuffer
-    episodes: EpisodeRunner | None = None  # agents (env.name set): episodes on an asyncio loop
+    runner: EpisodeRunner  # episodes (single-turn, or with env.name's environment) on an asyncio loop
+
+    @property
+    def agents(self) -> bool:
+        return self.runner.make_env is not None
 
     def evaluate(self, cfg: Config) -> dict:
-        if self.episodes is not None:
-            return evaluate_episodes(self.episodes, self.tokenizer, self.eval_prompts, cfg)
-        return evaluate(self.engine, self.tokenizer, self.eval_prompts, self.reward, cfg)
+        return evaluate(self.runner, self.tokenizer, self.eval_prompts, cfg)
 
     def close(self) -> None:
-        if self.episodes is not None:
-            self.episodes.close()
+        self.runner.close()
         self.engine.close()
         self.reward.close()
 
@@ -139,22 +136,24 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         else:
             engine = make_engine(cfg.rollout, load_policy(weights, cfg.model.dtype), tokenizer, version=state.version)
         undo.callback(engine.close)
-        episodes = None
-        if make_env is not None:
-            def score(text, prompt):
-                return reward.score([(text, prompt.answer, dict(prompt.metadata))])[0]
-
-            episodes = EpisodeRunner(engine, tokenizer, make_env, EpisodeLimits(cfg.env.max_turns, cfg.env.max_tokens),
-                                     score)
+        runner = make_runner(cfg, engine, tokenizer, reward, make_env)
         undo.pop_all()
     r = cfg.rollout
     trainer = Trainer(policy, cfg.trainer, cfg.algo, r.temperature, cfg.run.steps,
                       cfg.algo.norm_len or r.max_new_tokens, ref_model=ref, top_p=r.top_p, top_k=r.top_k)
     sampler = PromptSampler(prompts, cfg.run.seed, cfg.data.shuffle, state.sampler)
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
-    buffer = PartialBuffer()
-    buffer.load_state_dict(state.partial_buffer)
-    return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params, buffer, episodes)
+    return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params, runner)
+
+
+def make_runner(cfg: Config, engine, tokenizer, reward: RewardRunner, make_env=None) -> EpisodeRunner:
+    """The episode runner over ``engine``: ``reward.fn`` verifies final turns, ``make_env`` (None:
+    single-turn) makes each episode's environment."""
+    def score(text, prompt):
+        return reward.score([(text, prompt.answer, dict(prompt.metadata))])[0]
+
+    limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_tokens) if make_env is not None else None
+    return EpisodeRunner(engine, tokenizer, make_env, limits, score, cfg.rollout.schedule)
 
 
 def step_metrics(groups: list[Group], generated: int, step_seconds: float, state: RunState) -> dict:
@@ -182,7 +181,8 @@ def step_metrics(groups: list[Group], generated: int, step_seconds: float, state
 
 
 def train(cfg: Config, resume: bool = False, console: Console | None = None) -> dict:
-    """The loop, the same for every mode (``run.mode`` picks where groups come from: ``sources``).
+    """The loop, the same for every mode (``run.mode`` decides how the rollout overlaps training:
+    ``episode_rollout``).
     Returns the run summary."""
     console = console or Console()
     log = console.print
@@ -216,7 +216,7 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
         log(f"eval before: {fmt_eval(state.eval_before)}")
     timers, t_start, tl = Timers(), time.perf_counter() - state.wall_seconds, Timeline()
     writer = CheckpointWriter(run_dir, c.policy, c.tokenizer, cfg.run.keep_checkpoints)
-    source = (EpisodeSource if c.episodes else SOURCES[cfg.run.mode])(cfg, c, state, tl)
+    source = EpisodeRollout.from_config(cfg, c, state, tl)
     try:
         with ProgressBar(cfg.run.steps, state.step, cfg.run.progress, console) as bar:
             while state.step < cfg.run.steps:
@@ -224,9 +224,7 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                 with timers("step"):
                     with timers("generate"):  # all of it when synchronous; what training did not hide otherwise
                         groups, generated = source.next_batch()
-                    groups = drop_failed_or_raise(groups, state)
-                    with timers("reward"):  # episodes score themselves, off this thread
-                        source.score(groups)
+                    groups = drop_failed_or_raise(groups, state)  # (episodes scored themselves, off this thread)
                     batch = build_batch(flatten(groups), advantages_for(groups, cfg.algo), c.tokenizer.pad_token_id)
                     with timers("train"), tl.busy("trainer"):
                         train_metrics = c.trainer.step(batch, version=state.version)
@@ -299,21 +297,21 @@ def finish(cfg: Config, c: Components, state: RunState, log) -> dict:
         "reward_timeouts": state.reward_timeouts,
         "reward_errors": c.reward.stats.errors[:5],
     }
-    if c.episodes is not None:
+    if c.agents:
         summary.update({f"eval_{k}_{when}": e.get(k) if e else None for k in ("tool_call_rate", "tool_call_rate_greedy")
                         for when, e in (("before", before), ("after", after))})
-        summary.update(episode_errors=c.episodes.error_count, episode_error_examples=c.episodes.errors)
+        summary.update(episode_errors=c.runner.error_count, episode_error_examples=c.runner.errors)
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     log(f"[bold]done[/bold]: {state.step} steps, {state.samples} samples, {state.wall_seconds:.0f}s")
     if before and after:
         log(f"held-out accuracy: {before['accuracy']:.1%} → {after['accuracy']:.1%} "
             f"(greedy {before['accuracy_greedy']:.1%} → {after['accuracy_greedy']:.1%})")
-    if c.episodes is not None and before and after:
+    if c.agents and before and after:
         log(f"tool-call rate: {before['tool_call_rate']:.1%} → {after['tool_call_rate']:.1%} (greedy "
             f"{before['tool_call_rate_greedy']:.1%} → {after['tool_call_rate_greedy']:.1%}), tool errors "
             f"{after['tool_errors']} and timeouts {after['tool_timeouts']} in the last evaluation")
-    if c.episodes is not None and c.episodes.error_count:
-        log(f"[yellow]{c.episodes.error_count} episodes failed in the environment; first: {c.episodes.errors[0]}")
+    if c.runner.error_count:
+        log(f"[yellow]{c.runner.error_count} episodes failed in the environment; first: {c.runner.errors[0]}")
     if state.reward_failures or state.reward_timeouts:
         log(f"[yellow]{state.reward_failures} reward calls failed and {state.reward_timeouts} timed out (scored 0); "
             f"last: {c.reward.stats.last_error}")
@@ -334,9 +332,12 @@ def evaluate_only(cfg: Config) -> dict:
         tokenizer, _ = load_tokenizer_for(cfg, path, log)
         check_prompts_fit(cfg, path, tokenizer, [], prompts)
         engine = make_engine(cfg.rollout, load_policy(path, cfg.model.dtype), tokenizer)
+        runner = make_runner(cfg, engine, tokenizer, reward,
+                             make_env_factory(cfg.env.name, cfg.env.args) if cfg.env.name else None)
         try:
-            return evaluate(engine, tokenizer, prompts, reward, cfg)
+            return evaluate(runner, tokenizer, prompts, cfg)
         finally:
+            runner.close()
             engine.close()
     finally:
         reward.close()

@@ -12,7 +12,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from relayrl.faults import fault_point
 
 
 class FinishReason(str, enum.Enum):
@@ -84,6 +83,7 @@ class Trajectory:
     text: str = ""
     reward: float = 0.0
     reward_failed: bool = False
+    complete: bool = False  # the episode ran to its end (and was scored); else it is run (on) again
 
     @property
     def request_id(self) -> str:
@@ -92,15 +92,6 @@ class Trajectory:
     @property
     def done(self) -> bool:
         return self.finish_reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.FAILED)
-
-    def extend(self, c: Completion) -> None:
-        """Append an engine completion (possibly one piece of a response continued across versions)."""
-        assert len(c.token_ids) == len(c.logprobs) == len(c.versions), "engine returned ragged completion"
-        fault_point("generate")
-        self.response_ids += c.token_ids
-        self.behav_logprobs += c.logprobs
-        self.versions += c.versions
-        self.finish_reason = c.finish_reason
 
 
 @dataclass

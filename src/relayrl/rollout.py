@@ -1,5 +1,5 @@
-"""Turning prompts into scored groups: requests for the engine, completions into trajectories,
-rewards, and the batch of advantages. Pure helpers; the pipeline decides when to call them."""
+"""Groups of trajectories before and after their episodes: empty groups for prompts, failed
+responses dropped, and the advantages. Pure helpers; the rollout driver and the loop call them."""
 
 from __future__ import annotations
 
@@ -7,19 +7,8 @@ import torch
 
 from relayrl.algos import ADVANTAGES, STEP_ADVANTAGES, lookup
 from relayrl.algos.agents import discounted_returns, gigpo, steps_to_tokens
-from relayrl.engine.base import Engine
 from relayrl.models import encode_prompt
-from relayrl.records import (
-    Completion,
-    FinishReason,
-    GenRequest,
-    Group,
-    Prompt,
-    SamplingParams,
-    Trajectory,
-)
-from relayrl.rewards import RewardRunner
-from relayrl.scheduling import LengthModel, order_trajectories
+from relayrl.records import FinishReason, Group, Prompt, Trajectory
 
 
 def make_groups(prompts: list[Prompt], tokenizer, group_size: int, tag: str, prompt_format: str = "chat"
@@ -32,32 +21,6 @@ def make_groups(prompts: list[Prompt], tokenizer, group_size: int, tag: str, pro
         gid = f"{tag}.{k}/{p.id}"
         groups.append(Group(p, gid, [Trajectory(p, gid, i, ids) for i in range(group_size)]))
     return groups
-
-
-def continuation(t: Trajectory, params: SamplingParams) -> GenRequest:
-    """The request that continues ``t`` (or starts it) with what is left of its token budget."""
-    left = params.max_new_tokens - len(t.response_ids)
-    return GenRequest(t.request_id, t.prompt_ids, SamplingParams(left, params.temperature, params.top_p, params.top_k),
-                      list(t.response_ids))
-
-
-def generate_groups(engine: Engine, groups: list[Group], params: SamplingParams, schedule: str = "fifo",
-                    lengths: LengthModel | None = None) -> None:
-    """Generate every unfinished trajectory of ``groups`` to completion (a synchronous barrier),
-    submitted in ``schedule`` order. Finished members of a group are not regenerated."""
-    trajs = order_trajectories([t for g in groups for t in g.trajectories if not t.done], schedule, lengths)
-    reqs = [continuation(t, params) for t in trajs]
-    for t, c in zip(trajs, engine.generate(reqs)):
-        t.extend(c)
-
-
-def score_groups(groups: list[Group], runner: RewardRunner, tokenizer) -> None:
-    trajs = [t for g in groups for t in g.trajectories]
-    for t in trajs:
-        t.text = tokenizer.decode(t.response_ids, skip_special_tokens=True)
-    results = runner.score([(t.text, t.prompt.answer, dict(t.prompt.metadata)) for t in trajs])
-    for t, (reward, failed) in zip(trajs, results):
-        t.reward, t.reward_failed = reward, failed
 
 
 def drop_failed(groups: list[Group]) -> tuple[list[Group], int]:
@@ -114,26 +77,3 @@ def group_advantages(groups: list[Group], estimator: str) -> torch.Tensor:
     rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
     gid = torch.tensor([i for i, g in enumerate(groups) for _ in g.trajectories], dtype=torch.long)
     return fn(rewards, gid)
-
-
-def generate_until(engine: Engine, groups: list[Group], params: SamplingParams, need: int, schedule: str = "fifo",
-                   lengths: LengthModel | None = None) -> tuple[list[Group], list[Group]]:
-    """APRIL's step: generate the unfinished members of ``groups`` until ``need`` groups are
-    complete, then abort everything still running. Returns (complete groups in completion
-    order, the rest); aborted members keep their tokens, log-probs and versions."""
-    trajs = {t.request_id: (g, t) for g in groups for t in g.trajectories if not t.done}
-    complete = [g for g in groups if all(t.done for t in g.trajectories)]
-
-    def on_complete(c: Completion) -> None:
-        g, t = trajs.pop(c.request_id)
-        t.extend(c)
-        if c.finish_reason != FinishReason.ABORTED and all(x.done for x in g.trajectories):
-            complete.append(g)
-            if len(complete) == need and trajs:
-                engine.abort(list(trajs))
-
-    if len(complete) < need and trajs:
-        order = order_trajectories([t for _, t in trajs.values()], schedule, lengths)
-        engine.generate([continuation(t, params) for t in order], on_complete=on_complete)
-    done = {id(g) for g in complete}
-    return complete, [g for g in groups if id(g) not in done]

@@ -100,14 +100,3 @@ SCHEDULERS = {
     "srpt": lambda m: lambda p: (expected_remaining(m.samples(p.prompt_id, p.group_id), p.generated), p.arrival),
     "gittins": lambda m: lambda p: (-gittins_index(m.samples(p.prompt_id, p.group_id), p.generated), p.arrival),
 }
-
-
-def order_trajectories(trajs: list, policy: str, model: LengthModel | None) -> list:
-    """Unfinished trajectories (``records.Trajectory``) in the order their requests should be
-    submitted; list order is arrival order."""
-    if policy == "fifo" or model is None:
-        return list(trajs)
-    pend = [Pending(t.request_id, t.prompt.id, t.group_id, len(t.response_ids), i, bool(t.response_ids))
-            for i, t in enumerate(trajs)]
-    by_id = {t.request_id: t for t in trajs}
-    return [by_id[p.request_id] for p in order(pend, policy, model)]

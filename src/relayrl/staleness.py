@@ -4,16 +4,18 @@ Capacity rule. Let v be the policy version published to the engine (the number o
 steps so far), B the number of samples one training step consumes, η the staleness bound. The
 rollout side may start a new sample only while
 
-    accepted + running < (η + v + 1) · B      and      running < max_concurrent,
+    accepted + running < (η + v + 1) · B + extra      and      running < max_concurrent,
 
 where ``accepted`` counts every sample ever accepted for training (cumulative, so after a
 resume at version v it is v · B) and ``running`` the samples being generated now. With η = 0
 at most B samples exist per version, started only after the previous step published its
-weights: synchronous training. With η ≥ 1 generation runs up to η versions ahead.
+weights: synchronous training. With η ≥ 1 generation runs up to η versions ahead. ``extra``
+over-provisions (APRIL): that many more samples may be in flight, the ones a step does not take
+being carried to the next.
 
-The rule bounds how far generation runs ahead; a slow sample can still outlive η versions,
-so at consumption a sample whose oldest token is more than η versions behind the trainer is
-not trained on (``is_fresh``), and that count is reported.
+The rule bounds how far generation runs ahead; a slow sample can still outlive η versions.
+relayrl's rollout (``episode_rollout``) waits for such a sample rather than drop it;
+``is_fresh``/``drop_stale`` serve a consumer that drops instead (AReaL's), counting what it drops.
 
 Thread-safe: the rollout thread calls ``try_start``/``finish``, the trainer ``set_version``.
 """
@@ -33,11 +35,13 @@ class StalenessCounters:
 
 
 class StalenessManager:
-    def __init__(self, eta: int, batch_size: int, max_concurrent: int | None = None, version: int = 0):
-        if eta < 0 or batch_size < 1:
-            raise ValueError(f"need eta >= 0 and batch_size >= 1, got eta={eta}, batch_size={batch_size}")
-        self.eta, self.batch_size = eta, batch_size
-        self.max_concurrent = max_concurrent if max_concurrent is not None else (eta + 1) * batch_size
+    def __init__(self, eta: int, batch_size: int, max_concurrent: int | None = None, version: int = 0,
+                 extra: int = 0):
+        if eta < 0 or batch_size < 1 or extra < 0:
+            raise ValueError(f"need eta >= 0, batch_size >= 1 and extra >= 0, got eta={eta}, "
+                             f"batch_size={batch_size}, extra={extra}")
+        self.eta, self.batch_size, self.extra = eta, batch_size, extra
+        self.max_concurrent = max_concurrent if max_concurrent is not None else (eta + 1) * batch_size + extra
         self._lock = threading.Lock()
         self.version = version
         self.c = StalenessCounters(accepted=version * batch_size)
@@ -48,7 +52,7 @@ class StalenessManager:
             return self._capacity()
 
     def _capacity(self) -> int:
-        limit = (self.eta + self.version + 1) * self.batch_size
+        limit = (self.eta + self.version + 1) * self.batch_size + self.extra
         return max(0, min(limit - self.c.accepted - self.c.running, self.max_concurrent - self.c.running))
 
     def try_start(self, n: int = 1) -> int:

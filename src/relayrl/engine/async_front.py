@@ -13,20 +13,25 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Iterable
+from typing import Callable, Iterable
 
 from relayrl.engine.base import Engine, EngineError
-from relayrl.records import Completion, GenRequest
+from relayrl.records import Completion, FinishReason, GenRequest
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop):
-        self.engine, self.loop = engine, loop
+    """``order``: puts the requests of one submission in the order the engine should serve them
+    (the rollout's scheduling policy); None keeps arrival order."""
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop,
+                 order: Callable[[list[GenRequest]], list[GenRequest]] | None = None):
+        self.engine, self.loop, self.order = engine, loop, order
         self._futures: dict[str, asyncio.Future] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._error: EngineError | None = None  # why the engine stopped, for later callers too
         self._pending: list[GenRequest] = []  # submitted together at the end of this loop iteration
+        self._cut: set[str] = set()  # pending requests aborted before they reached the engine
         self._thread = threading.Thread(target=self._dispatch, name="relayrl-async-engine", daemon=True)
         self._thread.start()
 
@@ -41,30 +46,42 @@ class AsyncEngine:
             if self._closed.is_set():
                 raise self._error or EngineError("the async engine front is closed")
             self._futures[request.request_id] = fut
-        if not self._pending:
-            self.loop.call_soon(self._flush)
-        self._pending.append(request)
+            if not self._pending:
+                self.loop.call_soon(self._flush)
+            self._pending.append(request)
         try:
             return await fut
         except asyncio.CancelledError:
-            if request in self._pending:
-                self._pending.remove(request)
-            else:
-                self.engine.abort([request.request_id])  # its completion is dropped by the dispatcher
             with self._lock:
+                if request in self._pending:
+                    self._pending.remove(request)
+                else:
+                    self.engine.abort([request.request_id])  # its completion is dropped by the dispatcher
                 self._futures.pop(request.request_id, None)
             raise
 
     def _flush(self) -> None:
         """One ``submit`` for every request made in this loop iteration: the engine sees them as one
         batch (prefilled together), as it would from a synchronous caller, not one at a time."""
-        requests, self._pending = self._pending, []
-        if requests:
-            self.engine.submit(requests)
+        with self._lock:
+            requests, self._pending = self._pending, []
+            send = [r for r in requests if r.request_id not in self._cut]
+            cut = [(f, Completion(r.request_id, [], [], [], FinishReason.ABORTED)) for r in requests
+                   if r.request_id in self._cut and (f := self._futures.pop(r.request_id, None)) is not None]
+            self._cut.clear()
+            if send:
+                self.engine.submit(self.order(send) if self.order else send)
+        _resolve_all(cut)
 
     def abort(self, request_ids: Iterable[str]) -> None:
-        """Stop these requests at the next token; their ``generate`` returns the tokens so far."""
-        self.engine.abort(list(request_ids))
+        """Stop these requests at the next token; their ``generate`` returns the tokens so far (none,
+        for a request not yet handed to the engine). Safe from any thread."""
+        ids = set(request_ids)
+        with self._lock:
+            unsent = {r.request_id for r in self._pending} & ids
+            self._cut |= unsent
+            if ids - unsent:
+                self.engine.abort(list(ids - unsent))
 
     def pause(self):
         """Context manager: generation stopped at a token boundary while inside (around a weight
