@@ -171,3 +171,47 @@ def test_rows_leave_the_batch_and_requests_queue_meanwhile(tiny):
             assert torch.allclose(lp, torch.tensor(c.logprobs), atol=1e-4), r.request_id
     finally:
         eng.close()
+
+
+def test_a_driven_engine_decodes_on_the_waiting_thread_and_stops_between_tokens(tiny):
+    """``driven=True``: no engine thread; ``serve`` decodes on the caller's thread, token by token,
+    stops as soon as ``until()`` holds, and a batch left at a token boundary can be aborted or get
+    new weights (its later tokens carry the new version) before it goes on."""
+    import threading
+
+    model, tok = tiny
+    eng = HFEngine(model, tok, driven=True)
+    _no_eos(model, eng)
+    seen_threads = set()
+    real_steps = eng._steps
+
+    def steps(rows):
+        for _ in real_steps(rows):
+            seen_threads.add(threading.get_ident())
+            yield
+
+    eng._steps = steps
+    try:
+        assert eng._thread is None
+        eng.submit([_req(tok, "a", 20), _req(tok, "b", 20)])
+        got = []
+        ticks = [0]
+
+        def after_five():
+            ticks[0] += 1
+            return ticks[0] > 5
+
+        eng.serve(after_five)
+        assert eng.num_pending() == 2 and not eng.get(timeout=0)  # stopped mid-batch, nothing finished
+        with eng.pause():  # at a token boundary already: the pause does not wait
+            eng.abort(["b"])
+            eng.load_weights({k: v.clone() for k, v in model.state_dict().items()}, 7)
+        eng.serve(lambda: got.extend(eng.get(timeout=0)) or len(got) == 2, timeout=5)
+        by = {c.request_id: c for c in got}
+        assert by["b"].finish_reason == FinishReason.ABORTED and 0 < len(by["b"].token_ids) < 20
+        a = by["a"]
+        assert a.finish_reason == FinishReason.LENGTH and len(a.token_ids) == 20
+        assert a.versions[0] == 0 and a.versions[-1] == 7 and a.versions == sorted(a.versions)
+        assert seen_threads == {threading.get_ident()}  # decoded here, on the test's own thread
+    finally:
+        eng.close()

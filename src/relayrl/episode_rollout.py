@@ -103,6 +103,7 @@ class EpisodeRollout:
         self.seq: dict[int, int] = {}  # id(group) -> admission order
         self.admitted_at: dict[int, int] = {}  # id(group) -> the version it counts its staleness from
         self.next_seq = 0
+        self.changes = 0  # groups finished so far (a driven engine decodes until this moves)
         self.left = max_groups if max_groups is not None else float("inf")  # groups still to admit
         self.hold = self.closed = False
         self.error: BaseException | None = None
@@ -131,7 +132,7 @@ class EpisodeRollout:
         with self.cv:
             while (batch := self._pick(self.version)) is None:
                 self._raise_if_failed()
-                self.cv.wait(0.5)
+                self._wait()
             for g in batch:
                 self.ready.remove(g)
                 for t in g.trajectories:
@@ -166,7 +167,7 @@ class EpisodeRollout:
             with self.cv:
                 while self.running or (self.mgr.capacity() and self.left and not self.hold):  # admitting
                     self._raise_if_failed()
-                    self.cv.wait(0.5)
+                    self._wait()
         if self.partial:
             with self.runner.engine.pause():
                 self.runner.abort_inflight()
@@ -207,6 +208,18 @@ class EpisodeRollout:
         self.runner.release()
         self.runner.run(self._cancel())
 
+    def _wait(self) -> None:
+        """(With ``cv`` held.) Wait for a group to finish; a driven engine decodes meanwhile, here."""
+        if not self.runner.driven:
+            self.cv.wait(0.5)
+            return
+        seen = self.changes
+        self.cv.release()
+        try:
+            self.runner.serve(lambda: self.changes != seen or self.error is not None)
+        finally:
+            self.cv.acquire()
+
     def _raise_if_failed(self) -> None:
         if isinstance(self.error, EngineError):
             raise EngineError(str(self.error)) from self.error
@@ -220,11 +233,7 @@ class EpisodeRollout:
                 if not self.hold:
                     self._start()
                 self.wake.clear()
-                try:
-                    await asyncio.wait_for(self.wake.wait(), 0.1)
-                except asyncio.TimeoutError:
-                    pass
-                self.runner.mark_engine()
+                await self.wake.wait()  # set by a publish, a release, close
         except BaseException as e:  # noqa: BLE001 - surfaced to the trainer by next_batch
             self._fail(e)
 
@@ -243,6 +252,7 @@ class EpisodeRollout:
                 if all(t.complete for t in g.trajectories):  # complete, carried by a checkpoint
                     self.mgr.finish(accepted=True)
                     self.ready.append(g)
+                    self.changes += 1
                     self.cv.notify_all()
                     continue
                 self.running[id(g)] = g
@@ -266,6 +276,7 @@ class EpisodeRollout:
                 self.finished[_length_class(t)] += 1
             self.mgr.finish(accepted=True)
             self.ready.append(g)
+            self.changes += 1
             self.cv.notify_all()
 
     def _fail(self, e: BaseException) -> None:

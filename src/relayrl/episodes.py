@@ -59,16 +59,24 @@ def anchor(messages: list[dict]) -> int:
 
 
 class EpisodeRunner:
-    """Runs episodes on one asyncio loop (a daemon thread). ``score(text, prompt)`` is the
-    verifier (blocking; run on a thread), ``make_env()`` makes one environment per episode (None:
-    single-turn episodes over prompts already tokenized, ``Trajectory.prompt_ids``)."""
+    """Runs episodes on one asyncio loop (a daemon thread). ``score(text, prompt) -> (reward,
+    failed)`` is the verifier, or ``score_batch([(text, prompt), ...])`` for many at once (blocking;
+    run on a thread; the calls of episodes that end together go as one batch). ``make_env()``
+    makes one environment per episode (None: single-turn episodes over prompts already
+    tokenized, ``Trajectory.prompt_ids``)."""
 
     def __init__(self, engine: Engine, tokenizer, make_env: Callable[[], Env] | None, limits: EpisodeLimits | None,
-                 score: Callable[[str, object], tuple[float, bool]], schedule: str = "fifo"):
-        self.tokenizer, self.make_env, self.limits, self.score = tokenizer, make_env, limits, score
+                 score: Callable[[str, object], tuple[float, bool]] | None = None, schedule: str = "fifo",
+                 score_batch: Callable[[list[tuple[str, object]]], list[tuple[float, bool]]] | None = None):
+        if (score is None) == (score_batch is None):
+            raise ValueError("give the verifier as score or as score_batch")
+        self.tokenizer, self.make_env, self.limits = tokenizer, make_env, limits
+        self.score_batch = score_batch or (lambda items: [score(text, prompt) for text, prompt in items])
+        self._to_score: list[tuple[str, object, asyncio.Future]] = []
         if make_env is not None and limits is None:
             raise ValueError("episodes with an environment need limits (env.max_turns, env.max_tokens)")
         self.schedule, self.lengths = schedule, LengthModel()
+        self.driven = getattr(engine, "driven", False)  # decoded by the thread that waits (``serve``)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="relayrl-episodes", daemon=True)
         self._thread.start()
@@ -92,7 +100,17 @@ class EpisodeRunner:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def run(self, coro):
-        return self.submit(coro).result()
+        fut = self.submit(coro)
+        if self.driven:
+            while not fut.done():
+                self.serve(fut.done)
+        return fut.result()
+
+    def serve(self, until: Callable[[], bool], timeout: float = 0.05) -> None:
+        """A driven engine decodes on this thread until ``until()`` or ``timeout`` with nothing to do."""
+        front = self.engine
+        front.pump()
+        front.engine.serve(lambda: front.pump() or until(), timeout)
 
     def abort_inflight(self) -> None:
         with self._lock:
@@ -115,16 +133,16 @@ class EpisodeRunner:
             await asyncio.sleep(0.002)
 
     def mark_engine(self) -> None:
-        """Record the engine lane: busy while requests are in flight, in pieces of at most 0.1 s
-        so a step's idle fraction sees a busy period that has not ended yet."""
+        """Record the engine lane up to now (a busy period not ended yet too), so a step's idle
+        fraction sees it. The lane is busy while requests are in flight."""
         with self._lock:
-            self._mark()
+            self._mark(split=True)
 
-    def _mark(self) -> None:
+    def _mark(self, split: bool = False) -> None:
         if self.timeline is None:
             return
         now, busy = self.timeline.now(), bool(self.inflight)
-        if self._busy_since is not None and (not busy or now - self._busy_since >= 0.1):
+        if self._busy_since is not None and (not busy or split or now - self._busy_since >= 0.1):
             self.timeline.record("engine", self._busy_since, now)
             self._busy_since = None
         if busy and self._busy_since is None:
@@ -183,8 +201,7 @@ class EpisodeRunner:
         if t.finish_reason == FinishReason.FAILED:  # the engine failed on it: not the policy's answer
             return
         t.text = self.tokenizer.decode(t.response_ids, skip_special_tokens=True)
-        t.reward, t.reward_failed = await asyncio.get_running_loop().run_in_executor(
-            self._verify, self.score, t.text, t.prompt)
+        t.reward, t.reward_failed = await self._verified(t.text, t.prompt)
 
     async def _episode(self, t: Trajectory, params: SamplingParams, train: bool) -> None:
         env = self.make_env()
@@ -224,8 +241,7 @@ class EpisodeRunner:
             messages += result.messages
             anchors.append(anchor(result.messages))
         if final is None:  # the verifier decides on the last turn
-            final, failed = await asyncio.get_running_loop().run_in_executor(
-                self._verify, self.score, messages[-1]["content"], t.prompt)
+            final, failed = await self._verified(messages[-1]["content"], t.prompt)
             counts["reward_failed"] += int(failed)
         step_rewards.append(float(final))
         t.reward = sum(step_rewards)
@@ -273,6 +289,27 @@ class EpisodeRunner:
         if ids and ids[-1] == self.tokenizer.eos_token_id:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    async def _verified(self, text: str, prompt) -> tuple[float, bool]:
+        """The verifier's (reward, failed) for a final turn, off the loop; the calls made in one loop
+        iteration (episodes whose last tokens arrived together) go to it as one batch."""
+        fut = self.loop.create_future()
+        if not self._to_score:
+            self.loop.call_soon(self._score_pending)
+        self._to_score.append((text, prompt, fut))
+        return await fut
+
+    def _score_pending(self) -> None:
+        batch, self._to_score = self._to_score, []
+        job = self.loop.run_in_executor(self._verify, self.score_batch, [(text, p) for text, p, _ in batch])
+
+        def resolve(job: asyncio.Future) -> None:
+            error = job.exception() if not job.cancelled() else asyncio.CancelledError()
+            for i, (_, _, fut) in enumerate(batch):
+                if not fut.done():
+                    fut.set_exception(error) if error else fut.set_result(job.result()[i])
+
+        job.add_done_callback(resolve)
 
     def _order(self, requests: list[GenRequest]) -> list[GenRequest]:
         """One submission in ``rollout.schedule`` order (called by the async front, on the loop)."""

@@ -134,7 +134,9 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
             engine = ProcessEngine(cfg.rollout, weights, tok_path, cfg.model.dtype, policy.state_dict(),
                                    state.version, engine_threads, seed=cfg.run.seed * 1_000_003 + state.step)
         else:
-            engine = make_engine(cfg.rollout, load_policy(weights, cfg.model.dtype), tokenizer, version=state.version)
+            # generation and training take turns (η = 0): one thread does both (HFEngine's driven)
+            engine = make_engine(cfg.rollout, load_policy(weights, cfg.model.dtype), tokenizer, version=state.version,
+                                 driven=cfg.run.mode == "sync" or (cfg.run.mode == "async" and cfg.rollout.max_staleness == 0))
         undo.callback(engine.close)
         runner = make_runner(cfg, engine, tokenizer, reward, make_env)
         undo.pop_all()
@@ -149,11 +151,11 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
 def make_runner(cfg: Config, engine, tokenizer, reward: RewardRunner, make_env=None) -> EpisodeRunner:
     """The episode runner over ``engine``: ``reward.fn`` verifies final turns, ``make_env`` (None:
     single-turn) makes each episode's environment."""
-    def score(text, prompt):
-        return reward.score([(text, prompt.answer, dict(prompt.metadata))])[0]
+    def score_batch(items):
+        return reward.score([(text, prompt.answer, dict(prompt.metadata)) for text, prompt in items])
 
     limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_tokens) if make_env is not None else None
-    return EpisodeRunner(engine, tokenizer, make_env, limits, score, cfg.rollout.schedule)
+    return EpisodeRunner(engine, tokenizer, make_env, limits, schedule=cfg.rollout.schedule, score_batch=score_batch)
 
 
 def step_metrics(groups: list[Group], generated: int, step_seconds: float, state: RunState) -> dict:
@@ -231,6 +233,7 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                     with timers("publish"):
                         source.publish(lambda: c.engine.load_weights(c.policy.state_dict(), state.version + 1))
                 state.advance(batch.size, c.reward.stats, time.perf_counter() - t_start)
+                c.runner.mark_engine()  # (records the engine's busy period so far)
                 span = max(tl.now() - step_start, 1e-9)
                 idle = {f"{ln}_idle_frac": 1 - tl.busy_between(ln, step_start, step_start + span) / span
                         for ln in ("engine", "trainer")}
@@ -331,7 +334,7 @@ def evaluate_only(cfg: Config) -> dict:
         path = resolve_model_path(cfg.model.path, log=log)
         tokenizer, _ = load_tokenizer_for(cfg, path, log)
         check_prompts_fit(cfg, path, tokenizer, [], prompts)
-        engine = make_engine(cfg.rollout, load_policy(path, cfg.model.dtype), tokenizer)
+        engine = make_engine(cfg.rollout, load_policy(path, cfg.model.dtype), tokenizer, driven=True)
         runner = make_runner(cfg, engine, tokenizer, reward,
                              make_env_factory(cfg.env.name, cfg.env.args) if cfg.env.name else None)
         try:

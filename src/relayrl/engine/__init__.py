@@ -5,12 +5,13 @@ from relayrl.engine.base import Engine, EngineError
 __all__ = ["Engine", "EngineError", "make_engine"]
 
 
-def make_engine(cfg, model, tokenizer, version: int = 0) -> Engine:
-    """Build the engine named by ``cfg.engine`` (a ``RolloutCfg``) around an already-loaded model."""
+def make_engine(cfg, model, tokenizer, version: int = 0, driven: bool = False) -> Engine:
+    """Build the engine named by ``cfg.engine`` (a ``RolloutCfg``) around an already-loaded model.
+    ``driven``: decoded by the threads that wait for it, where the engine can be (``hf``)."""
     if cfg.engine == "hf":
         from relayrl.engine.hf import HFEngine
 
-        return HFEngine(model, tokenizer, max_batch=cfg.max_batch, version=version)
+        return HFEngine(model, tokenizer, max_batch=cfg.max_batch, version=version, driven=driven)
     if cfg.engine == "hf-cb":
         from relayrl.engine.hf_cb import HFContinuousEngine
         from relayrl.records import SamplingParams

@@ -32,8 +32,12 @@ class AsyncEngine:
         self._error: EngineError | None = None  # why the engine stopped, for later callers too
         self._pending: list[GenRequest] = []  # submitted together at the end of this loop iteration
         self._cut: set[str] = set()  # pending requests aborted before they reached the engine
-        self._thread = threading.Thread(target=self._dispatch, name="relayrl-async-engine", daemon=True)
-        self._thread.start()
+        # a driven engine decodes on the thread that waits for it, which delivers completions too
+        # (``pump``); any other is drained by a dispatcher thread
+        self._thread = None
+        if not getattr(engine, "driven", False):
+            self._thread = threading.Thread(target=self._dispatch, name="relayrl-async-engine", daemon=True)
+            self._thread.start()
 
     @property
     def version(self) -> int:
@@ -94,7 +98,19 @@ class AsyncEngine:
 
     def close(self) -> None:
         self._closed.set()
-        self._thread.join(timeout=10)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def pump(self) -> None:
+        """Deliver what has finished (a driven engine: called between tokens by the thread decoding)."""
+        if self._closed.is_set():
+            return
+        try:
+            done = self.engine.get(timeout=0)
+        except BaseException as e:  # noqa: BLE001 - every waiting episode learns why
+            self._fail_all(e)
+            return
+        self._deliver(done)
 
     def _dispatch(self) -> None:
         while not self._closed.is_set():
@@ -103,10 +119,13 @@ class AsyncEngine:
             except BaseException as e:  # noqa: BLE001 - every waiting episode learns why
                 self._fail_all(e)
                 return
-            with self._lock:
-                ready = [(f, c) for c in done if (f := self._futures.pop(c.request_id, None)) is not None]
-            if ready:  # one wake-up of the loop for everything that finished together
-                self.loop.call_soon_threadsafe(_resolve_all, ready)
+            self._deliver(done)
+
+    def _deliver(self, done: list[Completion]) -> None:
+        with self._lock:
+            ready = [(f, c) for c in done if (f := self._futures.pop(c.request_id, None)) is not None]
+        if ready:  # one wake-up of the loop for everything that finished together
+            self.loop.call_soon_threadsafe(_resolve_all, ready)
 
     def _fail_all(self, error: BaseException) -> None:
         err = error if isinstance(error, EngineError) else EngineError(f"engine failed: {error!r}")
