@@ -119,16 +119,16 @@ class EpisodeRollout:
         r, mode = cfg.rollout, cfg.run.mode
         extra = math.ceil((r.over_provision - 1) * r.prompts_per_step) if r.partial and mode != "async" else 0
         return cls(c.runner, c.sampler.take, lambda prompts: new_groups(cfg, c, state, prompts), c.params,
-                   r.prompts_per_step,
-                   {"sync": 0, "periodic": 1, "async": r.max_staleness}[mode], partial=r.partial, extra=extra,
+                   r.prompts_per_step, {"sync": 0, "periodic": 1, "async": r.max_staleness}[mode],
+                   partial=r.partial, extra=extra,
                    park_while_training=mode == "sync", drain_before_publish=mode == "periodic",
                    version=state.version, carried=[group_from_dict(d) for d in state.partial_buffer], timeline=tl,
                    counters=state.staleness, max_groups=(cfg.run.steps - state.step) * r.prompts_per_step)
 
     # -- trainer side --------------------------------------------------------------------------
     def next_batch(self) -> tuple[list[Group], int]:
-        """``batch`` complete groups: the due ones first, then in admission order; and the tokens
-        generated since the previous call."""
+        """``batch`` complete groups, earliest deadline first (``_pick``); and the tokens generated
+        since the previous call."""
         with self.cv:
             while (batch := self._pick(self.version)) is None:
                 self._raise_if_failed()
