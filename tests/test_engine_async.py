@@ -89,3 +89,54 @@ def test_an_engine_failure_reaches_every_waiting_episode():
 
     outs = asyncio.run(asyncio.wait_for(main(), 10))
     assert all(isinstance(o, EngineError) and "died" in str(o) for o in outs)
+
+
+@pytest.mark.parametrize("driven", [False, True])
+def test_stream_yields_tokens_as_sampled_and_leaving_early_aborts(tiny, driven):
+    """``stream``: pieces of one token each, then the last with its finish reason; together they are
+    the response (tokens, log-probs, versions). Breaking out of the loop aborts the request. A
+    driven engine streams too, decoded by the thread that waits (here, a helper thread)."""
+    import threading
+
+    model, tok = tiny
+    engine = HFEngine(model, tok, eos_token_ids=[], driven=driven)
+    stop = threading.Event()
+    if driven:  # the thread that waits decodes; stands in for the trainer's
+        threading.Thread(target=lambda: [engine.serve(stop.is_set, 0.01) for _ in iter(stop.is_set, True)],
+                         daemon=True).start()
+
+    async def main():
+        front = AsyncEngine(engine, asyncio.get_running_loop())
+        pumping = asyncio.get_running_loop().create_task(_pump(front)) if driven else None
+        try:
+            pieces = [c async for c in front.stream(GenRequest("s", _ids(tok), SamplingParams(12, 1.0)))]
+            early = []
+            async for c in front.stream(GenRequest("t", _ids(tok), SamplingParams(500, 1.0))):
+                early.append(c)
+                if len(early) == 3:
+                    break
+            for _ in range(200):
+                if engine.num_pending() == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return pieces, early, engine.num_pending()
+        finally:
+            if pumping:
+                pumping.cancel()
+            front.close()
+
+    try:
+        pieces, early, pending = asyncio.run(main())
+    finally:
+        stop.set()
+        engine.close()
+    assert len(pieces) == 12 and all(p.finish_reason is None for p in pieces[:-1])
+    assert pieces[-1].finish_reason == FinishReason.LENGTH
+    assert all(len(p.token_ids) == len(p.logprobs) == len(p.versions) == 1 for p in pieces)
+    assert len(early) == 3 and pending == 0  # the abandoned stream was aborted
+
+
+async def _pump(front):
+    while True:
+        front.pump()
+        await asyncio.sleep(0.002)

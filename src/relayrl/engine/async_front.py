@@ -3,17 +3,19 @@
 Episodes (an agent's turns, a tool call between them) are coroutines; many run at once on one
 event loop, each awaiting its own generations while the engine batches whatever is in flight.
 One dispatcher thread drains the engine's completions (``get``) and resolves each request's
-future on the loop. Cancelling an awaiting coroutine (an episode's deadline, a rollout being
-held for a checkpoint) aborts its request in the engine: the engine stops it at the next token.
-Shaped like vLLM's ``AsyncLLM`` (generate / abort / weight updates), so the two can stand in
-for each other behind the rollout.
+future on the loop (a driven engine's decoding thread does that itself: ``pump``). ``stream``
+yields a request's tokens as they are sampled. Cancelling an awaiting coroutine (an episode's
+deadline, a rollout being held for a checkpoint) aborts its request in the engine: the engine
+stops it at the next token. Shaped like vLLM's ``AsyncLLM`` (generate as a stream / abort /
+weight updates), so the two can stand in for each other behind the rollout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
-from typing import Callable, Iterable
+from typing import AsyncIterator, Callable, Iterable
 
 from relayrl.engine.base import Engine, EngineError
 from relayrl.records import Completion, FinishReason, GenRequest
@@ -26,7 +28,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop,
                  order: Callable[[list[GenRequest]], list[GenRequest]] | None = None):
         self.engine, self.loop, self.order = engine, loop, order
-        self._futures: dict[str, asyncio.Future] = {}
+        self._futures: dict[str, asyncio.Future | asyncio.Queue] = {}  # request id -> where it goes
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._error: EngineError | None = None  # why the engine stopped, for later callers too
@@ -46,23 +48,55 @@ class AsyncEngine:
     async def generate(self, request: GenRequest) -> Completion:
         """The completion of ``request`` (finished, or aborted with the tokens so far)."""
         fut = self.loop.create_future()
-        with self._lock:
-            if self._closed.is_set():
-                raise self._error or EngineError("the async engine front is closed")
-            self._futures[request.request_id] = fut
-            if not self._pending:
-                self.loop.call_soon(self._flush)
-            self._pending.append(request)
+        self._send(request, fut)
         try:
             return await fut
         except asyncio.CancelledError:
-            with self._lock:
-                if request in self._pending:
-                    self._pending.remove(request)
-                else:
-                    self.engine.abort([request.request_id])  # its completion is dropped by the dispatcher
-                self._futures.pop(request.request_id, None)
+            self._forget(request)
             raise
+
+    async def stream(self, request: GenRequest) -> AsyncIterator[Completion]:
+        """``request``'s tokens as they are sampled: pieces with the new tokens (``finish_reason``
+        None), the last one with the finish reason. An engine that does not stream gives the last
+        piece only. Leaving the loop early aborts the request."""
+        request = dataclasses.replace(request, stream=True)
+        pieces: asyncio.Queue = asyncio.Queue()
+        self._send(request, pieces)
+        sent, finished = 0, False
+        try:
+            while True:
+                c = await pieces.get()
+                if isinstance(c, BaseException):
+                    raise c
+                if c.finish_reason is None:
+                    sent += len(c.token_ids)
+                    yield c
+                    continue
+                finished = True
+                yield Completion(c.request_id, c.token_ids[sent:], c.logprobs[sent:], c.versions[sent:],
+                                 c.finish_reason)
+                return
+        finally:
+            if not finished:
+                self._forget(request)
+
+    def _send(self, request: GenRequest, sink) -> None:
+        with self._lock:
+            if self._closed.is_set():
+                raise self._error or EngineError("the async engine front is closed")
+            self._futures[request.request_id] = sink
+            if not self._pending:
+                self.loop.call_soon(self._flush)
+            self._pending.append(request)
+
+    def _forget(self, request: GenRequest) -> None:
+        """A waiter has gone: stop its request (its completion is then dropped)."""
+        with self._lock:
+            if request in self._pending:
+                self._pending.remove(request)
+            else:
+                self.engine.abort([request.request_id])
+            self._futures.pop(request.request_id, None)
 
     def _flush(self) -> None:
         """One ``submit`` for every request made in this loop iteration: the engine sees them as one
@@ -123,7 +157,10 @@ class AsyncEngine:
 
     def _deliver(self, done: list[Completion]) -> None:
         with self._lock:
-            ready = [(f, c) for c in done if (f := self._futures.pop(c.request_id, None)) is not None]
+            ready = [(f, c) for c in done if (f := self._futures.get(c.request_id)) is not None]
+            for c in done:
+                if c.finish_reason is not None:
+                    self._futures.pop(c.request_id, None)
         if ready:  # one wake-up of the loop for everything that finished together
             self.loop.call_soon_threadsafe(_resolve_all, ready)
 
@@ -137,12 +174,16 @@ class AsyncEngine:
             self.loop.call_soon_threadsafe(_reject, fut, err)
 
 
-def _resolve_all(ready: list[tuple[asyncio.Future, Completion]]) -> None:
-    for fut, c in ready:
-        if not fut.done():  # a cancelled waiter has gone
-            fut.set_result(c)
+def _resolve_all(ready: list[tuple[asyncio.Future | asyncio.Queue, Completion]]) -> None:
+    for sink, c in ready:
+        if isinstance(sink, asyncio.Queue):
+            sink.put_nowait(c)
+        elif not sink.done():  # a cancelled waiter has gone
+            sink.set_result(c)
 
 
-def _reject(fut: asyncio.Future, err: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(err)
+def _reject(sink: asyncio.Future | asyncio.Queue, err: BaseException) -> None:
+    if isinstance(sink, asyncio.Queue):
+        sink.put_nowait(err)
+    elif not sink.done():
+        sink.set_exception(err)

@@ -113,8 +113,9 @@ class HFEngine(Engine):
                 break
         with self._cv:
             for c in items:
-                self._pending.discard(c.request_id)
-                self._aborted.discard(c.request_id)
+                if c.finish_reason is not None:  # (a streamed piece: the request goes on)
+                    self._pending.discard(c.request_id)
+                    self._aborted.discard(c.request_id)
         return items
 
     def abort(self, request_ids: Iterable[str]) -> None:
@@ -305,6 +306,8 @@ class HFEngine(Engine):
                 self._finish(row, FinishReason.LENGTH)
             elif row.req.request_id in self._aborted:
                 self._finish(row, FinishReason.ABORTED)
+            elif row.req.stream:
+                self._out.put(Completion(row.req.request_id, [tok], [lp], [version], None))
         if self._safe_point():  # aborts issued during a pause land here, before another token
             for row in rows:
                 if not row.done and row.req.request_id in self._aborted:

@@ -166,7 +166,8 @@ class ProcessEngine(Engine):
             items += arg
         with self._lock:
             for c in items:
-                self._pending.discard(c.request_id)
+                if c.finish_reason is not None:  # (a streamed piece: the request goes on)
+                    self._pending.discard(c.request_id)
         return items
 
     def abort(self, request_ids: Iterable[str]) -> None:
