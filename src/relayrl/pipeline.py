@@ -134,9 +134,10 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
             engine = ProcessEngine(cfg.rollout, weights, tok_path, cfg.model.dtype, policy.state_dict(),
                                    state.version, engine_threads, seed=cfg.run.seed * 1_000_003 + state.step)
         else:
-            # generation and training take turns (η = 0): one thread does both (HFEngine's driven)
+            # in-process, one thread decodes and trains (HFEngine's driven): it decodes while it waits
+            # for episodes, and tools and environments run meanwhile either way
             engine = make_engine(cfg.rollout, load_policy(weights, cfg.model.dtype), tokenizer, version=state.version,
-                                 driven=cfg.run.mode == "sync" or (cfg.run.mode == "async" and cfg.rollout.max_staleness == 0))
+                                 driven=True)
         undo.callback(engine.close)
         runner = make_runner(cfg, engine, tokenizer, reward, make_env)
         undo.pop_all()
