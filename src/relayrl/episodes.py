@@ -84,7 +84,8 @@ class EpisodeRunner:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self.inflight: dict[str, Trajectory] = {}  # request id -> its trajectory (cut by a partial publish)
-        self._turn_of: dict[str, tuple[int, bool]] = {}  # request id -> (tokens of its turn so far, continued?)
+        # request id -> (tokens of its turn so far, continued after a cut?, a training episode's?)
+        self._turn_of: dict[str, tuple[int, bool, bool]] = {}
         self._go = self.run(_event())  # cleared while held: no training turn starts
         self._go.set()
         self.generated = 0  # training episodes' policy tokens since ``take_generated``
