@@ -55,6 +55,7 @@ def test_engine_continues_only_unfinished_members(tiny):
 
 
 def test_hold_cuts_at_a_token_boundary_and_release_continues(tiny):
+    N = 400  # tokens per response: long enough to be cut part-way
     model, tok = tiny
     eng = HFEngine(model, tok)
     eng.eos_ids = set()
@@ -65,23 +66,27 @@ def test_hold_cuts_at_a_token_boundary_and_release_continues(tiny):
 
         async def all_groups():
             import asyncio
-            return await asyncio.gather(*(runner.group(g, SamplingParams(200, 1.0)) for g in groups))
+            return await asyncio.gather(*(runner.group(g, SamplingParams(N, 1.0)) for g in groups))
 
         fut = runner.submit(all_groups())
-        time.sleep(0.3)
+        deadline = time.time() + 30
+        while not eng._busy:  # decoding has started: cut it a few tokens in
+            assert time.time() < deadline
+            time.sleep(0.001)
+        time.sleep(0.02)
         runner.hold()
         trajs = [t for g in groups for t in g.trajectories]
         assert not runner.inflight and eng.num_pending() == 0
         cut = {t.request_id: list(t.response_ids) for t in trajs}
-        assert any(0 < len(x) < 200 for x in cut.values())
-        assert all(t.finish_reason == FinishReason.ABORTED for t in trajs if len(t.response_ids) < 200)
+        assert any(0 < len(x) < N for x in cut.values())
+        assert all(t.finish_reason == FinishReason.ABORTED for t in trajs if len(t.response_ids) < N)
         time.sleep(0.2)
         assert {t.request_id: t.response_ids for t in trajs} == cut  # nothing generated while held
         runner.release()
         fut.result(timeout=120)
         for t in trajs:
-            assert len(t.response_ids) == 200 and t.response_ids[: len(cut[t.request_id])] == cut[t.request_id]
-            assert len(t.versions) == len(t.behav_logprobs) == 200 and t.complete
+            assert len(t.response_ids) == N and t.response_ids[: len(cut[t.request_id])] == cut[t.request_id]
+            assert len(t.versions) == len(t.behav_logprobs) == N and t.complete
         assert runner.continued > 0
     finally:
         runner.close()

@@ -137,23 +137,22 @@ class AsyncEngine:
 
     def pump(self) -> None:
         """Deliver what has finished (a driven engine: called between tokens by the thread decoding)."""
-        if self._closed.is_set():
-            return
-        try:
-            done = self.engine.get(timeout=0)
-        except BaseException as e:  # noqa: BLE001 - every waiting episode learns why
-            self._fail_all(e)
-            return
-        self._deliver(done)
+        if not self._closed.is_set():
+            self._drain(timeout=0)
 
     def _dispatch(self) -> None:
-        while not self._closed.is_set():
-            try:
-                done = self.engine.get(timeout=0.05)
-            except BaseException as e:  # noqa: BLE001 - every waiting episode learns why
-                self._fail_all(e)
-                return
-            self._deliver(done)
+        while not self._closed.is_set() and self._drain(timeout=0.05):
+            pass
+
+    def _drain(self, timeout: float) -> bool:
+        """Deliver what the engine has finished (waiting up to ``timeout``); False once it failed."""
+        try:
+            done = self.engine.get(timeout=timeout)
+        except BaseException as e:  # noqa: BLE001 - every waiting episode learns why
+            self._fail_all(e)
+            return False
+        self._deliver(done)
+        return True
 
     def _deliver(self, done: list[Completion]) -> None:
         with self._lock:
