@@ -43,11 +43,9 @@ def _serve(spec: dict, shared: dict, cmd, out, ack) -> None:
 
         transformers.utils.logging.disable_progress_bar()  # the parent draws the progress; errors still show
         transformers.utils.logging.set_verbosity_error()
-        from relayrl.engine import make_engine
-        from relayrl.models import load_policy, load_tokenizer
+        from relayrl.placement import build_local_engine
 
-        engine = make_engine(spec["rollout"], load_policy(spec["weights"], spec["dtype"]),
-                             load_tokenizer(spec["tokenizer"]), version=spec["version"])
+        engine = build_local_engine(spec)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
         ack.put(("error", f"engine process failed to start: {e!r}"))
         return

@@ -1,0 +1,264 @@
+"""Engines as Ray actors (``run.backend=ray``), restarted when they die.
+
+``EngineActor`` holds any engine (``hf`` on a thread of its own, or ``vllm``) in a Ray worker
+process; ``RayEngine`` is this side's ``Engine`` for one actor. It remembers what the actor
+owes it (each pending request, the tokens already streamed back), the weights last published
+(one object in Ray's store, shared by all actors) and whether generation is paused. When the
+actor dies (a crashed node, an OOM kill, ``ray.kill``), a new one is started from the model
+path, loaded with the current weights and version, paused if the rollout is paused, and every
+pending request is sent to it again; a request that had streamed tokens continues after them
+(``response_so_far``), so nothing already returned is generated twice, and its final completion
+still holds all of its tokens. A request aborted before the death comes back aborted. The run
+never sees the death, only ``restarts``; after ``max_restarts`` the engine fails for real.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import queue
+import threading
+from typing import Iterable
+
+import torch
+
+from relayrl.engine.base import Engine, EngineError
+from relayrl.records import Completion, FinishReason, GenRequest
+
+
+class EngineActor:
+    """Runs in the Ray worker: the engine named by ``spec`` (see ``relayrl.placement``)."""
+
+    def __init__(self, spec: dict):
+        from relayrl.placement import build_local_engine
+
+        if spec.get("threads"):
+            torch.set_num_threads(spec["threads"])
+        torch.manual_seed(spec["seed"])
+        self.engine = build_local_engine(spec)
+        self._paused = contextlib.ExitStack()
+
+    def submit(self, requests: list[GenRequest]) -> None:
+        self.engine.submit(requests)
+
+    def get(self, timeout: float) -> list[Completion]:
+        return self.engine.get(timeout=timeout)
+
+    def abort(self, ids: list[str]) -> None:
+        self.engine.abort(ids)
+
+    def pause(self) -> None:
+        self._paused.enter_context(self.engine.pause())
+
+    def resume(self) -> None:
+        self._paused.close()
+
+    def load_weights(self, state_dict: dict, version: int) -> None:
+        self.engine.load_weights(state_dict, version)
+
+    def num_pending(self) -> int:
+        return self.engine.num_pending()
+
+    def close(self) -> None:
+        self._paused.close()
+        self.engine.close()
+
+
+@dataclasses.dataclass
+class _Owed:
+    """A request the actor has not finished: as first submitted, and what already came back."""
+
+    request: GenRequest
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    earlier: int = 0  # tokens produced by actors that died (the final completion of a retry lacks them)
+    aborted: bool = False
+
+
+class RayEngine(Engine):
+    def __init__(self, spec: dict, name: str, max_restarts: int = 3, start_timeout: float = 900):
+        import ray
+
+        self._ray = ray
+        self._spec, self.name, self.max_restarts = spec, name, max_restarts
+        self._timeout = start_timeout
+        self._version = spec["version"]
+        self._weights = None  # the last published weights, in Ray's object store
+        self._owed: dict[str, _Owed] = {}
+        self._paused = 0
+        self._lock = threading.RLock()
+        self._out: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self.restarts = 0
+        self.requeued = 0  # requests sent again to a restarted actor
+        self._generation = 0  # incremented per actor started; a failure restarts only the one that failed
+        self._actor = self._start_actor()
+        self._thread = threading.Thread(target=self._forward, name=f"relayrl-{name}", daemon=True)
+        self._thread.start()
+
+    def _start_actor(self):
+        ray = self._ray
+        actor_cls = ray.remote(num_cpus=0, max_concurrency=8, name=self.name)(EngineActor)
+        actor = actor_cls.remote(self._spec)
+        try:
+            ray.get(actor.num_pending.remote(), timeout=self._timeout)  # waits for __init__
+        except Exception as e:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+            raise EngineError(f"engine actor {self.name} failed to start: {_reason(e)}") from None
+        return actor
+
+    # -- the actor, and its replacement ---------------------------------------------------------
+    def _call(self, method: str, *args, timeout: float = 600):
+        """``actor.method(*args)``; if the actor is dead, restart it (which replays the state) and
+        return None."""
+        return self._call_gen(method, *args, timeout=timeout)[0]
+
+    def _call_gen(self, method: str, *args, timeout: float = 600):
+        """(result, generation of the actor that answered)."""
+        with self._lock:
+            actor, gen = self._actor, self._generation
+        try:
+            return self._ray.get(getattr(actor, method).remote(*args), timeout=timeout), gen
+        except self._ray.exceptions.RayActorError:
+            self._restart(gen)
+            return None, gen
+
+    def _restart(self, failed_generation: int) -> None:
+        with self._lock:
+            if failed_generation != self._generation or self._stop.is_set():
+                return  # already replaced (or closing)
+            if self.restarts >= self.max_restarts:
+                self._out.put(EngineError(f"engine actor {self.name} died {self.restarts + 1} times; giving up"))
+                return
+            self.restarts += 1
+            self._generation += 1
+            self._actor = actor = self._start_actor()
+            if self._weights is not None:
+                self._ray.get(actor.load_weights.remote(self._weights, self._version))
+            if self._paused:
+                self._ray.get(actor.pause.remote())
+            again, settled = [], []
+            for rid, o in list(self._owed.items()):
+                o.earlier = len(o.tokens)
+                left = o.request.params.max_new_tokens - o.earlier
+                if o.aborted or left <= 0:
+                    settled.append(self._settle(Completion(
+                        rid, [], [], [], FinishReason.ABORTED if o.aborted else FinishReason.LENGTH)))
+                    continue
+                again.append(dataclasses.replace(
+                    o.request, params=dataclasses.replace(o.request.params, max_new_tokens=left),
+                    response_so_far=list(o.request.response_so_far) + o.tokens))
+            if settled:
+                self._out.put(settled)
+            if again:
+                actor.submit.remote(again)
+            self.requeued += len(again)
+
+    def _forward(self) -> None:
+        """Collect the actor's completions; what a replaced actor returned late is dropped (its
+        requests were sent again, after the tokens already accounted for)."""
+        while not self._stop.is_set():
+            done, gen = self._call_gen("get", 0.05)
+            if not done:
+                continue
+            with self._lock:
+                if gen == self._generation:
+                    self._out.put([c for c in map(self._settle, done) if c is not None])
+
+    def _settle(self, c: Completion) -> Completion | None:
+        """Record what came back (under the lock); a retried request's final completion gets the
+        tokens the dead actor had streamed."""
+        o = self._owed.get(c.request_id)
+        if o is None:
+            return None
+        if c.finish_reason is None:
+            o.tokens += c.token_ids
+            o.logprobs += c.logprobs
+            o.versions += c.versions
+            return c
+        del self._owed[c.request_id]
+        if not o.earlier:
+            return c
+        k = o.earlier
+        return Completion(c.request_id, o.tokens[:k] + c.token_ids, o.logprobs[:k] + c.logprobs,
+                          o.versions[:k] + c.versions, c.finish_reason)
+
+    # -- interface ---------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, requests: list[GenRequest]) -> None:
+        with self._lock:
+            for r in requests:
+                if r.request_id in self._owed:
+                    raise EngineError(f"request id {r.request_id!r} is already pending")
+                self._owed[r.request_id] = _Owed(r)
+        self._call("submit", list(requests))
+
+    def get(self, timeout: float | None = None) -> list[Completion]:
+        items: list[Completion] = []
+        try:
+            while True:
+                if items:
+                    got = self._out.get_nowait()
+                elif timeout is None:
+                    if not self.num_pending():
+                        break
+                    try:
+                        got = self._out.get(timeout=0.2)
+                    except queue.Empty:
+                        continue
+                else:
+                    got = self._out.get(timeout=timeout)
+                if isinstance(got, BaseException):
+                    raise got
+                items += got
+        except queue.Empty:
+            pass
+        return items
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        with self._lock:
+            ids = [i for i in request_ids if i in self._owed]
+            for i in ids:
+                self._owed[i].aborted = True
+        if ids:
+            self._call("abort", ids)
+
+    @contextlib.contextmanager
+    def pause(self):
+        with self._lock:
+            self._paused += 1
+        self._call("pause")
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._paused -= 1
+            self._call("resume")
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        ref = state_dict if isinstance(state_dict, self._ray.ObjectRef) else self._ray.put(state_dict)
+        with self._lock:
+            self._weights, self._version = ref, version
+        self._call("load_weights", ref, version)
+
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._owed)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with contextlib.suppress(Exception):
+            self._ray.get(self._actor.close.remote(), timeout=30)
+        with contextlib.suppress(Exception):
+            self._ray.kill(self._actor)
+
+
+def _reason(e: BaseException) -> str:
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return lines[-1] if lines else type(e).__name__

