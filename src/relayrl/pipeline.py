@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,16 +14,17 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+from relayrl import distributed
 from relayrl.checkpoint import CheckpointWriter, RunState, restore_rng
 from relayrl.config import Config, dump_config
 from relayrl.data import PromptSampler, load_prompts
-from relayrl.engine import EngineError, make_engine
-from relayrl.engine.process import ProcessEngine
+from relayrl.engine import EngineError
 from relayrl.envs.base import make_env_factory
 from relayrl.episode_rollout import EpisodeRollout, flatten, versions_behind
 from relayrl.episodes import EpisodeLimits, EpisodeRunner
 from relayrl.evaluation import episode_stats, evaluate
 from relayrl.models import check_prompt_lengths, load_policy, load_tokenizer, model_context, resolve_model_path
+from relayrl.placement import engine_counters, engine_spec, open_engine, threads
 from relayrl.records import Group, SamplingParams, group_to_dict
 from relayrl.resume import ResumeError, check_compatible, data_fingerprint, prepare_run_dir, start_state
 from relayrl.rewards import RewardRunner
@@ -60,18 +60,6 @@ class Components:
         self.runner.close()
         self.engine.close()
         self.reward.close()
-
-
-def placement(cfg: Config) -> tuple[bool, int, int]:
-    """(engine in its own process?, engine threads, trainer threads). Overlapped modes put the
-    engine in its own process and split the cores between the two; otherwise both use all cores."""
-    r = cfg.rollout
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    own = r.engine_process if r.engine_process is not None else cfg.run.mode != "sync"
-    if not (own and cfg.run.mode != "sync"):
-        return own, r.engine_threads, cfg.run.threads or cores
-    engine = r.engine_threads or max(1, cores // 2)
-    return own, engine, cfg.run.threads or max(1, cores - engine)
 
 
 def make_reward_runner(cfg: Config) -> RewardRunner:
@@ -115,7 +103,7 @@ def load_data(cfg: Config) -> tuple[list, list | None]:
 def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> Components:
     """Everything the loop needs; from checkpoint ``ckpt`` when resuming. What was started is
     closed again if a later part fails (a bad model path must not leave an engine process)."""
-    own_process, engine_threads, trainer_threads = placement(cfg)
+    _, engine_threads, trainer_threads = threads(cfg)
     torch.set_num_threads(trainer_threads)
     torch.manual_seed(cfg.run.seed)
     prompts, eval_prompts = data
@@ -130,23 +118,25 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         check_prompts_fit(cfg, weights, tokenizer, prompts, eval_prompts)
         policy = load_policy(weights, cfg.model.dtype, field="checkpoint" if ckpt else "model.path")
         ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 else None
-        if own_process:  # seeded per resume point, so a resumed run does not repeat its samples
-            engine = ProcessEngine(cfg.rollout, weights, tok_path, cfg.model.dtype, policy.state_dict(),
-                                   state.version, engine_threads, seed=cfg.run.seed * 1_000_003 + state.step)
-        else:
-            # in-process, one thread decodes and trains (HFEngine's driven): it decodes while it waits
-            # for episodes, and tools and environments run meanwhile either way
-            engine = make_engine(cfg.rollout, load_policy(weights, cfg.model.dtype), tokenizer, version=state.version,
-                                 driven=True)
+        # seeded per resume point, so a resumed run does not repeat its samples; in-process, one thread
+        # decodes and trains (HFEngine's driven): it decodes while it waits for episodes
+        spec = engine_spec(cfg, weights, tok_path, state.version, cfg.run.seed * 1_000_003 + state.step, engine_threads)
+        engine = open_engine(cfg, spec, policy.state_dict(), tokenizer, cfg.run.name)
         undo.callback(engine.close)
         runner = make_runner(cfg, engine, tokenizer, reward, make_env)
         undo.pop_all()
     r = cfg.rollout
-    trainer = Trainer(policy, cfg.trainer, cfg.algo, r.temperature, cfg.run.steps,
-                      cfg.algo.norm_len or r.max_new_tokens, ref_model=ref, top_p=r.top_p, top_k=r.top_k)
+    trainer = make_trainer(cfg, policy, ref)
     sampler = PromptSampler(prompts, cfg.run.seed, cfg.data.shuffle, state.sampler)
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
     return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params, runner)
+
+
+def make_trainer(cfg: Config, policy, ref=None) -> Trainer:
+    """The trainer (on every torchrun rank alike with trainer.fsdp)."""
+    r = cfg.rollout
+    return Trainer(policy, cfg.trainer, cfg.algo, r.temperature, cfg.run.steps, cfg.algo.norm_len or r.max_new_tokens,
+                   ref_model=ref, top_p=r.top_p, top_k=r.top_k)
 
 
 def make_runner(cfg: Config, engine, tokenizer, reward: RewardRunner, make_env=None) -> EpisodeRunner:
@@ -187,6 +177,9 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
     """The loop, the same for every mode (``run.mode`` decides how the rollout overlaps training:
     ``episode_rollout``).
     Returns the run summary."""
+    distributed.check_launch(cfg.trainer)  # a device this machine lacks; torchrun and trainer.fsdp not together
+    if distributed.is_follower(cfg.trainer):  # torchrun rank > 0: trains its share of rank 0's batches
+        return distributed.run_follower(lambda policy, ref: make_trainer(cfg, policy, ref), cfg)
     console = console or Console()
     log = console.print
     # everything that can be wrong with the input is found before the run directory is touched
@@ -199,7 +192,9 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
         state.config, state.data_fingerprint = cfg.model_dump(mode="json"), fingerprint
     c = build(cfg, state, ckpt, data, log)
     try:
-        return _train(cfg, c, state, trainer_state, ckpt, log, console)
+        summary = _train(cfg, c, state, trainer_state, ckpt, log, console)
+        c.trainer.close()  # (trainer.fsdp: the other ranks stop)
+        return summary
     finally:
         c.close()
 
@@ -218,7 +213,7 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
         state.eval_before = c.evaluate(cfg)
         log(f"eval before: {fmt_eval(state.eval_before)}")
     timers, t_start, tl = Timers(), time.perf_counter() - state.wall_seconds, Timeline()
-    writer = CheckpointWriter(run_dir, c.policy, c.tokenizer, cfg.run.keep_checkpoints)
+    writer = CheckpointWriter(run_dir, c.policy, c.tokenizer, cfg.run.keep_checkpoints, c.trainer.full_state_dict)
     source = EpisodeRollout.from_config(cfg, c, state, tl)
     try:
         with ProgressBar(cfg.run.steps, state.step, cfg.run.progress, console) as bar:
@@ -232,13 +227,13 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                     with timers("train"), tl.busy("trainer"):
                         train_metrics = c.trainer.step(batch, version=state.version)
                     with timers("publish"):
-                        source.publish(lambda: c.engine.load_weights(c.policy.state_dict(), state.version + 1))
+                        source.publish(lambda: c.engine.load_weights(c.trainer.full_state_dict(), state.version + 1))
                 state.advance(batch.size, c.reward.stats, time.perf_counter() - t_start)
                 c.runner.mark_engine()  # (records the engine's busy period so far)
                 span = max(tl.now() - step_start, 1e-9)
                 idle = {f"{ln}_idle_frac": 1 - tl.busy_between(ln, step_start, step_start + span) / span
                         for ln in ("engine", "trainer")}
-                m = record_step(cfg, c, state, groups, generated, {**train_metrics, **idle, **source.metrics()},
+                m = record_step(cfg, c, state, groups, generated, {**train_metrics, **idle, **source.metrics(), **engine_counters(c.engine)},
                                 timers.pop(), metrics, source)
                 trained_log.write({"step": state.step, "prompt_ids": [g.prompt.id for g in groups]})
                 bar.update(m)
@@ -333,9 +328,9 @@ def evaluate_only(cfg: Config) -> dict:
     reward = make_reward_runner(cfg)
     try:
         path = resolve_model_path(cfg.model.path, log=log)
-        tokenizer, _ = load_tokenizer_for(cfg, path, log)
+        tokenizer, tok_path = load_tokenizer_for(cfg, path, log)
         check_prompts_fit(cfg, path, tokenizer, [], prompts)
-        engine = make_engine(cfg.rollout, load_policy(path, cfg.model.dtype), tokenizer, driven=True)
+        engine = open_engine(cfg, engine_spec(cfg, path, tok_path, 0, cfg.run.seed, threads(cfg)[1]), tokenizer=tokenizer)
         runner = make_runner(cfg, engine, tokenizer, reward,
                              make_env_factory(cfg.env.name, cfg.env.args) if cfg.env.name else None)
         try:

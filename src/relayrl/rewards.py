@@ -51,10 +51,19 @@ def extract_answer(text: str) -> str | None:
     return nums[-1] if nums else None
 
 
+def reference_answer(answer: str) -> str:
+    """The final answer of a reference solution: the text after its last '####' (GSM8K's
+    "reasoning ... #### 72" gives "72"), else ``answer`` as it is."""
+    _, mark, final = answer.rpartition("####")
+    return final.strip() if mark and final.strip() else answer
+
+
 def math_reward(completion: str, answer: str | None, metadata: dict) -> float:
-    """1.0 if the extracted final answer is mathematically equivalent to ``answer`` (math-verify)."""
+    """1.0 if the extracted final answer is mathematically equivalent to ``answer`` (math-verify).
+    A reference solution in GSM8K's format is compared by its final answer (``reference_answer``)."""
     if answer is None:
         raise ValueError("the 'math' reward needs an answer field")
+    answer = reference_answer(str(answer))
     pred = extract_answer(completion)
     if pred is None:
         return 0.0

@@ -3,16 +3,25 @@
 It knows nothing of engines or the loop: it takes a ``TrainBatch`` and returns metrics.
 Aggregation uses counts over the whole optimiser (mini-)batch, so gradients do not depend on
 how the batch is split into micro-batches (tested).
+
+Placement (``distributed.py``): the policy and the KL reference live on ``trainer.device``, each
+micro-batch is moved there, and everything returned (log-probs, metrics, ``full_state_dict``) is
+on the CPU. Weights and activations keep ``model.dtype`` (no autocast: the engine samples in that
+dtype, so the trainer's log-probs match its own; they are taken in float32 from the logits). With
+``trainer.fsdp`` the weights are sharded over the torchrun ranks and each rank runs its share of
+the micro-batches; rank 0 leads, sending each call to the other ranks first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
+from relayrl import distributed
 from relayrl.algos import AGGREGATIONS, POLICY_LOSSES, kl_penalty, lookup
 from relayrl.algos.offpolicy import decoupled_ppo, ess_lr_scale, m2po, m2po_mask, tis_weights
 from relayrl.config import AlgoCfg, TrainerCfg
@@ -49,6 +58,9 @@ class TrainBatch:
             self.versions[t, : n - 1],
             self.advantages[t, : n - 1],
         )
+
+    def to(self, device) -> "TrainBatch":
+        return TrainBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def build_batch(trajs: list[Trajectory], advantages: torch.Tensor | list, pad_id: int) -> TrainBatch:
@@ -121,15 +133,32 @@ class Trainer:
         # the weights of one version ago, to measure the engine-trainer mismatch on tokens they sampled
         self.mismatch_rows = mismatch_rows
         self._prev: tuple[int, dict] | None = None
-        self.opt = torch.optim.AdamW(
-            model.parameters(), lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay
-        )
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tcfg, total_steps * tcfg.updates_per_step))
         self.ref = None
         if acfg.kl_coef > 0:  # frozen reference: the given model, else a copy of the policy as it is now
             self.ref = (ref_model or copy.deepcopy(model)).eval().requires_grad_(False)
+        self.device = distributed.resolve_device(tcfg.device)
+        self.dp = distributed.setup(self.device) if tcfg.fsdp else None  # None: this process trains alone
+        for m in (model, self.ref):
+            if m is not None:
+                m.to(self.device)
+                if self.dp:
+                    distributed.shard(m)
+        self.opt = torch.optim.AdamW(  # after sharding: it holds this rank's shards
+            model.parameters(), lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay
+        )
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tcfg, total_steps * tcfg.updates_per_step))
         self.loss_fn = lookup(POLICY_LOSSES, acfg.loss, "policy loss")
         self.agg_fn = lookup(AGGREGATIONS, acfg.agg, "aggregation")
+
+    @property
+    def _leads(self) -> bool:
+        """Rank 0 of an FSDP run: its calls are sent to the other ranks first."""
+        return self.dp is not None and self.dp.leads
+
+    def _micro_batches(self, batch: TrainBatch) -> list[list[int] | None]:
+        """This rank's micro-batches of ``batch`` (None: a pass with no rows, to keep in step)."""
+        groups = micro_batches(batch, self.tcfg.micro_batch_tokens)
+        return self.dp.share(groups) if self.dp else groups
 
     # -- forward helpers -------------------------------------------------------------------
     def _logits(self, model, mb: TrainBatch, params: dict | None = None) -> torch.Tensor:
@@ -145,14 +174,36 @@ class Trainer:
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, model=None, params: dict | None = None) -> torch.Tensor:
         """Per-token log-probs [N, L-1] of ``batch`` under ``model`` (default: the policy, with
-        ``params`` instead of its own weights if given), no grad."""
+        ``params`` instead of its own weights if given), no grad; on the CPU, on every rank."""
         model = model or self.model
         out = torch.zeros_like(batch.behav_logp)
-        for idx in micro_batches(batch, self.tcfg.micro_batch_tokens):
-            mb = batch.select(idx)
-            lp = self._logp(self._logits(model, mb, params), mb.input_ids[:, 1:])
-            out[torch.tensor(idx), : lp.shape[1]] = lp
+        with self._swapped(params) if self.dp and params is not None else contextlib.nullcontext():
+            for idx in self._micro_batches(batch):
+                if idx is None:  # (FSDP) this rank has no rows left: a forward all the same
+                    self._logits(model, batch.select([0]).to(self.device))
+                    continue
+                mb = batch.select(idx).to(self.device)
+                lp = self._logp(self._logits(model, mb, None if self.dp else params), mb.input_ids[:, 1:])
+                out[torch.tensor(idx), : lp.shape[1]] = lp.cpu()
+        if self.dp:  # each rank filled its own rows
+            out = self.dp.reduce(out)
         return out * batch.loss_mask
+
+    @contextlib.contextmanager
+    def _swapped(self, params: dict):
+        """(FSDP) The policy with ``params`` (shards, by name) in place of its weights, copied in and
+        back: FSDP2 gathers a layer's own parameters for its forward, so ``functional_call``'s
+        substitutes would be ignored."""
+        named = dict(self.model.named_parameters())
+        with torch.no_grad():
+            own = {k: named[k].detach().clone() for k in params}
+            try:
+                for k, v in params.items():
+                    named[k].copy_(v)
+                yield
+            finally:
+                for k, v in own.items():
+                    named[k].copy_(v)
 
     # -- one optimiser step ----------------------------------------------------------------
     def accumulate(self, batch: TrainBatch, old_logp, ref_logp, num_tokens: float, num_seqs: float,
@@ -167,8 +218,12 @@ class Trainer:
         sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "mismatch_sum": 0.0, "mismatch_max": 0.0,
                 "mismatch_tokens": 0.0, "seq_log_w": torch.zeros(batch.size)}
         a = self.acfg
-        for idx in micro_batches(batch, self.tcfg.micro_batch_tokens):
-            mb = batch.select(idx)
+        dev = self.device
+        for idx in self._micro_batches(batch):
+            if idx is None:  # (FSDP) this rank has no rows left: a zero-loss pass, as FSDP needs every rank's
+                (self._logits(self.model, batch.select([0]).to(dev)).sum() * 0).backward()
+                continue
+            mb = batch.select(idx).to(dev)
             t = torch.tensor(idx)
             L = mb.loss_mask.shape[1]
             fault_point("train")
@@ -176,7 +231,7 @@ class Trainer:
             logp = self._logp(logits, mb.input_ids[:, 1:])
             adv = mb.advantages
             # on-policy single update: π_old is the current policy, so this forward gives it for free
-            old = logp.detach() if old_logp is None else old_logp[t, :L]
+            old = logp.detach() if old_logp is None else old_logp[t, :L].to(dev)
             stale = (mb.versions < version) & mb.loss_mask.bool() if version is not None else None
             with torch.no_grad():
                 fresh = mb.loss_mask if stale is None else mb.loss_mask * (~stale)
@@ -185,13 +240,13 @@ class Trainer:
                 sums["mismatch_tokens"] += fresh.sum().item()
                 sums["mismatch_max"] = max(sums["mismatch_max"], diff.max().item())
                 # log importance weight π_old/π_behav of each sequence, for the effective sample size
-                sums["seq_log_w"][t] = ((old.detach() - mb.behav_logp) * mb.loss_mask).sum(1)
-            keep = None if m2po_keep is None else m2po_keep[t, :L]
+                sums["seq_log_w"][t] = ((old.detach() - mb.behav_logp) * mb.loss_mask).sum(1).cpu()
+            keep = None if m2po_keep is None else m2po_keep[t, :L].to(dev)
             per_tok, m = self._policy_loss(logp, old, mb, adv, stale, keep)
             agg = lambda x: self.agg_fn(x, mb.loss_mask, num_tokens, num_seqs, self.norm_len)  # noqa: E731
             loss = agg(per_tok)
             if ref_logp is not None:
-                kl = agg(kl_penalty(logp, ref_logp[t, :L], a.kl_estimator))
+                kl = agg(kl_penalty(logp, ref_logp[t, :L].to(dev), a.kl_estimator))
                 loss = loss + a.kl_coef * kl
                 sums["kl"] += kl.item()
             if a.entropy_coef:
@@ -205,7 +260,16 @@ class Trainer:
             sums["loss"] += loss.item()
             sums["entropy"] += ent.item()
             sums["clip_frac"] += float(m.get("clip_frac", 0.0)) * share
-        return sums
+        return self._gather_sums(sums) if self.dp else sums
+
+    def _gather_sums(self, sums: dict) -> dict:
+        """(FSDP) Every rank's share of the sums, added up (the largest mismatch: the largest)."""
+        keys = ["loss", "clip_frac", "kl", "entropy", "mismatch_sum", "mismatch_tokens"]
+        total = self.dp.reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
+        out = {k: v.item() for k, v in zip(keys, total)}
+        out["mismatch_max"] = self.dp.reduce(torch.tensor(sums["mismatch_max"]), "max").item()
+        out["seq_log_w"] = self.dp.reduce(sums["seq_log_w"])  # each rank filled its own rows
+        return out
 
     def _policy_loss(self, logp, old, mb: TrainBatch, adv, stale, m2po_keep):
         """Per-token policy loss under ``algo.offpolicy`` (algos/offpolicy.py holds the math)."""
@@ -228,6 +292,8 @@ class Trainer:
         from the training forward itself (detached) instead of a separate recompute pass (as verl
         does), which saves a third of the training compute. With several updates (or M2PO, whose
         mask needs the whole batch first) π_old is recomputed first."""
+        if self._leads:
+            self.dp.send("step", batch, version)
         self.model.train()
         single = self.tcfg.updates_per_step == 1
         old_logp = self.logprobs(batch) if not single or self.acfg.offpolicy == "m2po" else None
@@ -235,7 +301,8 @@ class Trainer:
         fresh = batch.loss_mask if version is None else batch.loss_mask * (batch.versions >= version)
         mismatch = [_mismatch(old_logp, batch.behav_logp, fresh)] if old_logp is not None else []
         mismatch.append(self._previous_version_mismatch(batch, version))
-        perm = torch.randperm(batch.size).tolist()
+        perm = torch.randperm(batch.size)
+        perm = (self.dp.broadcast(perm) if self.dp else perm).tolist()  # (FSDP: rank 0's order on every rank)
         chunks = [perm[i :: self.tcfg.updates_per_step] for i in range(self.tcfg.updates_per_step)]
         totals: dict[str, float] = {}
         for chunk in chunks:
@@ -256,7 +323,7 @@ class Trainer:
             sums["ess_frac"] = (ess / mini.size).item()
             del sums["mismatch_sum"], sums["mismatch_max"], sums["mismatch_tokens"]
             gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
-            sums["grad_norm"] = gn.item()
+            sums["grad_norm"] = (gn.full_tensor() if self.dp else gn).item()  # (FSDP: a DTensor, the global norm)
             lr_scale = scale.item() if self.acfg.ess_lr_scale else 1.0
             for g in self.opt.param_groups:  # the scheduler sets the next step's lr afresh
                 g["lr"] *= lr_scale
@@ -291,9 +358,39 @@ class Trainer:
             self._prev = (version, {k: p.detach().clone() for k, p in self.model.named_parameters()})
         return out
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's weights on the CPU, whole, for engines and checkpoints (``model.state_dict()``
+        itself when training on the CPU). FSDP: gathered on rank 0 ({} on the others)."""
+        if self.dp is None:
+            sd = self.model.state_dict()
+            return sd if self.device.type == "cpu" else {k: v.detach().cpu() for k, v in sd.items()}
+        if self._leads:
+            self.dp.send("weights")
+        return distributed.full_state_dict(self.model)
+
     def state_dict(self) -> dict:
-        return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}
+        """Optimiser and scheduler. FSDP: the optimiser state by parameter name, whole, on rank 0."""
+        if self.dp is None:
+            return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}
+        if self._leads:
+            self.dp.send("state")
+        return {"optimizer": distributed.full_optimizer_state(self.model, self.opt),
+                "scheduler": self.sched.state_dict(), "fsdp": True}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.opt.load_state_dict(sd["optimizer"])
+        if bool(sd.get("fsdp")) != (self.dp is not None):
+            was = "true" if sd.get("fsdp") else "false"
+            raise ValueError(f"the checkpoint's optimiser state was saved with trainer.fsdp={was}: resume with "
+                             f"trainer.fsdp={was}")
+        if self.dp is None:
+            self.opt.load_state_dict(sd["optimizer"])
+        else:
+            if self._leads:
+                self.dp.send("load", {"optimizer": {}, "scheduler": sd["scheduler"], "fsdp": True})  # shards: below
+            distributed.load_optimizer_state(self.model, self.opt, sd["optimizer"])
         self.sched.load_state_dict(sd["scheduler"])
+
+    def close(self) -> None:
+        """(FSDP, rank 0) The other ranks stop following."""
+        if self._leads:
+            self.dp.send("stop")

@@ -65,9 +65,9 @@ class VLLMEngine(Engine):
 
     def __init__(self, model: str, eos_token_ids: list[int], dtype: str = "float32", version: int = 0,
                  max_model_len: int = 2048, seed: int = 0, gpu_memory_utilization: float = 0.5,
-                 max_num_seqs: int = 256, enforce_eager: bool = True):
+                 max_num_seqs: int = 256, enforce_eager: bool | None = None):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU build only; vLLM's default takes a lot
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # (its INFO lines would bury the run's own)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # (per-update warnings would bury the run's own lines)
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
         except ImportError as e:
@@ -86,6 +86,8 @@ class VLLMEngine(Engine):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="relayrl-vllm", daemon=True)
         self._thread.start()
+        if enforce_eager is None:  # CUDA graphs on a GPU; the CPU build runs eagerly anyway
+            enforce_eager = not torch.cuda.is_available()
         args = AsyncEngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                                enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
                                skip_tokenizer_init=True, gpu_memory_utilization=gpu_memory_utilization,

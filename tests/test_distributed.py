@@ -1,0 +1,287 @@
+"""Where the trainer runs (``distributed.py``): FSDP2 data parallelism and device placement.
+
+On the CPU, two gloo processes train the tiny Llama with ``trainer.fsdp=true`` and must give what
+one unsharded ``Trainer`` gives on the same batches: loss and every metric, the gradient, the
+updated weights (gathered by ``full_state_dict``) and the optimiser state. An end-to-end
+``torchrun`` run ends with a checkpoint equal to a single-process run's. A missing GPU or
+launcher is a clear input error. The ``gpu`` tests run where CUDA is available.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from relayrl import distributed
+from relayrl.config import AlgoCfg, TrainerCfg
+from relayrl.models import load_policy, load_tokenizer
+from relayrl.trainer import Trainer, build_batch
+from tests.test_trainer import _stale_batch, _trajs
+
+ROOT = Path(__file__).parent.parent
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _trainer(path: str, tkw: dict, akw: dict, dtype: str = "float32", weights: dict | None = None,
+             **placement) -> Trainer:
+    policy = load_policy(path, dtype)
+    if weights:
+        policy.load_state_dict(weights)
+    return Trainer(policy, TrainerCfg(**tkw, **placement), AlgoCfg(**akw), 1.0, 10, 16)
+
+
+def _capture_grads(tr: Trainer, grads: list) -> None:
+    """The whole gradient of every optimiser step, by name, into ``grads`` (a collective under FSDP).
+    Not of the step at lr 0 by which loading an FSDP optimiser state creates it."""
+    real_step = tr.opt.step
+
+    def step(*a, **k):
+        if tr.opt.param_groups[0]["lr"] == 0:
+            return real_step(*a, **k)
+        grads.append({n: (p.grad.full_tensor() if tr.dp else p.grad).detach().cpu().clone()
+                      for n, p in tr.model.named_parameters()})
+        return real_step(*a, **k)
+
+    tr.opt.step = step
+
+
+def _run(make, steps: list, resume_after: int = 0) -> dict:
+    """The steps, then what the comparison needs (all on the CPU). With ``resume_after``: that many
+    steps, then a new trainer from the weights and trainer state saved, as ``--resume`` does."""
+    tr, grads, metrics = make(), [], []
+    _capture_grads(tr, grads)
+    torch.manual_seed(0)  # the mini-batch permutation (rank 0's, under FSDP)
+    for i, (batch, version) in enumerate(steps):
+        if i and i == resume_after:
+            weights, state, rng = tr.full_state_dict(), tr.state_dict(), torch.get_rng_state()
+            tr.close()
+            tr = make(weights)  # (FSDP: the other ranks load the initial weights; rank 0's are sharded)
+            _capture_grads(tr, grads)
+            tr.load_state_dict(state)
+            torch.set_rng_state(rng)
+        metrics.append(tr.step(batch, version=version))
+    weights = {k: v.detach().cpu().clone() for k, v in tr.full_state_dict().items()}
+    optim = tr.state_dict()["optimizer"]
+    if tr.dp is None:  # by parameter name, as FSDP's full optimiser state is
+        names = [n for n, _ in tr.model.named_parameters()]
+        optim = {names[i]: s for i, s in optim["state"].items()}
+    else:
+        optim = optim["state"]
+    tr.close()
+    return {"metrics": metrics, "grads": grads, "weights": weights,
+            "optim": {n: {k: v.cpu() for k, v in s.items() if k != "step"} for n, s in optim.items()}}
+
+
+def _worker(rank: int, world: int, port: int, path: str, scenarios: dict, out: str, device: str) -> None:
+    """One torchrun-like rank: rank 0 leads every scenario's trainers, the others follow them."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    results = {}
+    for name, (tkw, akw, dtype, steps, resume_after) in scenarios.items():
+        def make(weights=None, tkw=tkw, akw=akw, dtype=dtype):
+            return _trainer(path, tkw, akw, dtype, weights, device=device, fsdp=True)
+
+        if rank == 0:
+            results[name] = _run(make, steps, resume_after)
+            continue
+        for _ in range(2 if resume_after else 1):
+            tr = make()
+            _capture_grads(tr, [])  # the same collectives as rank 0
+            distributed.follow(tr)
+    if rank == 0:
+        torch.save(results, out)
+    torch.distributed.destroy_process_group()
+
+
+def _sharded(path: str, scenarios: dict, tmp_path: Path, world: int = 2, device: str = "cpu") -> dict:
+    out = tmp_path / "sharded.pt"
+    torch.multiprocessing.spawn(_worker, args=(world, _free_port(), path, scenarios, str(out), device), nprocs=world)
+    return torch.load(out, weights_only=False)
+
+
+def _close(a, b, what: str, rtol: float, atol: float) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), what
+        for k in a:
+            _close(a[k], b[k], f"{what}.{k}", rtol, atol)
+    elif isinstance(a, list):
+        assert len(a) == len(b), what
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, f"{what}[{i}]", rtol, atol)
+    elif isinstance(a, torch.Tensor):
+        assert torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol), (what, (a.float() - b.float()).abs().max())
+    elif isinstance(a, float):
+        assert a == pytest.approx(b, rel=rtol, abs=atol), what
+    else:
+        assert a == b, what
+
+
+def _scenarios(tok, model) -> dict:
+    """Name -> (TrainerCfg fields, AlgoCfg fields, dtype, [(batch, version), ...], resume after). A
+    small token budget gives an odd number of micro-batches, so one rank runs a padding pass."""
+    a = build_batch(_trajs(tok, seed=1), torch.linspace(-1, 1, 8), tok.pad_token_id)
+    b = build_batch(_trajs(tok, seed=2), torch.linspace(1, -1, 8), tok.pad_token_id)
+    stale = _stale_batch(tok, model)
+    later = _stale_batch(tok, model)  # its tokens one version later: v1 and v2
+    later.versions = torch.where(later.loss_mask.bool(), later.versions + 1, -1)
+    base = {"lr": 1e-2, "warmup_steps": 0, "micro_batch_tokens": 60}
+    return {
+        "on-policy, two steps, resumed between them": (base, {}, "float32", [(a, None), (b, None)], 1),
+        "two updates, KL, ESS, stale tokens": (
+            {**base, "updates_per_step": 2}, {"kl_coef": 0.1, "ess_lr_scale": True, "agg": "seq_mean_token_mean"},
+            "float32", [(stale, 1)], 0),
+        "m2po, mismatch under the previous weights": (
+            base, {"offpolicy": "m2po"}, "float32", [(stale, 1), (later, 2)], 0),
+        "bf16": (base, {}, "bfloat16", [(a, None)], 0),
+    }
+
+
+def test_share_deals_micro_batches_round_robin_padded():
+    groups = [[0], [1, 2], [3], [4], [5, 6]]
+    shares = [distributed.Group(r, 2, torch.device("cpu")).share(groups) for r in range(2)]
+    assert shares == [[[0], [3], [5, 6]], [[1, 2], [4], None]]
+    assert distributed.Group(2, 4, torch.device("cpu")).share([[0]]) == [None]
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")  # (_capture_grads)
+def test_two_gloo_ranks_give_the_unsharded_step(tiny_path, tmp_path):
+    """Loss, metrics, gradient, weights and optimiser state of two sharded ranks = one process's."""
+    tok = load_tokenizer(tiny_path)
+    scenarios = _scenarios(tok, load_policy(tiny_path))
+    torch.manual_seed(0)
+    ref = {}
+    for name, (tkw, akw, dtype, steps, resume) in scenarios.items():
+        def make(weights=None, tkw=tkw, akw=akw, dtype=dtype):
+            return _trainer(tiny_path, tkw, akw, dtype, weights, device="cpu")
+
+        ref[name] = _run(make, steps, resume)
+    got = _sharded(tiny_path, scenarios, tmp_path)
+    for name in scenarios:
+        r, g = ref[name], got[name]
+        assert r["grads"][0]["model.embed_tokens.weight"].abs().sum() > 0
+        bf16 = name == "bf16"  # bf16 sums in another order (and FSDP reduces in fp32): bf16 rounding apart
+        _close(g["metrics"], r["metrics"], f"{name}: metrics", 1e-2 if bf16 else 1e-4, 1e-3 if bf16 else 1e-6)
+        _close(g["grads"], r["grads"], f"{name}: grads", 5e-2 if bf16 else 1e-4, 1e-3 if bf16 else 1e-6)
+        _close(g["weights"], r["weights"], f"{name}: weights", 0, 2e-2 if bf16 else 1e-6)
+        if not bf16:
+            _close(g["optim"], r["optim"], f"{name}: optimiser", 1e-4, 1e-9)
+    mismatch = got["m2po, mismatch under the previous weights"]["metrics"][1]
+    assert mismatch["logprob_mismatch_tokens"] > 0  # tokens one version old, checked under the kept weights
+
+
+def test_trainer_device_cuda_without_a_gpu_is_an_input_error(tiny_path, tmp_path, capsys, monkeypatch):
+    """As is trainer.fsdp=true outside torchrun, and several torchrun processes without it."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from relayrl.cli import main
+
+    with pytest.raises(ValueError, match=r"trainer.device='cuda', but CUDA is not available"):
+        _trainer(tiny_path, {}, {}, device="cuda")
+    no_cuda = "relayrl: input error: trainer.device='cuda', but CUDA is not available here"
+    no_torchrun = "relayrl: input error: trainer.fsdp=true needs a torchrun launch (torchrun --nproc-per-node N"
+    for override, message in (("trainer.device=cuda", no_cuda), ("trainer.fsdp=true", no_torchrun)):
+        capsys.readouterr()
+        assert main(["train", f"model.path={tiny_path}", f"run.output_dir={tmp_path}", override]) == 2
+        assert capsys.readouterr().err.startswith(message)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["train", f"model.path={tiny_path}", f"run.output_dir={tmp_path}"]) == 2
+    assert "but trainer.fsdp=false: each would run the whole run" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()  # each failed before the run directory
+
+
+E2E = ["data.eval_path=null", "reward.fn=tests.rewards_for_tests:digit_fraction", "rollout.max_new_tokens=8",
+       "rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.lr=2e-2", "trainer.warmup_steps=0",
+       "trainer.micro_batch_tokens=64", "run.progress=false", "run.steps=2", "run.threads=1", "reward.workers=1"]
+
+
+@pytest.mark.slow
+def test_torchrun_fsdp_run_ends_with_the_single_process_checkpoint(tiny_path, tmp_path):
+    """``torchrun --nproc-per-node 2 -m relayrl.cli train ... trainer.fsdp=true`` on gloo: two
+    steps, a checkpoint that loads, and the weights a single-process run of the same config ends
+    with (sync mode is deterministic; the sharded step equals the unsharded one)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from relayrl.config import load_config
+    from relayrl.pipeline import train
+
+    args = E2E + [f"model.path={tiny_path}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "relayrl.cli", "train", *args, f"run.output_dir={tmp_path / 'fsdp'}", "trainer.fsdp=true"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sharded = tmp_path / "fsdp" / "demo" / "checkpoints" / "step_000002"
+    AutoModelForCausalLM.from_pretrained(sharded)
+    assert torch.load(sharded / "trainer.pt", weights_only=False)["fsdp"]
+
+    cfg = load_config(None, args + [f"run.output_dir={tmp_path / 'single'}"])
+    threads = torch.get_num_threads()
+    try:
+        train(cfg)
+    finally:
+        torch.set_num_threads(threads)  # (run.threads=1 would stay for the tests after this one)
+    single = cfg.run_dir / "checkpoints" / "step_000002"
+    a, b = load_file(sharded / "model.safetensors"), load_file(single / "model.safetensors")
+    initial = load_file(Path(tiny_path) / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert any(not torch.equal(a[k], initial[k]) for k in initial)  # it trained
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
+
+
+# -- on a GPU (skipped here) -----------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_trainer_step_matches_the_cpu_step(tiny_path):
+    """The trainer on CUDA: the batch moves per micro-batch, metrics and ``full_state_dict`` come
+    back on the CPU, and the step is the CPU step's up to kernel rounding."""
+    tok = load_tokenizer(tiny_path)
+    batch = build_batch(_trajs(tok), torch.linspace(-1, 1, 8), tok.pad_token_id)
+    out = {}
+    for device in ("cpu", "cuda"):
+        tr = _trainer(tiny_path, {"lr": 1e-2, "warmup_steps": 0, "micro_batch_tokens": 60}, {"kl_coef": 0.1},
+                      device=device)
+        assert next(tr.model.parameters()).device.type == device and next(tr.ref.parameters()).device.type == device
+        torch.manual_seed(0)
+        out[device] = (tr.step(batch), tr.full_state_dict())
+    (m_cpu, w_cpu), (m_gpu, w_gpu) = out["cpu"], out["cuda"]
+    assert all(v.device.type == "cpu" for v in w_gpu.values())
+    for k in ("loss", "grad_norm", "kl", "entropy"):
+        assert m_gpu[k] == pytest.approx(m_cpu[k], rel=1e-3, abs=1e-5), k
+    for k in w_cpu:
+        assert torch.allclose(w_gpu[k], w_cpu[k], atol=5e-4), k
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_bf16_fsdp_step_on_gpus(tiny_path, tmp_path):
+    """FSDP2 over NCCL (two GPUs where there are two, else one rank) with bf16 weights and fp32
+    gradient reduction: the step is the unsharded bf16 CUDA step's, up to bf16 rounding."""
+    tok = load_tokenizer(tiny_path)
+    base = {"lr": 1e-2, "warmup_steps": 0, "micro_batch_tokens": 60}
+    steps = [(build_batch(_trajs(tok, seed=1), torch.linspace(-1, 1, 8), tok.pad_token_id), None)]
+    scenarios = {"bf16": (base, {}, "bfloat16", steps, 0)}
+    ref = _run(lambda weights=None: _trainer(tiny_path, base, {}, "bfloat16", weights, device="cuda"), steps)
+    got = _sharded(tiny_path, scenarios, tmp_path, world=min(2, torch.cuda.device_count()), device="cuda")["bf16"]
+    assert all(v.dtype == torch.bfloat16 and v.device.type == "cpu" for v in got["weights"].values())
+    _close(got["metrics"][0]["loss"], ref["metrics"][0]["loss"], "loss", 1e-2, 1e-3)
+    before = {k: v.float() for k, v in load_policy(tiny_path, "bfloat16").state_dict().items()}
+    moved = torch.cat([(got["weights"][k].float() - before[k]).flatten() for k in before])
+    moved_ref = torch.cat([(ref["weights"][k].float() - before[k]).flatten() for k in before])
+    assert torch.nn.functional.cosine_similarity(moved, moved_ref, dim=0) > 0.99
