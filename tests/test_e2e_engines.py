@@ -76,3 +76,14 @@ def test_pipeline_with_vllm_engine(tmp_path):
     metrics = _lines(tmp_path / "v" / "metrics.jsonl")
     assert summary["steps"] == 4 and [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert metrics[-1]["logprob_mismatch_mean"] < 1e-3 and metrics[-1]["staleness_max"] == 0
+
+
+@pytest.mark.slow
+def test_two_local_engine_processes(tiny_path, tmp_path):
+    """rollout.engines=2 without Ray: two engine processes behind the router, sync mode."""
+    args = EASY + [f"model.path={tiny_path}", f"run.output_dir={tmp_path}", "run.steps=3", "run.name=l",
+                   "rollout.engines=2", "rollout.engine_threads=1"]
+    summary = train(load_config(None, args))
+    assert summary["steps"] == 3 and summary["samples"] == 3 * 32
+    metrics = _lines(tmp_path / "l" / "metrics.jsonl")
+    assert all(m["logprob_mismatch_mean"] < 1e-3 and m["staleness_max"] == 0 for m in metrics)

@@ -314,9 +314,11 @@ def _show(value: Any) -> str:
 
 
 def _own_engine_process(c: Config) -> bool:
-    """As placement.threads decides it: null means on for the overlapped modes."""
+    """As placement.threads decides it: null means on for the overlapped modes; several engines
+    or Ray actors always have processes of their own."""
     r = c.rollout
-    return r.engine_process if r.engine_process is not None else c.run.mode != "sync"
+    own = r.engine_process if r.engine_process is not None else c.run.mode != "sync"
+    return own or r.engines > 1 or c.run.backend == "ray"
 
 
 _ASYNC = (lambda c: c.run.mode == "async", "with run.mode=async", ("run.mode",))
@@ -336,8 +338,9 @@ APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] =
     "rollout.cb_page_size": _CB,
     "rollout.cb_max_batch_tokens": _CB,
     "rollout.engine_threads": (_own_engine_process, "when the engine runs in its own process "
-                               "(rollout.engine_process=true, or null with run.mode=periodic or async)",
-                               ("rollout.engine_process", "run.mode")),
+                               "(rollout.engine_process=true, or null with run.mode=periodic or async; or "
+                               "rollout.engines > 1; or run.backend=ray)",
+                               ("rollout.engine_process", "run.mode", "rollout.engines", "run.backend")),
     "rollout.vllm_max_model_len": _VLLM,
     "rollout.vllm_gpu_memory_utilization": _VLLM,
     "ray.address": _RAY,
