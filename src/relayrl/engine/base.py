@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import queue
 import time
 from typing import Callable, Iterable, Iterator
 
@@ -28,6 +29,34 @@ def copy_weights(model, state_dict: dict[str, torch.Tensor]) -> None:
         missing, unexpected = model.load_state_dict(state_dict, strict=False)
     if unexpected or [k for k in missing if "rotary" not in k]:
         raise EngineError(f"weight mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def take(out: queue.Queue, timeout: float | None, pending: Callable[[], int],
+         check: Callable[[], None] = lambda: None) -> list[Completion]:
+    """``get`` over a queue of completions (or lists of them) that another thread fills: wait as
+    ``Engine.get`` says (``timeout`` None: until one arrives or ``pending()`` is 0), then take all
+    that are there. An exception put on the queue, or raised by ``check``, is raised here."""
+    items: list[Completion] = []
+    while True:
+        try:
+            if items:
+                got = out.get_nowait()
+            elif timeout is None:
+                check()
+                if not pending():
+                    break
+                got = out.get(timeout=0.2)
+            else:
+                got = out.get(timeout=timeout)
+        except queue.Empty:
+            if items or timeout is not None:
+                check()
+                break
+            continue
+        if isinstance(got, BaseException):
+            raise got
+        items += got if isinstance(got, list) else [got]
+    return items
 
 
 class Engine(abc.ABC):

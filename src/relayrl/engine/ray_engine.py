@@ -22,7 +22,7 @@ from typing import Iterable
 
 import torch
 
-from relayrl.engine.base import Engine, EngineError
+from relayrl.engine.base import Engine, EngineError, take
 from relayrl.records import Completion, FinishReason, GenRequest
 
 
@@ -199,26 +199,7 @@ class RayEngine(Engine):
         self._call("submit", list(requests))
 
     def get(self, timeout: float | None = None) -> list[Completion]:
-        items: list[Completion] = []
-        try:
-            while True:
-                if items:
-                    got = self._out.get_nowait()
-                elif timeout is None:
-                    if not self.num_pending():
-                        break
-                    try:
-                        got = self._out.get(timeout=0.2)
-                    except queue.Empty:
-                        continue
-                else:
-                    got = self._out.get(timeout=timeout)
-                if isinstance(got, BaseException):
-                    raise got
-                items += got
-        except queue.Empty:
-            pass
-        return items
+        return take(self._out, timeout, self.num_pending)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         with self._lock:

@@ -18,7 +18,7 @@ from typing import Iterable
 
 import torch
 
-from relayrl.engine.base import Engine, EngineError
+from relayrl.engine.base import Engine, EngineError, take
 from relayrl.records import Completion, GenRequest
 
 _AFFINITY_KEYS = 1 << 16  # episodes remembered for their engine (oldest forgotten first)
@@ -88,25 +88,7 @@ class EngineRouter(Engine):
                 self._out.put(done)
 
     def get(self, timeout: float | None = None) -> list[Completion]:
-        items: list[Completion] = []
-        try:
-            while True:
-                if items:
-                    got = self._out.get_nowait()
-                elif timeout is None:
-                    if not self.num_pending():
-                        break
-                    try:
-                        got = self._out.get(timeout=0.2)
-                    except queue.Empty:
-                        continue
-                else:
-                    got = self._out.get(timeout=timeout)
-                if isinstance(got, BaseException):
-                    raise got
-                items += got
-        except queue.Empty:
-            pass
+        items = take(self._out, timeout, self.num_pending)
         with self._lock:
             for c in items:
                 if c.finish_reason is not None and (i := self._owner.pop(c.request_id, None)) is not None:

@@ -34,7 +34,7 @@ from typing import Iterable
 
 import torch
 
-from relayrl.engine.base import Engine, EngineError
+from relayrl.engine.base import Engine, EngineError, take
 from relayrl.records import Completion, FinishReason, GenRequest
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
@@ -161,25 +161,7 @@ class VLLMEngine(Engine):
         self._out.put(Completion(r.request_id, tokens, logprobs, versions, reason))
 
     def get(self, timeout: float | None = None) -> list[Completion]:
-        items: list[Completion] = []
-        try:
-            if timeout is None:
-                while not items:
-                    self._raise_if_failed()
-                    if not self.num_pending() and self._out.empty():
-                        return []
-                    with contextlib.suppress(queue.Empty):
-                        items.append(self._out.get(timeout=0.2))
-            else:
-                items.append(self._out.get(timeout=timeout))
-        except queue.Empty:
-            self._raise_if_failed()
-            return []
-        while True:
-            try:
-                items.append(self._out.get_nowait())
-            except queue.Empty:
-                break
+        items = take(self._out, timeout, self.num_pending, self._raise_if_failed)
         with self._lock:
             for c in items:
                 if c.finish_reason is not None:
