@@ -110,3 +110,19 @@ def test_pause_holds_across_a_restart(local_ray, tiny, tiny_path):
         assert c.request_id == "waits" and c.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
     finally:
         eng.close()
+
+
+def test_reward_workers_in_a_ray_actor(local_ray):
+    """run.backend=ray's verifier pool: scores as locally, failures counted on this side, a bad
+    reward.fn the same error as locally."""
+    from relayrl.ray_rewards import RayRewardRunner
+
+    runner = RayRewardRunner("tests.rewards_for_tests:flaky", timeout_s=5.0, workers=1)
+    try:
+        out = runner.score([("abc", None, {}), ("abcd", None, {}), ("", None, {})])
+        assert out == [(0.0, True), (0.5, False), (0.0, True)]
+        assert runner.stats.failures == 2 and "flaky verifier" in runner.stats.last_error
+    finally:
+        runner.close()
+    with pytest.raises(ValueError, match="no_such_module"):
+        RayRewardRunner("no_such_module:fn", workers=1)

@@ -24,7 +24,7 @@ from relayrl.episode_rollout import EpisodeRollout, flatten, versions_behind
 from relayrl.episodes import EpisodeLimits, EpisodeRunner
 from relayrl.evaluation import episode_stats, evaluate
 from relayrl.models import check_prompt_lengths, load_policy, load_tokenizer, model_context, resolve_model_path
-from relayrl.placement import engine_counters, engine_spec, open_engine, threads
+from relayrl.placement import engine_counters, engine_spec, open_engine, start_ray, threads
 from relayrl.records import Group, SamplingParams, group_to_dict
 from relayrl.resume import ResumeError, check_compatible, data_fingerprint, prepare_run_dir, start_state
 from relayrl.rewards import RewardRunner
@@ -63,8 +63,15 @@ class Components:
 
 
 def make_reward_runner(cfg: Config) -> RewardRunner:
+    """The verifier's isolated worker pool: here, or in a Ray actor with ``run.backend=ray``."""
     r = cfg.reward
-    return RewardRunner(r.fn, r.timeout_s, workers=r.workers, memory_mb=r.memory_mb, sandbox=r.sandbox)
+    kw = {"timeout_s": r.timeout_s, "workers": r.workers, "memory_mb": r.memory_mb, "sandbox": r.sandbox}
+    if cfg.run.backend == "ray":
+        from relayrl.ray_rewards import RayRewardRunner
+
+        start_ray(cfg)
+        return RayRewardRunner(r.fn, **kw)
+    return RewardRunner(r.fn, **kw)
 
 
 def load_tokenizer_for(cfg: Config, base: str, log) -> tuple[object, str]:

