@@ -94,7 +94,8 @@ class VLLMEngine(Engine):
         args = AsyncEngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                                enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
                                skip_tokenizer_init=True, gpu_memory_utilization=gpu_memory_utilization,
-                               max_num_seqs=max_num_seqs, disable_log_stats=True)
+                               max_num_seqs=max_num_seqs, disable_log_stats=True,
+                               use_tqdm_on_load=False)  # (a progress bar per weight update otherwise)
         try:
             self._llm = self._call(self._start(args), timeout=900)
         except BaseException as e:
