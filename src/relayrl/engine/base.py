@@ -31,6 +31,16 @@ def copy_weights(model, state_dict: dict[str, torch.Tensor]) -> None:
         raise EngineError(f"weight mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
+def check_new(requests: list[GenRequest], *pending) -> None:
+    """Raise if a request id is already pending (in any of ``pending``) or repeated in ``requests``;
+    checked before anything is queued, so a rejected submit queues nothing."""
+    seen: set[str] = set()
+    for r in requests:
+        if r.request_id in seen or any(r.request_id in p for p in pending):
+            raise EngineError(f"request id {r.request_id!r} is already pending")
+        seen.add(r.request_id)
+
+
 def take(out: queue.Queue, timeout: float | None, pending: Callable[[], int],
          check: Callable[[], None] = lambda: None) -> list[Completion]:
     """``get`` over a queue of completions (or lists of them) that another thread fills: wait as

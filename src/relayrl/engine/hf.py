@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from transformers import DynamicCache
 
-from relayrl.engine.base import Engine, EngineError, copy_weights
+from relayrl.engine.base import Engine, EngineError, check_new, copy_weights
 from relayrl.records import Completion, FinishReason, GenRequest
 from relayrl.sampling import sampling_scores
 
@@ -83,9 +83,8 @@ class HFEngine(Engine):
 
     def submit(self, requests: list[GenRequest]) -> None:
         with self._cv:
+            check_new(requests, self._pending)
             for r in requests:
-                if r.request_id in self._pending:
-                    raise EngineError(f"request id {r.request_id!r} is already pending")
                 self._pending.add(r.request_id)
                 self._queue.append(r)
             self._cv.notify_all()

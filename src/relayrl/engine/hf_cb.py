@@ -19,7 +19,7 @@ import queue
 import threading
 from typing import Iterable
 
-from relayrl.engine.base import Engine, EngineError, copy_weights
+from relayrl.engine.base import Engine, EngineError, check_new, copy_weights
 from relayrl.engine.hf import HFEngine
 from relayrl.records import Completion, FinishReason, GenRequest, SamplingParams
 
@@ -81,9 +81,7 @@ class HFContinuousEngine(Engine):
     def submit(self, requests: list[GenRequest]) -> None:
         fallback = [r for r in requests if not self._same_params(r.params)]
         with self._lock:
-            for r in requests:
-                if r.request_id in self._live or r.request_id in self._fallback_ids:
-                    raise EngineError(f"request id {r.request_id!r} is already pending")
+            check_new(requests, self._live, self._fallback_ids)
             self._fallback_ids |= {r.request_id for r in fallback}
             for r in requests:
                 if not self._same_params(r.params):

@@ -26,7 +26,7 @@ from typing import Iterable
 import torch
 import torch.multiprocessing as mp
 
-from relayrl.engine.base import Engine, EngineError
+from relayrl.engine.base import Engine, EngineError, check_new
 from relayrl.records import Completion, GenRequest
 
 
@@ -141,9 +141,8 @@ class ProcessEngine(Engine):
 
     def submit(self, requests: list[GenRequest]) -> None:
         with self._lock:
+            check_new(requests, self._pending)
             for r in requests:
-                if r.request_id in self._pending:
-                    raise EngineError(f"request id {r.request_id!r} is already pending")
                 self._pending.add(r.request_id)
         self._cmd.put(("submit", list(requests)))
 

@@ -22,7 +22,7 @@ from typing import Iterable
 
 import torch
 
-from relayrl.engine.base import Engine, EngineError, take
+from relayrl.engine.base import Engine, EngineError, check_new, take
 from relayrl.records import Completion, FinishReason, GenRequest
 
 
@@ -192,9 +192,8 @@ class RayEngine(Engine):
 
     def submit(self, requests: list[GenRequest]) -> None:
         with self._lock:
+            check_new(requests, self._owed)
             for r in requests:
-                if r.request_id in self._owed:
-                    raise EngineError(f"request id {r.request_id!r} is already pending")
                 self._owed[r.request_id] = _Owed(r)
         self._call("submit", list(requests))
 

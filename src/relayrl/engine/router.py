@@ -18,7 +18,7 @@ from typing import Iterable
 
 import torch
 
-from relayrl.engine.base import Engine, EngineError, take
+from relayrl.engine.base import Engine, EngineError, check_new, take
 from relayrl.records import Completion, GenRequest
 
 _AFFINITY_KEYS = 1 << 16  # episodes remembered for their engine (oldest forgotten first)
@@ -65,9 +65,8 @@ class EngineRouter(Engine):
     def submit(self, requests: list[GenRequest]) -> None:
         per: list[list[GenRequest]] = [[] for _ in self.engines]
         with self._lock:
+            check_new(requests, self._owner)
             for r in requests:
-                if r.request_id in self._owner:
-                    raise EngineError(f"request id {r.request_id!r} is already pending")
                 i = self.pick(r.request_id)
                 self._owner[r.request_id] = i
                 self._load[i] += 1

@@ -34,7 +34,7 @@ from typing import Iterable
 
 import torch
 
-from relayrl.engine.base import Engine, EngineError, take
+from relayrl.engine.base import Engine, EngineError, check_new, take
 from relayrl.records import Completion, FinishReason, GenRequest
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
@@ -119,9 +119,8 @@ class VLLMEngine(Engine):
     def submit(self, requests: list[GenRequest]) -> None:
         self._raise_if_failed()
         with self._lock:
+            check_new(requests, self._tasks)
             for r in requests:
-                if r.request_id in self._tasks:
-                    raise EngineError(f"request id {r.request_id!r} is already pending")
                 self._tasks[r.request_id] = asyncio.run_coroutine_threadsafe(self._generate(r), self._loop)
 
     async def _generate(self, r: GenRequest) -> None:
