@@ -127,16 +127,25 @@ def test_update_mid_response_tags_each_token_with_its_version(engine, demo, rest
 
 def test_abort_returns_the_tokens_so_far_which_continue(engine, demo):
     _, model, tok = demo
-    prompt = _prompt(tok)
-    engine.submit([GenRequest("cut", prompt, SamplingParams(400, 1.0), stream=True)])
-    got, deadline = 0, time.time() + 60
-    while got < 10:
-        got += sum(len(c.token_ids) for c in engine.get(timeout=0.5))
-        assert time.time() < deadline
+    prompt = _prompt(tok, "Write a long list of sums.")
+    # several requests, so that one is still running when it has streamed 10 tokens (a sampled
+    # response may end on its own first: that one is not part of the test)
+    ids = [f"cut{i}" for i in range(6)]
+    engine.submit([GenRequest(i, prompt, SamplingParams(400, 1.0), stream=True) for i in ids])
+    streamed, ended, deadline = dict.fromkeys(ids, 0), set(), time.time() + 60
+    while not any(streamed[i] >= 10 and i not in ended for i in ids):
+        for c in engine.get(timeout=0.5):
+            if c.finish_reason is None:
+                streamed[c.request_id] += len(c.token_ids)
+            else:
+                ended.add(c.request_id)
+        assert time.time() < deadline and len(ended) < len(ids)
     with engine.pause():
-        engine.abort(["cut"])
-    (cut,) = [c for c in engine.drain() if c.finish_reason is not None]
-    assert cut.finish_reason == FinishReason.ABORTED and len(cut.token_ids) >= 10
+        engine.abort(ids)
+    finals = {c.request_id: c for c in engine.drain() if c.finish_reason is not None}
+    assert set(finals) == set(ids) - ended  # every request still owed ends once, after the abort
+    assert all(len(c.token_ids) >= streamed[i] for i, c in finals.items())  # nothing streamed is lost
+    cut = [c for i, c in finals.items() if streamed[i] >= 10 and c.finish_reason == FinishReason.ABORTED][0]
     rest = engine.generate([GenRequest("cut#2", prompt, SamplingParams(16, 1.0), response_so_far=cut.token_ids)])[0]
     assert 0 < len(rest.token_ids) <= 16
     lp = _recompute(model, list(prompt) + cut.token_ids, rest.token_ids)
