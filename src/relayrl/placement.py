@@ -94,7 +94,10 @@ def _one(cfg, spec: dict, own: bool, state_dict, tokenizer, name: str) -> Engine
         from relayrl.engine.ray_engine import RayEngine
 
         start_ray(cfg)
-        return RayEngine(spec, name, max_restarts=cfg.ray.max_engine_restarts)
+        import ray  # the driver's job id in the name: two runs of one run.name on a shared cluster do not collide
+
+        return RayEngine(spec, f"{name}-job{ray.get_runtime_context().get_job_id()}",
+                         max_restarts=cfg.ray.max_engine_restarts)
     if cfg.rollout.engine == "vllm":  # (vLLM's engine core is a process of its own already)
         return build_local_engine(spec, tokenizer=tokenizer)
     if own:

@@ -63,6 +63,14 @@ def save_for_reload(state_dict: dict[str, torch.Tensor], folder: Path) -> None:
     os.replace(tmp, folder / "model.safetensors")
 
 
+async def _cancel_tasks() -> None:
+    """Every other task on the running loop, cancelled and finished."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class VLLMEngine(Engine):
     """``model``: a local folder (or hub id) vLLM can load; ``eos_token_ids``: ids that end a response."""
 
@@ -227,6 +235,8 @@ class VLLMEngine(Engine):
     def close(self) -> None:
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is not None:
+            with contextlib.suppress(Exception):  # vLLM's own tasks first: its output task would log
+                self._call(_cancel_tasks(), timeout=10)  # the engine's shutdown as a crash
             with contextlib.suppress(Exception):
                 llm.shutdown(timeout=10)
         self._stop_loop()
@@ -234,6 +244,8 @@ class VLLMEngine(Engine):
         gc.collect()  # AsyncLLM shuts down again when collected: now, not at interpreter exit
 
     def _stop_loop(self) -> None:
+        with contextlib.suppress(Exception):
+            self._call(_cancel_tasks(), timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         shutil.rmtree(self._shm, ignore_errors=True)
