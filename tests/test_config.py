@@ -101,6 +101,7 @@ def test_updates_per_step_beyond_the_batch_names_both_fields():
      "sync or periodic"),
     (["rollout.cb_num_blocks=64"], "rollout.cb_num_blocks", "rollout.engine=hf-cb"),
     (["rollout.cb_page_size=64"], "rollout.cb_page_size", "rollout.engine=hf-cb"),
+    (["rollout.vllm_sleep=true"], "rollout.vllm_sleep", "rollout.engine=vllm"),
     (["algo.tis_cap=3"], "algo.tis_cap", "algo.offpolicy=tis"),
     (["algo.tis_level=sequence"], "algo.tis_level", "algo.offpolicy=tis"),
     (["algo.m2po_tau=0.1"], "algo.m2po_tau", "algo.offpolicy=m2po"),
@@ -260,6 +261,19 @@ def test_cli_unexpected_errors_keep_their_traceback(monkeypatch):
 def test_agent_settings_that_do_not_apply_are_rejected(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["run.mode=async"], "needs run.mode=sync and run.backend=local (here run.mode=async"),
+    (["run.mode=periodic"], "here run.mode=periodic"),
+    (["run.backend=ray"], "here run.mode=sync, run.backend=ray"),
+])
+def test_vllm_sleep_only_where_nothing_generates_while_training(overrides, message):
+    """An engine asleep while the trainer steps cannot generate ahead (nor sleep as a Ray actor:
+    not wired)."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, ["rollout.engine=vllm", "rollout.vllm_sleep=true", *overrides])
+    assert load_config(None, ["rollout.engine=vllm", "rollout.vllm_sleep=true"]).rollout.vllm_sleep
 
 
 def test_agent_settings_load():

@@ -153,6 +153,36 @@ def test_carried_work_survives_kill_and_resume(tmp_path, mode):
 
 
 @pytest.mark.slow
+def test_sync_trainer_steps_while_the_engine_sleeps_with_nothing_in_flight(tmp_path, monkeypatch):
+    """rollout.vllm_sleep's contract, on the hf engine: each trainer step runs inside the engine's
+    ``asleep`` with no request in flight (not even the over-provisioned groups cut and parked), and
+    the new weights load after it wakes."""
+    import contextlib
+
+    from relayrl.engine.hf import HFEngine
+
+    log, load = [], HFEngine.load_weights
+
+    @contextlib.contextmanager
+    def asleep(self):
+        log.append(("sleep", self.num_pending()))
+        yield
+        log.append(("wake", self.num_pending()))
+
+    def load_weights(self, sd, version):
+        log.append(("load", version))
+        load(self, sd, version)
+
+    monkeypatch.setattr(HFEngine, "asleep", asleep)
+    monkeypatch.setattr(HFEngine, "load_weights", load_weights)
+    args = SMALL + ["run.mode=sync", "rollout.partial=true", "rollout.over_provision=2", "run.steps=3",
+                    f"run.output_dir={tmp_path}", "run.name=s"]
+    train(load_config(None, args))
+    assert log == [e for v in (1, 2, 3) for e in (("sleep", 0), ("wake", 0), ("load", v))]
+    assert _metrics(tmp_path / "s")[-1]["partial_resumed_total"] > 0  # groups were parked across the steps
+
+
+@pytest.mark.slow
 def test_async_with_eta_zero_equals_sync(tiny_path, tmp_path):
     """η = 0: the asynchronous pipeline trains exactly what the synchronous one does, bit for bit
     (with the engine in-process, so both draw samples from the same random stream)."""

@@ -38,12 +38,29 @@ class _Recorder(Engine):
         yield
         self.log.append((self.name, "resume"))
 
+    @contextlib.contextmanager
+    def asleep(self):
+        self.log.append((self.name, "sleep"))
+        yield
+        self.log.append((self.name, "wake"))
+
     def load_weights(self, sd, version):
         self.log.append((self.name, "load", version))
         self._v = version
 
     def num_pending(self):
         return 0
+
+
+def test_every_engine_sleeps_while_the_trainer_steps():
+    log = []
+    router = EngineRouter([_Recorder("a", log), _Recorder("b", log)])
+    try:
+        with router.asleep():
+            assert sorted(log) == [("a", "sleep"), ("b", "sleep")]
+        assert sorted(log[2:]) == [("a", "wake"), ("b", "wake")]
+    finally:
+        router.close()
 
 
 def test_weights_reach_every_engine_before_any_resumes():

@@ -202,3 +202,44 @@ def test_start_errors_are_clear(tmp_path, demo):
     (odd / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(EngineError, match="vLLM could not start on model .*odd"):
         VLLMEngine(str(odd), [1], max_model_len=512)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU sleep mode runs: the gpu test below")
+def test_sleep_mode_without_a_gpu_is_a_clear_error(demo):
+    from relayrl.engine import EngineError
+    from relayrl.engine.vllm import VLLMEngine
+
+    with pytest.raises(EngineError, match="rollout.vllm_sleep=true: .* no CUDA GPU"):
+        VLLMEngine(demo[0], [1], max_model_len=512, sleep=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_asleep_frees_gpu_memory_and_wakes_for_new_weights(demo):
+    """rollout.vllm_sleep on a GPU (not run on this project's CPU machines): asleep, the engine's
+    KV cache and weights leave the GPU; awake, it takes new weights and samples from them."""
+    from relayrl.engine.vllm import VLLMEngine
+    from relayrl.placement import eos_token_ids
+
+    path, model, tok = demo
+    eng = VLLMEngine(path, eos_token_ids(path, tok), max_model_len=512, gpu_memory_utilization=0.2, sleep=True)
+    try:
+        prompt = _prompt(tok)
+        eng.generate([GenRequest("w", prompt, SamplingParams(8, 1.0))])
+        free = torch.cuda.mem_get_info()[0]
+        with eng.asleep():
+            freed = torch.cuda.mem_get_info()[0] - free
+            assert freed > 0.1 * torch.cuda.mem_get_info()[1]  # most of the 20% it held
+        torch.manual_seed(3)
+        new = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+        eng.load_weights(new, 1)
+        (c,) = eng.generate([GenRequest("n", prompt, SamplingParams(32, 1.0))])
+        assert set(c.versions) == {1}
+        old = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(new)
+        try:
+            assert (_recompute(model, prompt, c.token_ids) - torch.tensor(c.logprobs)).abs().max() < 1e-3
+        finally:
+            model.load_state_dict(old)  # (the module's model, shared with the other tests)
+    finally:
+        eng.close()

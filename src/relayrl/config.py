@@ -107,6 +107,10 @@ class RolloutCfg(_Section):
     vllm_gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="vllm on a GPU: fraction of the GPU's memory the engine may take (the rest is "
         "the trainer's when colocated).")
+    vllm_sleep: bool = Field(
+        False, description="vllm on a GPU the trainer shares (colocated): while the trainer steps, the engine "
+        "sleeps (vLLM's sleep mode, level 1: weights offloaded to CPU memory, KV cache freed), then wakes and takes "
+        "the new weights. Needs run.mode=sync (nothing generates while training), run.backend=local and a CUDA GPU.")
     engine_process: bool | None = Field(
         None, description="Run the engine in its own process (own cores, no GIL shared with the trainer); weights "
         "travel through shared memory. null: on for the overlapped modes (periodic, async), off for sync.")
@@ -296,6 +300,10 @@ class Config(BaseModel):
             raise ValueError(
                 f"trainer.updates_per_step={t.updates_per_step} is more than the batch it splits: "
                 f"rollout.prompts_per_step × rollout.group_size = {r.prompts_per_step} × {r.group_size} = {batch}")
+        if r.vllm_sleep and (self.run.mode != "sync" or self.run.backend != "local"):
+            raise ValueError(f"rollout.vllm_sleep=true needs run.mode=sync and run.backend=local (here run.mode="
+                             f"{self.run.mode}, run.backend={self.run.backend}): an engine asleep cannot generate "
+                             "while the trainer steps")
         if self.eval.every > self.run.steps:
             raise ValueError(f"eval.every={self.eval.every} is more than run.steps={self.run.steps}: it would never "
                              "evaluate during training (0: only before and after)")
@@ -343,6 +351,7 @@ APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] =
                                ("rollout.engine_process", "run.mode", "rollout.engines", "run.backend")),
     "rollout.vllm_max_model_len": _VLLM,
     "rollout.vllm_gpu_memory_utilization": _VLLM,
+    "rollout.vllm_sleep": _VLLM,
     "ray.address": _RAY,
     "ray.num_cpus": _RAY,
     "ray.max_engine_restarts": _RAY,

@@ -231,7 +231,7 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                         groups, generated = source.next_batch()
                     groups = drop_failed_or_raise(groups, state)  # (episodes scored themselves, off this thread)
                     batch = build_batch(flatten(groups), advantages_for(groups, cfg.algo), c.tokenizer.pad_token_id)
-                    with timers("train"), tl.busy("trainer"):
+                    with timers("train"), tl.busy("trainer"), c.engine.asleep():  # (rollout.vllm_sleep)
                         train_metrics = c.trainer.step(batch, version=state.version)
                     with timers("publish"):
                         source.publish(lambda: c.engine.load_weights(c.trainer.full_state_dict(), state.version + 1))

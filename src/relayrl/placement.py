@@ -64,7 +64,8 @@ def build_local_engine(spec: dict, driven: bool = False, model=None, tokenizer=N
 
         return VLLMEngine(spec["weights"], eos_token_ids(spec["weights"], tokenizer), dtype=spec["dtype"],
                           version=spec["version"], max_model_len=spec["max_model_len"], seed=spec["seed"],
-                          gpu_memory_utilization=r.vllm_gpu_memory_utilization, max_num_seqs=r.max_batch)
+                          gpu_memory_utilization=r.vllm_gpu_memory_utilization, max_num_seqs=r.max_batch,
+                          sleep=r.vllm_sleep)
     model = model if model is not None else load_policy(spec["weights"], spec["dtype"])
     return make_engine(r, model, tokenizer, version=spec["version"], driven=driven)
 

@@ -100,6 +100,13 @@ class Engine(abc.ABC):
     def num_pending(self) -> int:
         """Requests submitted whose completion has not been returned by ``get`` yet."""
 
+    @contextlib.contextmanager
+    def asleep(self):
+        """Context manager around a trainer step that shares the engine's GPU: inside, the engine
+        holds as little accelerator memory as it can; nothing may be in flight. Engines that free
+        nothing (the default) just wait. The new weights are loaded after it."""
+        yield
+
     def close(self) -> None:
         pass
 

@@ -111,6 +111,13 @@ class EngineRouter(Engine):
                 stack.enter_context(e.pause())
             yield
 
+    @contextlib.contextmanager
+    def asleep(self):
+        with contextlib.ExitStack() as stack:
+            for e in self.engines:
+                stack.enter_context(e.asleep())
+            yield
+
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         with self.pause():  # all paused, all loaded, then all resume
             for e in self.engines:

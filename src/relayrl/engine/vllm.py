@@ -76,7 +76,7 @@ class VLLMEngine(Engine):
 
     def __init__(self, model: str, eos_token_ids: list[int], dtype: str = "float32", version: int = 0,
                  max_model_len: int = 2048, seed: int = 0, gpu_memory_utilization: float = 0.5,
-                 max_num_seqs: int = 256, enforce_eager: bool | None = None):
+                 max_num_seqs: int = 256, enforce_eager: bool | None = None, sleep: bool = False):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU build only; vLLM's default takes a lot
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # (per-update warnings would bury the run's own lines)
         try:
@@ -85,6 +85,10 @@ class VLLMEngine(Engine):
             raise EngineError("rollout.engine=vllm: vLLM is not installed: run scripts/install-vllm (the README's "
                               "'vLLM, many engines, Ray, GPUs' gives the pip command per machine) "
                               f"({_reason(e)})") from None
+        if sleep and not torch.cuda.is_available():
+            raise EngineError("rollout.vllm_sleep=true: vLLM's sleep mode frees GPU memory for a trainer on the same "
+                              "GPU, and this machine has no CUDA GPU; leave rollout.vllm_sleep=false")
+        self._sleep = sleep
         self._version = version
         self._eos = list(eos_token_ids)
         self._out: queue.Queue[Completion] = queue.Queue()
@@ -102,7 +106,7 @@ class VLLMEngine(Engine):
         args = AsyncEngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                                enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
                                skip_tokenizer_init=True, gpu_memory_utilization=gpu_memory_utilization,
-                               max_num_seqs=max_num_seqs, disable_log_stats=True,
+                               max_num_seqs=max_num_seqs, disable_log_stats=True, enable_sleep_mode=sleep,
                                use_tqdm_on_load=False)  # (a progress bar per weight update otherwise)
         try:
             self._llm = self._call(self._start(args), timeout=900)
@@ -213,6 +217,24 @@ class VLLMEngine(Engine):
         # sampled by the old weights is tagged with the new version
         for _ in range(3):
             await asyncio.sleep(0.01)
+
+    @contextlib.contextmanager
+    def asleep(self):
+        """With ``sleep``: vLLM's sleep mode, level 1 (weights offloaded to CPU memory, KV cache
+        freed) while inside; awake, with the same weights and an empty prefix cache, after. (Level 2
+        would drop the weights and save the copy, but also model buffers a reload does not restore.)
+        GPU only: not run on this project's CPU machines."""
+        if not self._sleep:
+            yield
+            return
+        if self.num_pending():
+            raise EngineError(f"the vLLM engine cannot sleep with {self.num_pending()} requests in flight")
+        self._call(self._llm.sleep(level=1))
+        try:
+            yield
+        finally:
+            self._call(self._llm.wake_up())
+            self._call(self._llm.reset_prefix_cache())
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         save_for_reload(state_dict, self._shm)
