@@ -1,6 +1,7 @@
 """Engines as Ray actors: the same answers as in-process, weights and versions, and an actor
 killed mid-generation is replaced without losing or repeating a token."""
 
+import os
 import time
 
 import pytest
@@ -115,7 +116,7 @@ def test_pause_holds_across_a_restart(local_ray, tiny, tiny_path):
 def test_reward_workers_in_a_ray_actor(local_ray):
     """run.backend=ray's verifier pool: scores as locally, failures counted on this side, a bad
     reward.fn the same error as locally."""
-    from relayrl.ray_rewards import RayRewardRunner
+    from relayrl.ray_workers import RayRewardRunner
 
     runner = RayRewardRunner("tests.rewards_for_tests:flaky", timeout_s=5.0, workers=1)
     try:
@@ -126,3 +127,28 @@ def test_reward_workers_in_a_ray_actor(local_ray):
         runner.close()
     with pytest.raises(ValueError, match="no_such_module"):
         RayRewardRunner("no_such_module:fn", workers=1)
+
+
+def test_python_tool_workers_in_a_ray_actor(local_ray):
+    """run.backend=ray's python tool (env.name=python): the code runs under the actor's worker pool,
+    not this process's, with the local tool's text; a lost actor reads as a sandbox failure."""
+    from relayrl.envs import python_tool
+    from relayrl.ray_workers import RayPythonTool
+
+    tool = RayPythonTool(timeout_s=5.0, workers=1, sandbox="none")
+    try:
+        ancestors = ("import os\npid, seen = os.getpid(), []\nwhile pid > 1:\n"
+                     "    pid = int(open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[1]); seen.append(pid)\n"
+                     "print(seen)")
+        chain = eval(tool(ancestors))
+        actor = ray.get(tool._actor.pid.remote())
+        assert actor != os.getpid() and actor in chain  # the actor's pool ran it
+        assert "timed out after 1.0 s" in tool("while True: pass", timeout_s=1.0)
+        python_tool.use_default(lambda: tool)  # what the pipeline installs for env.name=python
+        assert python_tool.python("print(6 * 7)") == "42\n"
+        ray.kill(tool._actor)
+        assert "the sandbox failed: its Ray actor was lost" in tool("print(1)")
+    finally:
+        python_tool.use_default()
+    with pytest.raises(RuntimeError, match="could not start its workers: .*memory_mb"):
+        RayPythonTool(memory_mb=1)

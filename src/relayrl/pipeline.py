@@ -19,6 +19,7 @@ from relayrl.checkpoint import CheckpointWriter, RunState, restore_rng
 from relayrl.config import Config, dump_config
 from relayrl.data import PromptSampler, load_prompts
 from relayrl.engine import EngineError
+from relayrl.envs import python_tool
 from relayrl.envs.base import make_env_factory
 from relayrl.episode_rollout import EpisodeRollout, flatten, versions_behind
 from relayrl.episodes import EpisodeLimits, EpisodeRunner
@@ -60,6 +61,7 @@ class Components:
         self.runner.close()
         self.engine.close()
         self.reward.close()
+        python_tool.use_default()  # the shared python tool's workers (env.name=python) end with the run
 
 
 def make_reward_runner(cfg: Config) -> RewardRunner:
@@ -67,7 +69,7 @@ def make_reward_runner(cfg: Config) -> RewardRunner:
     r = cfg.reward
     kw = {"timeout_s": r.timeout_s, "workers": r.workers, "memory_mb": r.memory_mb, "sandbox": r.sandbox}
     if cfg.run.backend == "ray":
-        from relayrl.ray_rewards import RayRewardRunner
+        from relayrl.ray_workers import RayRewardRunner
 
         start_ray(cfg)
         return RayRewardRunner(r.fn, **kw)
@@ -119,6 +121,11 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         undo.callback(reward.close)
         reward.stats.failures, reward.stats.timeouts = state.reward_failures, state.reward_timeouts
         make_env = make_env_factory(cfg.env.name, cfg.env.args) if cfg.env.name else None
+        if cfg.run.backend == "ray":  # the python tool's worker pool in a Ray actor too (at its first call)
+            from relayrl.ray_workers import RayPythonTool
+
+            python_tool.use_default(RayPythonTool)
+            undo.callback(python_tool.use_default)
         base = resolve_model_path(cfg.model.path, log=log)
         weights = str(ckpt) if ckpt else base
         tokenizer, tok_path = load_tokenizer_for(cfg, base, log)

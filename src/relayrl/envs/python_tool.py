@@ -69,7 +69,7 @@ import os
 import signal
 import threading
 from concurrent.futures import Future
-from typing import Iterable
+from typing import Callable, Iterable
 
 from relayrl.workers import CallFailed, PoolError, WorkerPool
 
@@ -160,6 +160,21 @@ class PythonTool:
 
 _default: PythonTool | None = None
 _default_lock = threading.Lock()
+_factory: Callable[[], PythonTool] = PythonTool
+
+
+def use_default(factory: Callable[[], PythonTool] | None = None) -> None:
+    """Where ``python`` runs its code from now on: in the tool ``factory()`` makes at the next call
+    (``run.backend=ray``: a ``RayPythonTool``), or, with None, in a local ``PythonTool``. The tool
+    made before is closed."""
+    global _default, _factory
+    with _default_lock:
+        old, _default, _factory = _default, None, factory or PythonTool
+    if old is not None:
+        old.close()
+
+
+atexit.register(use_default)  # (closes the shared tool's workers)
 
 
 def python(code: str) -> str:
@@ -175,9 +190,9 @@ def python(code: str) -> str:
     global _default
     with _default_lock:
         if _default is None:
-            _default = PythonTool()
-            atexit.register(_default.close)
-    return _default(code)
+            _default = _factory()
+        tool = _default
+    return tool(code)
 
 
 _python_doc = python.__doc__
