@@ -145,7 +145,7 @@ def test_abort_returns_the_tokens_so_far_which_continue(engine, demo):
     finals = {c.request_id: c for c in engine.drain() if c.finish_reason is not None}
     assert set(finals) == set(ids) - ended  # every request still owed ends once, after the abort
     assert all(len(c.token_ids) >= streamed[i] for i, c in finals.items())  # nothing streamed is lost
-    cut = [c for i, c in finals.items() if streamed[i] >= 10 and c.finish_reason == FinishReason.ABORTED][0]
+    cut = next(c for c in finals.values() if c.finish_reason == FinishReason.ABORTED and len(c.token_ids) >= 10)
     rest = engine.generate([GenRequest("cut#2", prompt, SamplingParams(16, 1.0), response_so_far=cut.token_ids)])[0]
     assert 0 < len(rest.token_ids) <= 16
     lp = _recompute(model, list(prompt) + cut.token_ids, rest.token_ids)
