@@ -104,18 +104,18 @@ class EngineRouter(Engine):
             if ids:
                 e.abort(ids)
 
-    @contextlib.contextmanager
     def pause(self):
-        with contextlib.ExitStack() as stack:
-            for e in self.engines:
-                stack.enter_context(e.pause())
-            yield
+        return self._on_every_engine("pause")
+
+    def asleep(self):
+        return self._on_every_engine("asleep")
 
     @contextlib.contextmanager
-    def asleep(self):
+    def _on_every_engine(self, context: str):
+        """Every engine's ``context`` (pause, asleep) entered, in order, and left in reverse."""
         with contextlib.ExitStack() as stack:
             for e in self.engines:
-                stack.enter_context(e.asleep())
+                stack.enter_context(getattr(e, context)())
             yield
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
