@@ -18,8 +18,26 @@ again during a resume), lets the last resume run to completion, and checks:
    no process in ``/proc/*/environ`` may still carry it. Survivors are listed by pid and
    cmdline, then killed.
 
-A case also fails if the final run does not exit 0 (e.g. ``--resume`` refusing to start) or if a
-planned kill did not land (a harness problem: the range of its moment is wrong).
+A case also fails if the final run does not exit 0 (e.g. ``--resume`` refusing to start), or if
+an attempt planned to be killed exits non-zero instead, or hangs.
+
+**Re-plans**: a planned kill that cannot land, because the attempt ran to completion (exit 0)
+before its moment came (a faster machine gets further in the same time), is not a failure: the
+run directory is put back as it was before the attempt (a copy is taken before every attempt
+planned to be killed) and the attempt is run again with a kill drawn from an earlier range, up to
+``MAX_REPLANS`` (3) times: a fault kill that missed at n draws from [lo, n - 1] (below lo once n
+is lo: [n/2, n - 1]); a wall-clock kill that missed at t s from [min(lo, h/2), h], h = 0.9 ×
+min(t, the attempt's time); a kill after step +k that missed draws k from [min(lo, k'), k'],
+k' = min(k, the steps the attempt logged) - 1, at least 1 (k' = k = 1: with at most half the
+delay). Each re-plan is drawn from its own ``random.Random`` seeded from
+``--seed``, the case, the attempt and the re-plan's number, so the moments are deterministic and
+the draws of the other kills do not change. Every re-plan is recorded (the "re-plans" column,
+and each attempt's ``replans`` in the JSON: the kill that missed, how long the attempt ran, the
+run directory at its end, the re-planned kill). A kill that still does not land (or cannot be
+drawn earlier: fault ``phase:1`` missed) leaves the case untested past that point (its run ran to
+completion, and is checked as such): reported in the notes and the summary line, but not a
+failure of the resume. The processes of every try, re-planned ones included, must leave no
+orphans.
 
 Kill moments: most kills use ``RELAYRL_KILL_AT=phase:n`` (``relayrl.faults``: the process kills
 itself the n-th time it reaches generate = a completion received, train = a micro-batch,
@@ -39,7 +57,8 @@ of a resumed attempt counts from that attempt's start.
     python benchmarks/kill_torture.py --seed 7        # other random kill moments
 
 Writes a Markdown table (one row per case) and JSON with every attempt's details to
-``benchmarks/results/kill_torture.{md,json}``; prints ``N/M passed``; exits 0 only if all passed.
+``benchmarks/results/kill_torture.{md,json}``; prints ``N/M passed`` (followed by the number of
+kills re-planned and of cases with a kill that never landed, if any); exits 0 only if all passed.
 The library under test is this checkout's ``src/`` (``--src`` to test another copy).
 """
 
@@ -57,7 +76,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -74,19 +93,21 @@ BASE = [
 NO_EVAL = ["data.eval_path=null"]
 # evaluations before training, after steps 2, 4, 6, and at the end: eval:1..10 all land
 WITH_EVAL = ["data.eval_path=builtin:demo-eval", "eval.every=2", "eval.size=16", "eval.samples=1"]
+MAX_REPLANS = 3  # times an attempt whose kill could not land (it ran to completion first) is re-run earlier
 
 
 @dataclass
 class Kill:
     """One planned kill. kind: 'fault' (RELAYRL_KILL_AT=phase:n, n in [lo, hi]), 'wall' (kill -9 at a
-    time in [lo, hi] s after start), 'after' (kill -9 0-1.5 s after the attempt logged its k-th step,
-    k in [lo, hi] counted from the step it resumed from)."""
+    time in [lo, hi] s after start), 'after' (kill -9 0-``delay_hi`` s after the attempt logged its
+    k-th step, k in [lo, hi] counted from the step it resumed from)."""
 
     kind: str
     lo: float
     hi: float
     phase: str = ""
     why: str = ""  # what the case aims at, for the table
+    delay_hi: float = 1.5  # 'after': the most seconds between the step's log line and the kill
 
 
 def fault(phase: str, lo: int, hi: int | None = None, why: str = "") -> Kill:
@@ -220,6 +241,8 @@ def describe_state(run_dir: Path) -> str:
 @dataclass
 class Attempt:
     kill: str  # what was planned ("" for a run to completion)
+    drawn: float = 0.0  # the moment drawn: n (fault), seconds (wall), k (after)
+    delay: float = 0.0  # 'after': the seconds drawn between the step's log line and the kill
     rc: int | None = None
     killed: bool = False
     landed: str = ""  # where it landed: the run directory's state at the kill
@@ -230,6 +253,7 @@ class Attempt:
     survivors: list = field(default_factory=list)
     orphans_gone_s: float = 0.0
     log_tail: str = ""
+    replans: list = field(default_factory=list)  # earlier tries of this attempt whose kill could not land
 
 
 def watch(proc: subprocess.Popen, a: Attempt, run_dir: Path, marker: str, t0: float, wall_start: float,
@@ -263,21 +287,23 @@ def run_attempt(cmd: list[str], env: dict, run_dir: Path, log: Path, kill: Kill 
                 resume: bool, timeout: float, grace: float, marker: str) -> Attempt:
     env = dict(env)
     env.pop("RELAYRL_KILL_AT", None)
-    label, deadline_kill, after_k, delay = "", None, None, 0.0
+    label, deadline_kill, after_k, delay, drawn = "", None, None, 0.0, 0.0
     if kill is not None and kill.kind == "fault":
-        n = rng.randint(int(kill.lo), int(kill.hi))
+        n = drawn = rng.randint(int(kill.lo), int(kill.hi))
         env["RELAYRL_KILL_AT"] = f"{kill.phase}:{n}"
         label = f"{kill.phase} #{n}"
     elif kill is not None and kill.kind == "wall":
-        deadline_kill = rng.uniform(kill.lo, kill.hi)
+        deadline_kill = drawn = rng.uniform(kill.lo, kill.hi)
         label = f"kill -9 at {deadline_kill:.1f}s"
     elif kill is not None and kill.kind == "after":
-        after_k, delay = rng.randint(int(kill.lo), int(kill.hi)), rng.uniform(0.0, 1.5)
+        after_k, delay = rng.randint(int(kill.lo), int(kill.hi)), rng.uniform(0.0, kill.delay_hi)
+        drawn = after_k
         label = f"kill -9 {delay:.1f}s after step +{after_k}"
     if kill is not None and kill.why:
         label += f" ({kill.why})"
     ck = complete_checkpoints(run_dir)
-    a = Attempt(kill=label, expected_from=(str(ck[-1]) if ck else "scratch") if resume else "")
+    a = Attempt(kill=label, drawn=drawn, delay=delay,
+                expected_from=(str(ck[-1]) if ck else "scratch") if resume else "")
     start_step = ck[-1] if (resume and ck) else 0
     t0, wall_start = time.monotonic(), time.time()
     with log.open("w") as f:
@@ -304,6 +330,53 @@ def run_attempt(cmd: list[str], env: dict, run_dir: Path, log: Path, kill: Kill 
         a.log_tail = "\n".join(text.splitlines()[-15:])
     a.survivors, a.orphans_gone_s = wait_no_survivors(marker, grace)
     return a
+
+
+def replan(kill: Kill, a: Attempt, logged: int) -> Kill | None:
+    """``kill``, with a range ending before the moment ``a`` drew, which did not land because the
+    attempt ran to completion first (a later moment would not land either); ``logged``: the steps
+    the attempt logged past the one it started from. None where nothing earlier can be drawn."""
+    if kill.kind == "fault":  # the phase was reached fewer than n times
+        hi = int(a.drawn) - 1
+        if hi < 1:
+            return None
+        return replace(kill, lo=kill.lo if kill.lo <= hi else max(1, (hi + 1) // 2), hi=hi)
+    if kill.kind == "wall":  # the run was over before t
+        hi = 0.9 * min(a.drawn, a.seconds)
+        return replace(kill, lo=min(kill.lo, hi / 2), hi=hi)
+    if logged < 1:  # 'after': no step was logged, yet the run completed
+        return None
+    k = max(1, min(int(a.drawn), logged) - 1)  # step +k was not reached, or the run ended within the delay
+    return replace(kill, lo=min(kill.lo, k), hi=k, delay_hi=a.delay / 2 if k == int(a.drawn) else kill.delay_hi)
+
+
+def describe_kill(kill: Kill) -> str:
+    if kill.kind == "fault":
+        return f"{kill.phase} #{int(kill.lo)}-{int(kill.hi)}"
+    if kill.kind == "wall":
+        return f"kill -9 at {kill.lo:.1f}-{kill.hi:.1f}s"
+    return f"kill -9 0-{kill.delay_hi:.1f}s after step +{int(kill.lo)}-{int(kill.hi)}"
+
+
+def replan_count(a: Attempt) -> int:
+    """How many times attempt ``a`` was run again with an earlier kill (``a.replans``: every try whose
+    kill missed; the last one, if ``a`` itself missed, with ``replanned`` None)."""
+    return sum(r["replanned"] is not None for r in a.replans)
+
+
+def copy_run_dir(run_dir: Path, to: Path) -> Path | None:
+    """A copy of the run directory as it is (None: there is none yet), to put back with ``put_back``."""
+    shutil.rmtree(to, ignore_errors=True)
+    if not run_dir.exists():
+        return None
+    shutil.copytree(run_dir, to, symlinks=True)  # (mtimes kept: metrics.jsonl stays older than a new attempt)
+    return to
+
+
+def put_back(copy: Path | None, run_dir: Path) -> None:
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if copy is not None:
+        shutil.copytree(copy, run_dir, symlinks=True)
 
 
 # ---------------------------------------------------------------- checks
@@ -393,38 +466,69 @@ def run_case(index: int, workdir: Path, seed: int = 0, src: Path | None = None, 
     logs.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     attempts: list[Attempt] = []
+    tries: list[tuple[int, Attempt]] = []  # (attempt, try): every run started, re-planned ones included
+    notes = []
     plan = list(case.kills) + [None]  # the last attempt runs to completion
     for i, kill in enumerate(plan):
-        a = run_attempt(cmd, env, run_dir, logs / f"attempt{i}.log", kill, rng, resume=i > 0, timeout=timeout,
-                        grace=grace, marker=marker)
+        before = copy_run_dir(run_dir, workdir / f"{name}-before") if kill is not None else None
+        planned, draw, replans = kill, rng, []
+        for t in range(MAX_REPLANS + 1):
+            a = run_attempt(cmd, env, run_dir, logs / (f"attempt{i}.log" if t == 0 else f"attempt{i}-replan{t}.log"),
+                            planned, draw, resume=i > 0, timeout=timeout, grace=grace, marker=marker)
+            tries.append((i, a))
+            if kill is None or a.killed or a.rc != 0 or a.landed.startswith("HUNG"):
+                break
+            # the run completed before its kill: a harness miss, not a failure; run it again, killed earlier
+            start = int(a.expected_from) if a.expected_from.isdigit() else 0
+            nxt = replan(planned, a, last_logged_step(run_dir) - start) if t < MAX_REPLANS else None
+            replans.append({"kill": a.kill, "rc": a.rc, "seconds": round(a.seconds, 1),
+                            "run_dir_at_end": describe_state(run_dir), "replanned": describe_kill(nxt) if nxt else None,
+                            "survivors": a.survivors})
+            if nxt is None:
+                break
+            notes.append(f"attempt {i}: kill '{a.kill}' could not land (the run completed in {a.seconds:.0f}s): "
+                         f"re-planned as {describe_kill(nxt)}")
+            put_back(before, run_dir)
+            planned, draw = nxt, random.Random(f"{seed}:{index}:{i}:replan{t + 1}")
+        if before is not None:
+            shutil.rmtree(before, ignore_errors=True)
+        a.replans = replans
         attempts.append(a)
         if kill is not None and not a.killed:
-            break  # the kill did not land (run ended first) or the run failed: nothing more to resume
+            break  # the kill did not land (run ended first, even re-planned) or the run failed: nothing more to resume
         if kill is None or a.landed.startswith("HUNG"):
             break
     final = attempts[-1]
-    notes = []
+    untested = ""
     for i, a in enumerate(attempts):
         if a.landed.startswith("HUNG"):
             notes.append(f"attempt {i}: {a.landed}")
+        elif i < len(case.kills) and not a.killed and a.rc == 0:
+            untested = (f"attempt {i}: planned kill '{a.kill}' never landed (the run completed first, "
+                        f"{replan_count(a)} re-plan(s)): the case is untested past that point")
+            notes.append(untested)
         elif i < len(case.kills) and not a.killed:
             notes.append(f"attempt {i}: planned kill '{a.kill}' did not land (exit {a.rc})"
                          + (f": {last_line(a.log_tail)}" if a.rc else ""))
+        if a.resumed_from not in ("", "error") and a.expected_from and a.resumed_from != a.expected_from:
+            notes.append(f"attempt {i}: resumed from {a.resumed_from}, newest complete checkpoint was {a.expected_from}")
+    for i, a in tries:
         if a.survivors:
             notes.append(f"attempt {i}: {len(a.survivors)} process(es) left after {a.orphans_gone_s:.0f}s: "
                          + "; ".join(f"pid {p} `{c[:120]}`" for p, c in a.survivors))
-        if a.resumed_from not in ("", "error") and a.expected_from and a.resumed_from != a.expected_from:
-            notes.append(f"attempt {i}: resumed from {a.resumed_from}, newest complete checkpoint was {a.expected_from}")
-    completed = final.rc == 0 and len(attempts) == len(plan)
+    # exit 0: the last attempt ran to completion, and every attempt before it was killed as planned
+    # (an attempt that exits non-zero, or hangs, instead of being killed fails; one whose kill never
+    # landed, even re-planned, completed: checked as the final run)
+    completed = final.rc == 0 and all(a.killed for a in attempts[:-1])
     if final.rc not in (0, -signal.SIGKILL) and not final.landed.startswith("HUNG"):
         notes.append(f"attempt {len(attempts) - 1} exited {final.rc}: {last_line(final.log_tail)}")
     checks, why = {"exit 0": completed}, {}
     for key, fn in (("once", check_once), ("steps", check_steps), ("loads", check_loads)):
         checks[key], why[key] = fn(run_dir, STEPS)
-    blind = [i for i, a in enumerate(attempts) if a.seconds > 3 and a.procs_seen == 0]
+    blind = sorted({i for i, a in tries if a.seconds > 3 and a.procs_seen == 0})
     if blind:  # the CLI itself carries the marker: a scan that never saw it proves nothing
         notes.append(f"harness: the /proc scan saw no marked process while attempts {blind} ran")
-    checks["no orphans"] = not any(a.survivors for a in attempts) and not marked_processes(marker) and not blind
+    checks["no orphans"] = not any(a.survivors for _, a in tries) and not marked_processes(marker) and not blind
     notes += [f"{k}: {v}" for k, v in why.items() if v and (completed or k == "steps")]
     kills = [a for a in attempts if a.killed]
     result = {
@@ -433,12 +537,15 @@ def run_case(index: int, workdir: Path, seed: int = 0, src: Path | None = None, 
         "partial": case.partial,
         "eval": case.eval,
         "planned": [asdict(k) for k in case.kills],
-        "where": " → ".join(f"{a.kill} [{a.landed}]" for a in kills) or "—",
+        "where": " → ".join(f"{a.kill} [{a.landed}]" + (f" (re-planned ×{replan_count(a)})" if a.replans else "")
+                            for a in kills) or "—",
         "kills": len(kills),
+        "replans": sum(replan_count(a) for a in attempts),
+        "untested": untested,
         "resumed_from": [a.resumed_from or (f"({a.expected_from}?)" if a.expected_from else "?")
                          for a in attempts[1:]],
         "checks": checks,
-        "passed": all(checks.values()),
+        "passed": all(checks.values()),  # a kill that never landed (``untested``) is no failure of the resume
         "notes": notes,
         "seconds": round(time.monotonic() - t0, 1),
         "attempts": [asdict(a) for a in attempts],
@@ -459,12 +566,13 @@ def row(r: dict) -> list[str]:
     mark = lambda ok: "✓" if ok else "✗"  # noqa: E731
     c = r["checks"]
     return [str(r["case"]), r["mode"] + (" +eval" if r["eval"] else ""), "on" if r["partial"] else "off", r["where"],
-            str(r["kills"]), ", ".join(r["resumed_from"]) or "—", mark(c["exit 0"]), mark(c["once"]),
+            str(r["kills"]) + (f" of {len(r['planned'])}" if r["kills"] != len(r["planned"]) else ""),
+            str(r["replans"] or "—"), ", ".join(r["resumed_from"]) or "—", mark(c["exit 0"]), mark(c["once"]),
             mark(c["steps"]), mark(c["loads"]), mark(c["no orphans"]), f"{r['seconds']:.0f}"]
 
 
-HEADER = ["#", "mode", "partial", "where killed [run dir at the kill]", "kills", "resumed from step", "exit 0",
-          "once", "steps", "loads", "no orphans", "s"]
+HEADER = ["#", "mode", "partial", "where killed [run dir at the kill]", "kills", "re-plans", "resumed from step",
+          "exit 0", "once", "steps", "loads", "no orphans", "s"]
 
 
 def main() -> int:
@@ -490,7 +598,10 @@ def main() -> int:
         print(f"  {'passed' if r['passed'] else 'FAILED'} in {r['seconds']:.0f}s: {r['where']}"
               + "".join(f"\n  - {n}" for n in r["notes"]), flush=True)
     passed = sum(r["passed"] for r in results)
-    summary = f"{passed}/{len(results)} passed"
+    replans, untested = sum(r["replans"] for r in results), [r["case"] for r in results if r["untested"]]
+    summary = (f"{passed}/{len(results)} passed" + (f"; {replans} kill(s) re-planned (the run completed first)"
+                                                     if replans else "")
+               + (f"; a planned kill never landed in case(s) {untested}: untested past it" if untested else ""))
     out = Path(args.out)
     write_results(out, "kill_torture", HEADER, [row(r) for r in results],
                   {"machine": machine_info(), "seed": args.seed, "steps": STEPS, "base_config": BASE,

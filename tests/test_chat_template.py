@@ -2,9 +2,17 @@
 engine's own tokens plus template suffixes equals what the template renders for the whole
 conversation; a template that re-renders earlier turns fails closed."""
 
+import contextlib
+import threading
+import time
+
 import pytest
 
+from relayrl.engine.base import Engine
+from relayrl.envs.base import Env, StepResult
 from relayrl.envs.chat import TemplateMismatch, next_turn_suffix, render_ids
+from relayrl.episodes import EpisodeLimits, EpisodeRunner
+from relayrl.records import Completion, FinishReason, Prompt, SamplingParams, Trajectory
 
 CHATML = (  # Qwen2.5's shape: every turn ends "<|im_end|>\n", tool results go in a user turn
     "{%- for m in messages -%}"
@@ -80,16 +88,81 @@ def test_turns_concatenate_to_the_template_rendering(template, demo_tokenizer, c
         assert tok.decode(first_suffix).startswith("\n<|im_start|>user")
 
 
-def test_the_suffix_does_not_depend_on_how_the_engine_spelled_its_turn(demo_tokenizer):
+class TurnsEngine(Engine):
+    """Answers the i-th request with ``turns[i]`` (token ids, the end-of-turn token included), whole."""
+
+    def __init__(self, turns: list[list[int]]):
+        self.turns, self.live, self.lock = list(turns), {}, threading.Lock()
+
+    @property
+    def version(self):
+        return 0
+
+    def submit(self, requests):
+        with self.lock:
+            for r in requests:
+                self.live[r.request_id] = self.turns.pop(0)
+
+    def get(self, timeout=None):
+        time.sleep(0.001)
+        with self.lock:
+            live, self.live = self.live, {}
+        return [Completion(rid, ids, [-0.1] * len(ids), [0] * len(ids), FinishReason.STOP) for rid, ids in live.items()]
+
+    def abort(self, ids):
+        pass
+
+    @contextlib.contextmanager
+    def pause(self):
+        yield
+
+    def load_weights(self, state_dict, version):
+        pass
+
+    def num_pending(self):
+        return len(self.live)
+
+
+@pytest.mark.parametrize("template", ["demo", "chatml"])
+def test_the_suffix_does_not_depend_on_how_the_engine_spelled_its_turn(template, demo_tokenizer, chatml_tokenizer):
     """A policy may emit its turn in other tokens than the tokenizer's own (BPE pieces one by one):
-    the suffix comes from the template alone, so the context stays the engine's tokens + suffix."""
-    tok = demo_tokenizer
-    messages = list(CONVERSATION[0]) + [{"role": "assistant", "content": "call add(3, 4)"}]
-    canonical = tok("call add(3, 4)", add_special_tokens=False)["input_ids"]
-    spelled = [i for ch in "call add(3, 4)" for i in tok(ch, add_special_tokens=False)["input_ids"]]
-    assert spelled != canonical and tok.decode(spelled) == tok.decode(canonical)
-    assert next_turn_suffix(tok, messages, [{"role": "user", "content": "7"}]) == \
-        render_ids(tok, messages + [{"role": "user", "content": "7"}], True)[len(render_ids(tok, messages, False)):]
+    the suffix comes from the template alone, so the context stays the engine's tokens + suffix.
+    The spelled turn goes through a real episode; the expected context is the template's rendering
+    of the whole conversation with that turn's canonical tokens swapped for the spelled ones."""
+    tok = demo_tokenizer if template == "demo" else chatml_tokenizer
+    observe = "tool" if template == "chatml" else "user"
+    reply, answer = "call add(3, 4)", "\\boxed{7}"
+    canonical = tok(reply, add_special_tokens=False)["input_ids"]
+    spelled = [i for ch in reply for i in tok(ch, add_special_tokens=False)["input_ids"]]
+    assert spelled != canonical and tok.decode(spelled) == tok.decode(canonical) == reply
+    eos = tok.eos_token_id
+
+    class Calc(Env):
+        async def reset(self, prompt):
+            return list(CONVERSATION[0])
+
+        async def step(self, text):
+            if text == reply:
+                return StepResult([{"role": observe, "content": "7"}])
+            return StepResult(reward=float(text == answer), done=True)
+
+    engine = TurnsEngine([spelled + [eos], tok(answer, add_special_tokens=False)["input_ids"] + [eos]])
+    runner = EpisodeRunner(engine, tok, Calc, EpisodeLimits(4, 4000), lambda text, p: (0.0, False))
+    try:
+        t = Trajectory(Prompt("p", []), "g", 0, [])
+        runner.run(runner.episode(t, SamplingParams(100)))
+    finally:
+        runner.close()
+    assert t.reward == 1.0 and t.info["turns"] == 2, t.info
+
+    prompt = render_ids(tok, CONVERSATION[0], add_generation_prompt=True)
+    full = render_ids(tok, CONVERSATION[0] + [{"role": "assistant", "content": reply}, {"role": observe, "content": "7"},
+                                              {"role": "assistant", "content": answer}], add_generation_prompt=False)
+    assert full[: len(prompt) + len(canonical)] == prompt + canonical  # the rendering spells the turn canonically
+    expected = prompt + spelled + full[len(prompt) + len(canonical):]
+    context = t.prompt_ids + t.response_ids
+    assert context[-1] == eos and context == expected[: len(context)] and len(expected) - len(context) <= 1
+    assert t.response_ids[: len(spelled) + 1] == spelled + [eos] and t.mask[: len(spelled) + 1] == [1] * (len(spelled) + 1)
 
 
 def test_a_template_that_re_renders_earlier_turns_fails_closed(chatml_tokenizer):

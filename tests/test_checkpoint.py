@@ -2,6 +2,7 @@
 state at ``save`` time even if training goes on meanwhile; failures surface at the next call."""
 
 import json
+import random
 
 import pytest
 import torch
@@ -12,6 +13,9 @@ from relayrl.checkpoint import (
     RunState,
     latest_checkpoint,
     load_run_state,
+    restore_rng,
+    snapshot,
+    write_snapshot,
 )
 
 
@@ -69,3 +73,33 @@ def test_group_ids_continue_across_a_resume(tiny):
     resumed = RunState.from_json(state.to_json())  # what the checkpoint holds
     after = {t.request_id for g in new_groups(cfg, c, resumed, [p]) for t in g.trajectories}
     assert len(before) == 3 * cfg.rollout.group_size and not before & after
+
+
+def _draws(rng: dict) -> list:
+    """Numbers from every generator the snapshot ``rng`` holds: torch's, Python's, CUDA's if there."""
+    out = [torch.rand(4).tolist(), torch.randint(0, 10**6, (3,)).tolist(), [random.random() for _ in range(3)]]
+    if "cuda" in rng:
+        out.append(torch.rand(4, device="cuda").tolist())
+    return out
+
+
+def test_restore_rng_replays_the_random_numbers_drawn_after_the_snapshot(tiny):
+    model, _ = tiny
+    snap = snapshot(RunState(step=1), model, {})
+    assert {"torch", "python"} <= set(snap["rng"]) <= {"torch", "python", "cuda"}
+    first = _draws(snap["rng"])
+    assert _draws(snap["rng"]) != first  # the generators moved on
+    restore_rng({"rng": snap["rng"]})
+    assert _draws(snap["rng"]) == first
+
+
+def test_restore_rng_from_a_checkpoint_on_disk(tiny, tmp_path):
+    """Through the real path: snapshot, write_snapshot, load_run_state, restore_rng."""
+    model, tok = tiny
+    snap = snapshot(RunState(step=5), model, {"optimizer": {}})
+    first = _draws(snap["rng"])
+    ckpt = write_snapshot(tmp_path, snap, model, tok, keep=1)
+    assert _draws(snap["rng"]) != first
+    _, trainer_state = load_run_state(ckpt)
+    restore_rng(trainer_state)
+    assert _draws(snap["rng"]) == first

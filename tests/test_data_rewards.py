@@ -1,4 +1,5 @@
 import json
+import math
 import time
 
 import pytest
@@ -160,17 +161,22 @@ def hanging_reward(completion, answer, metadata):
     return 1.0
 
 
-def test_raising_and_hanging_rewards_score_zero_and_are_counted():
+def test_raising_and_hanging_rewards_are_failures_not_zeros_and_are_counted():
     r = RewardRunner("tests.test_data_rewards:raising_reward", timeout_s=2)
     try:
-        assert r.score([("x", "1", {}), ("y", "1", {})]) == [(0.0, True), (0.0, True)]
+        out = r.score([("x", "1", {}), ("y", "1", {})])
+        assert all(math.isnan(v) for v, _ in out)  # never a score of 0 that could be trained on
+        assert [f["kind"] for _, f in out] == ["reward", "reward"]
+        assert out[0][1]["source"] == "reward.fn=tests.test_data_rewards:raising_reward"
+        assert "boom" in out[0][1]["error"]
         assert r.stats.failures == 2 and "boom" in r.stats.last_error
     finally:
         r.close()
     r = RewardRunner("tests.test_data_rewards:hanging_reward", timeout_s=0.5)
     try:
         out = r.score([("a", None, {}), ("hang", None, {}), ("b", None, {})])
-        assert out == [(1.0, False), (0.0, True), (1.0, False)]
+        assert out[0] == (1.0, None) and out[2] == (1.0, None)
+        assert out[1][1]["kind"] == "reward_timeout" and "reward.timeout_s=0.5" in out[1][1]["error"]
         assert r.stats.timeouts == 1
     finally:
         r.close()

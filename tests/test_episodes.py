@@ -14,6 +14,7 @@ from relayrl.envs.base import Env, StepResult, ToolEnv, load_env_class, make_env
 from relayrl.envs.chat import render_ids
 from relayrl.envs.gym import GymTextEnv
 from relayrl.episodes import EpisodeLimits, EpisodeRunner
+from relayrl.failures import failed
 from relayrl.records import Completion, FinishReason, Prompt, SamplingParams, Trajectory
 from relayrl.rewards import last_boxed
 from tests.test_chat_template import chatml_tokenizer  # noqa: F401 - a fixture
@@ -21,8 +22,8 @@ from tests.test_chat_template import chatml_tokenizer  # noqa: F401 - a fixture
 
 class ScriptedEngine(Engine):
     """Replies with ``reply(context_text)`` (text of the assistant turn), one token per ``get``,
-    then the end-of-turn token. Tokens carry the loaded version; an aborted request returns
-    exactly the tokens emitted so far."""
+    then the end-of-turn token. Each token carries the version loaded when it was emitted; an
+    aborted request returns exactly the tokens emitted so far."""
 
     def __init__(self, tok, reply, delay: float = 0.001):
         self.tok, self.reply, self.delay = tok, reply, delay
@@ -40,7 +41,8 @@ class ScriptedEngine(Engine):
                 ids = self.tok(self.reply(context), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
                 context_ids = r.prompt_ids + r.response_so_far
                 done_before = len(context_ids) - _last_turn_start(self.tok, context_ids)  # of this turn
-                self.live[r.request_id] = {"todo": ids[done_before:], "out": [], "left": r.params.max_new_tokens}
+                self.live[r.request_id] = {"todo": ids[done_before:], "out": [], "vers": [],
+                                           "left": r.params.max_new_tokens}
 
     def get(self, timeout=None):
         time.sleep(self.delay)
@@ -51,14 +53,14 @@ class ScriptedEngine(Engine):
                 if rid in self.aborted:
                     self.aborted.discard(rid)
                     del self.live[rid]
-                    out.append(Completion(rid, s["out"], [-0.1] * len(s["out"]), [self._version] * len(s["out"]),
-                                          FinishReason.ABORTED))
+                    out.append(Completion(rid, s["out"], [-0.1] * len(s["out"]), s["vers"], FinishReason.ABORTED))
                     continue
                 s["out"].append(s["todo"].pop(0))
+                s["vers"].append(self._version)
                 if not s["todo"] or len(s["out"]) == s["left"]:
                     del self.live[rid]
                     reason = FinishReason.STOP if not s["todo"] else FinishReason.LENGTH
-                    out.append(Completion(rid, s["out"], [-0.1] * len(s["out"]), [self._version] * len(s["out"]), reason))
+                    out.append(Completion(rid, s["out"], [-0.1] * len(s["out"]), s["vers"], reason))
         return out
 
     def abort(self, ids):
@@ -71,7 +73,8 @@ class ScriptedEngine(Engine):
             yield
 
     def load_weights(self, state_dict, version):
-        self._version = version
+        with self.lock:
+            self._version = version
 
     def num_pending(self):
         return len(self.live)
@@ -230,19 +233,43 @@ def test_max_turns_and_the_token_budget_end_an_episode(tok):
 
 
 def test_a_turn_cut_by_an_abort_continues_from_its_tokens(tok):
-    runner = make_runner(tok, calc_reply, lambda: ToolEnv([add]), delay=0.01)
+    """A weight update cuts the first turn (the tool call) a few tokens in: the turn goes on from
+    exactly those tokens under the new weights, and the episode ends as if it had not been cut."""
+    runner = make_runner(tok, calc_reply, lambda: ToolEnv([add]), delay=0.01)  # the first turn: 69 tokens, ~0.7 s
+    eng = runner.engine.engine
     try:
-        fut = runner.submit(runner.episode(Trajectory(PROMPT, "g", 0, []), SamplingParams(64, 1.0)))
-        t0 = time.monotonic()
-        while not runner.inflight and time.monotonic() - t0 < 5:
-            time.sleep(0.005)
-        time.sleep(0.05)
-        runner.engine.engine.load_weights({}, 1)
-        runner.abort_inflight()
+        t = Trajectory(PROMPT, "g", 0, [])
+        fut = runner.submit(runner.episode(t, SamplingParams(1000, 1.0)))  # room for the whole turn
+        t0, cut = time.monotonic(), 0
+        while cut < 3 and time.monotonic() - t0 < 10:  # a few tokens of the first turn out
+            time.sleep(0.002)
+            with eng.lock:
+                cut = max((len(s["out"]) for s in eng.live.values()), default=0)
+        with eng.pause():  # as a publish does: cut and load in one pause, no token in between
+            assert len(eng.live) == 1, "the first turn ended before it could be cut"
+            cut = max(len(s["out"]) for s in eng.live.values())
+            runner.abort_inflight()
+            eng.load_weights({}, 1)
         fut.result(timeout=30)
-        assert runner.continued >= 1
     finally:
         runner.close()
+    assert runner.continued == 1
+    turn1 = tok(calc_reply(""), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    turn2 = tok("\\boxed{5}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert 3 <= cut < len(turn1)  # cut inside the first turn
+    # the tokens go on where the cut left them: the uncut conversation, the engine's turns trained
+    full = render_ids(tok, PROMPT.messages + [{"role": "assistant", "content": calc_reply("")},
+                                              {"role": "tool", "content": "5"},
+                                              {"role": "assistant", "content": "\\boxed{5}"}], add_generation_prompt=False)
+    assert t.prompt_ids + t.response_ids == full[: len(t.prompt_ids) + len(t.response_ids)]
+    assert len(full) - len(t.prompt_ids) - len(t.response_ids) == 1
+    assert [x for x, m in zip(t.response_ids, t.mask) if m] == turn1 + turn2  # mask 1 on every generated token
+    assert t.mask[: len(turn1)] == [1] * len(turn1) and t.mask[-len(turn2):] == [1] * len(turn2)
+    # the version changes at the cut: the tokens before it are version 0's, every one after it 1's
+    assert t.versions == [0] * cut + [1] * (len(t.response_ids) - cut)
+    # the reward is the verifier's for the whole episode: the cut tool call still ran, the answer is right
+    assert t.info["tool_calls"] == 1 and t.info.get("tool_errors", 0) == 0
+    assert t.text == "\\boxed{5}" and t.reward == 1.0 and t.finish_reason == FinishReason.STOP
 
 
 def test_an_environment_that_raises_fails_only_its_episode(tok):
@@ -253,7 +280,8 @@ def test_an_environment_that_raises_fails_only_its_episode(tok):
     runner = make_runner(tok, calc_reply, Broken)
     try:
         t = run(runner, Trajectory(PROMPT, "g", 0, []))
-        assert t.finish_reason == FinishReason.FAILED and "env bug" in t.info["error"]
+        assert t.failure["kind"] == "env" and t.failure["source"].startswith("Broken.step")
+        assert "KeyError: 'env bug'" in t.failure["error"] and failed(t)
         assert runner.error_count == 1
     finally:
         runner.close()

@@ -30,3 +30,77 @@ def test_killed_run_resumes_exactly(tmp_path, index):
     assert r["passed"], json.dumps({k: r[k] for k in ("where", "checks", "notes", "resumed_from")}, indent=1,
                                    ensure_ascii=False) + "\n" + "\n".join(
         f"attempt {i} log tail:\n{a['log_tail']}" for i, a in enumerate(r["attempts"]) if a["log_tail"])
+
+
+# ---------------------------------------------------------------- re-planning a kill that cannot land (fast)
+
+
+def _scripted(monkeypatch, outcomes: list[str]) -> list[dict]:
+    """``run_case`` with ``run_attempt`` replaced: each try draws its moment as the real one does and
+    ends as ``outcomes`` says ('done': ran to completion before its kill, 'killed', 'error': exit 1);
+    tries beyond the list complete. The checks of the run directory are stubbed (no CLI runs)."""
+    seen: list[dict] = []
+
+    def run_attempt(cmd, env, run_dir, log, kill, rng, resume, timeout, grace, marker):
+        n = rng.randint(int(kill.lo), int(kill.hi)) if kill is not None else 0
+        seen.append({"range": (kill.lo, kill.hi) if kill else None, "n": n,
+                     "found": (run_dir / "progress").read_text() if (run_dir / "progress").exists() else None})
+        outcome = outcomes[len(seen) - 1] if len(seen) <= len(outcomes) else "done"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "progress").write_text(f"try {len(seen)}: {outcome}")
+        rc = {"done": 0, "killed": -9, "error": 1}[outcome]
+        return kill_torture.Attempt(kill=f"{kill.phase} #{n}" if kill else "", drawn=n, rc=rc, killed=rc == -9,
+                                    landed="somewhere" if rc == -9 else "", seconds=1.0, procs_seen=1,
+                                    expected_from="scratch" if resume else "")
+
+    monkeypatch.setattr(kill_torture, "run_attempt", run_attempt)
+    for check in ("check_once", "check_steps", "check_loads"):
+        monkeypatch.setattr(kill_torture, check, lambda run_dir, steps: (True, ""))
+    monkeypatch.setattr(kill_torture, "marked_processes", lambda marker: [])
+    return seen
+
+
+def test_a_kill_that_cannot_land_is_replanned_earlier_from_the_same_run_directory(tmp_path, monkeypatch):
+    seen = _scripted(monkeypatch, ["done", "killed", "done"])
+    r = kill_torture.run_case(1, tmp_path, seed=0)  # periodic+partial, fault("train", 3, 6)
+    first = seen[0]["n"]
+    expected = kill_torture.replan(kill_torture.CASES[1].kills[0], kill_torture.Attempt("", drawn=first), 0)
+    assert seen[1]["range"] == (expected.lo, expected.hi) and seen[1]["n"] < first
+    assert seen[1]["found"] is None  # the run directory put back as before the try (none yet)
+    assert seen[2]["found"] == "try 2: killed"  # the resume sees what the landed kill left
+    assert r["passed"] and r["kills"] == 1 and r["replans"] == 1 and not r["untested"], r["notes"]
+    (miss,) = r["attempts"][0]["replans"]
+    assert miss["kill"] == f"train #{first}" and miss["replanned"] == kill_torture.describe_kill(expected)
+    assert any("re-planned" in n for n in r["notes"])
+    assert "re-planned ×1" in r["where"]
+    again = _scripted(monkeypatch, ["done", "killed", "done"])
+    kill_torture.run_case(1, tmp_path, seed=0)
+    assert again == seen  # deterministic from the seed
+
+
+def test_a_kill_that_never_lands_leaves_the_case_untested_not_failed(tmp_path, monkeypatch):
+    seen = _scripted(monkeypatch, ["done"] * 10)
+    r = kill_torture.run_case(1, tmp_path, seed=0)
+    assert len(seen) == kill_torture.MAX_REPLANS + 1  # bounded
+    assert all(b["n"] < a["n"] for a, b in zip(seen, seen[1:]) if a["n"] > 1)
+    assert r["passed"] and r["kills"] == 0 and r["replans"] == kill_torture.MAX_REPLANS and r["untested"]
+    assert kill_torture.row(r)[4] == "0 of 1"
+
+
+def test_an_attempt_that_fails_instead_of_being_killed_is_not_replanned(tmp_path, monkeypatch):
+    seen = _scripted(monkeypatch, ["error"])
+    r = kill_torture.run_case(1, tmp_path, seed=0)
+    assert len(seen) == 1 and not r["passed"] and not r["checks"]["exit 0"] and r["replans"] == 0
+
+
+def test_replan_draws_earlier_moments():
+    K, A = kill_torture, kill_torture.Attempt
+    assert K.replan(K.fault("generate", 33, 90), A("", drawn=50), 0) == K.fault("generate", 33, 49)
+    assert K.replan(K.fault("checkpoint", 2), A("", drawn=2), 0) == K.fault("checkpoint", 1, 1)
+    assert K.replan(K.fault("checkpoint", 1), A("", drawn=1), 0) is None  # the phase was never reached
+    w = K.replan(K.wall(0.5, 8.0), A("", drawn=7.0, seconds=5.0), 0)
+    assert w.hi == pytest.approx(4.5) and w.lo == 0.5
+    a = K.replan(K.after_step(1, 4), A("", drawn=3, delay=1.2), logged=2)  # resumed near the end: +3 never came
+    assert (a.lo, a.hi, a.delay_hi) == (1, 1, 1.5)
+    a = K.replan(K.after_step(1, 4), A("", drawn=1, delay=1.2), logged=2)  # logged +1, exited within the delay
+    assert (a.lo, a.hi, a.delay_hi) == (1, 1, 0.6)

@@ -33,7 +33,7 @@ def score(text, prompt):
 
 
 def rollout(eng, eta, *, partial=False, extra=0, park=False, drain=False, n_prompts=5, seed=0, version=0,
-            carried=(), drawn=None, max_groups=None):
+            carried=(), drawn=None, max_groups=None, params=SamplingParams(10)):
     prompts = [Prompt(f"p{i}", [{"role": "user", "content": str(i)}]) for i in range(n_prompts)]
     sampler = PromptSampler(prompts, seed)
     drawn = [] if drawn is None else drawn
@@ -50,7 +50,7 @@ def rollout(eng, eta, *, partial=False, extra=0, park=False, drain=False, n_prom
         return [Group(p, gid, [Trajectory(p, gid, i, [1, 2]) for i in range(G)]) for p, gid in zip(ps, gids)]
 
     runner = EpisodeRunner(eng, Tok(), None, None, score)
-    ro = EpisodeRollout(runner, take, new_groups, SamplingParams(10), B, eta, partial=partial, extra=extra,
+    ro = EpisodeRollout(runner, take, new_groups, params, B, eta, partial=partial, extra=extra,
                         park_while_training=park, drain_before_publish=drain, version=version, carried=carried,
                         max_groups=max_groups)
     return ro, drawn
@@ -195,12 +195,14 @@ def test_a_long_group_is_waited_for_not_overtaken():
 
     eng = OneSlow(0, max_len=8, width=4, delay=0.0005)
     prompts_seen = []
-    ro, drawn = rollout(eng, 1, seed=0, n_prompts=20, drawn=prompts_seen)
-    ro.params = SamplingParams(300)
+    # the length limit is given before the first groups are admitted, so the first group gets its 200
+    ro, drawn = rollout(eng, 1, seed=0, n_prompts=20, drawn=prompts_seen, params=SamplingParams(300))
     batches, held = drive(ro, eng, steps=6, train_s=0.001)
     trained = check_trained(batches, 1)
-    slow = [v for v, gs in batches for g in gs if g.group_id.startswith("t0.0.0/")]
-    assert slow and slow[0] <= 1  # trained by the version its bound allows
+    slow = [(v, g) for v, gs in batches for g in gs if g.group_id.startswith("t0.0.0/")]
+    assert len(slow) == 1 and slow[0][0] <= 1  # trained, by the version its bound allows
+    assert all(len(t.response_ids) == 200 for t in slow[0][1].trajectories)  # it was the 10x slow one
+    assert all(len(t.response_ids) <= 8 for v, gs in batches for g in gs if g is not slow[0][1] for t in g.trajectories)
     check_accounted(trained, held, drawn)
 
 

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -54,7 +56,7 @@ def test_step_changes_parameters_and_reports_metrics(tiny):
     m = tr.step(batch)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     for k in ("loss", "grad_norm", "clip_frac", "kl", "entropy", "logprob_mismatch_mean"):
-        assert k in m and m[k] == m[k]  # present and not NaN
+        assert isinstance(m.get(k), float) and math.isfinite(m[k]), (k, m.get(k))  # present, a number, not NaN
     assert m["entropy"] > 0
 
 
@@ -84,19 +86,59 @@ def _stale_batch(tok, model):
     return batch
 
 
-@pytest.mark.parametrize("offpolicy", ["decoupled", "tis", "m2po", "none"])
-def test_offpolicy_corrections_train_and_differ(tiny, offpolicy):
+def _m2po_keep_by_hand(log_r, adv, mask, tau):
+    """M2PO's mask the slow way: drop the trust-region token (A > 0 and r > 1, or A < 0 and r < 1)
+    with the largest (log r)², one at a time, until the mean (log r)² of the tokens left is ≤ τ."""
+    keep, sq = mask.clone(), log_r**2
+    cand = mask.bool() & (((adv > 0) & (log_r > 0)) | ((adv < 0) & (log_r < 0)))
+    while (sq * keep).sum() > tau * keep.sum() and (cand & keep.bool()).any():
+        keep.view(-1)[torch.where(cand & keep.bool(), sq, -1.0).flatten().argmax()] = 0
+    return keep
+
+
+@pytest.mark.parametrize("offpolicy,spread", [("none", 2.0), ("decoupled", 2.0), ("tis", 2.0), ("m2po", 0.7)])
+def test_offpolicy_corrections_match_their_formulas_by_hand(tiny, offpolicy, spread):
+    """One accumulation at θ = π_old (every PPO ratio 1, inside the clip), so each token's loss is
+    -weight · A · π_θ/sg(π_θ): the loss and the gradient against the formulas of algorithms.md §2,
+    written out here on a plain forward pass. The stale half's behaviour log-probs are off by up to
+    ±spread: 2 nats reach decoupled PPO's bound (w > 5: dropped) and TIS's cap (w > 2: truncated);
+    0.7 has M2PO mask some of the stale tokens, not all."""
     model, tok = tiny
     batch = _stale_batch(tok, model)
-    grads = {}
-    for name in (offpolicy, "none"):
-        tr = Trainer(model, TrainerCfg(), AlgoCfg(offpolicy=name), 1.0, 10, 16)
-        model.zero_grad()
-        tr.accumulate(batch, None, None, batch.loss_mask.sum().item(), float(batch.size), version=1)
-        grads[name] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    assert torch.isfinite(grads[offpolicy]).all() and grads[offpolicy].abs().sum() > 0
-    if offpolicy != "none":  # each correction changes what the stale half contributes
-        assert not torch.allclose(grads[offpolicy], grads["none"])
+    tr = Trainer(model, TrainerCfg(), AlgoCfg(offpolicy=offpolicy), 1.0, 10, 16)
+    stale = (batch.versions == 0) & batch.loss_mask.bool()
+    noise = (torch.rand(batch.behav_logp.shape, generator=torch.Generator().manual_seed(0)) * 2 - 1) * spread
+    batch.behav_logp = torch.where(stale, tr.logprobs(batch) + noise, batch.behav_logp) * batch.loss_mask
+    model.zero_grad()
+    sums = tr.accumulate(batch, None, None, batch.loss_mask.sum().item(), float(batch.size), version=1)
+    got = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    mask, adv = batch.loss_mask, batch.advantages
+    model.zero_grad()
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1]
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    ratio = torch.exp(logp - logp.detach())  # π_θ/π_old: 1, with the gradient of log π_θ
+    w_behav = torch.exp(logp.detach() - batch.behav_logp)  # π_old/π_behav
+    if offpolicy == "none":
+        per_tok = -adv * ratio
+    elif offpolicy == "decoupled":  # w = π_prox/π_behav on stale tokens only, tokens with w > 5 dropped
+        assert ((w_behav > 5) & stale).any() and ((w_behav < 5) & stale).any()
+        w = torch.where(stale, w_behav * (w_behav <= 5), torch.ones_like(w_behav))
+        per_tok = -w * adv * ratio
+    elif offpolicy == "tis":  # w = min(π_old/π_behav, 2) on every token
+        assert ((w_behav > 2) & stale).any() and ((w_behav < 2) & stale).any()
+        per_tok = -w_behav.clamp(max=2.0) * adv * ratio
+    else:  # M2PO: -M · π_θ/π_behav · A, no clip
+        log_r = (logp - batch.behav_logp) * mask
+        keep = _m2po_keep_by_hand(log_r.detach(), adv, mask, 0.04)
+        dropped = (mask - keep).bool()  # some stale trust-region tokens (A < 0 there, so r < 1), not all
+        assert dropped.any() and not (dropped & ~stale).any() and dropped.sum() < (stale & (log_r < 0)).sum()
+        per_tok = -keep * torch.exp(log_r) * adv
+    loss = (per_tok * mask).sum() / mask.sum()  # token_mean over the whole batch
+    loss.backward()
+    want = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    assert stale.any() and abs(sums["loss"] - loss.item()) < 1e-5, (sums["loss"], loss.item())
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-4)
 
 
 def test_ess_scales_the_step_on_off_policy_batches(tiny):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from relayrl.rewards import RewardRunner
-from relayrl.workers import CallFailed, ImportFailed, PoolError, SandboxUnavailable, WorkerPool
+from relayrl.workers import NOBODY, CallFailed, ImportFailed, PoolError, SandboxUnavailable, WorkerPool
 
 F = "tests.workers_for_tests:"  # functions for the pool
 T = "tests.rewards_for_tests:"  # verifiers for RewardRunner
@@ -254,6 +254,12 @@ def test_a_dead_server_fails_its_calls_and_restarts(pool):
 
 # ---------------------------------------------------------------- RewardRunner on the pool
 
+
+def _scored(out):
+    """A verifier's results as values, "failed" where the call failed (a failure, never a score of 0)."""
+    return ["failed" if failure else value for value, failure in out]
+
+
 def test_user_verifier_from_the_current_folder_or_a_file_path(tmp_path, monkeypatch):
     (tmp_path / "my_reward.py").write_text("def score(c, a, m):\n    return float(c == a)\n")
     (tmp_path / "sub").mkdir()
@@ -261,9 +267,9 @@ def test_user_verifier_from_the_current_folder_or_a_file_path(tmp_path, monkeypa
     (tmp_path / "sub" / "other.py").write_text("from helper import BONUS\n\n"
                                                "def score(c, a, m):\n    return BONUS + len(m)\n")
     monkeypatch.chdir(tmp_path)
-    for spec, want in [("my_reward:score", [(1.0, False), (0.0, False)]),
-                       ("sub/other.py:score", [(0.5, False), (1.5, False)]),
-                       (f"{tmp_path}/sub/other.py:score", [(0.5, False), (1.5, False)])]:
+    for spec, want in [("my_reward:score", [(1.0, None), (0.0, None)]),
+                       ("sub/other.py:score", [(0.5, None), (1.5, None)]),
+                       (f"{tmp_path}/sub/other.py:score", [(0.5, None), (1.5, None)])]:
         r = RewardRunner(spec, timeout_s=5)
         try:
             assert r.score([("7", "7", {}), ("7", "8", {"k": 1})]) == want, spec
@@ -280,13 +286,13 @@ def test_math_reward_in_workers_and_bad_values_fail():
     try:
         items = [(r"so \boxed{\frac{1}{2}}", "0.5", {}), (r"\boxed{13}", "13", {}), (r"\boxed{12}", "13", {}),
                  ("no answer field", None, {})]
-        assert r.score(items) == [(1.0, False), (1.0, False), (0.0, False), (0.0, True)]
+        assert _scored(r.score(items)) == [1.0, 1.0, 0.0, "failed"]
         assert r.stats.failures == 1 and "needs an answer" in r.stats.last_error
     finally:
         r.close()
     r = RewardRunner(T + "not_a_number", timeout_s=5)
     try:
-        assert r.score([("nan", None, {}), ("str", None, {}), ("inf", None, {})]) == [(0.0, True)] * 3
+        assert _scored(r.score([("nan", None, {}), ("str", None, {}), ("inf", None, {})])) == ["failed"] * 3
         assert r.stats.failures == 3 and "non-finite reward inf" in r.stats.last_error
     finally:
         r.close()
@@ -298,8 +304,8 @@ def test_hanging_verifiers_cost_one_deadline_per_round_of_workers():
         t = time.perf_counter()
         out = r.score([("hang", None, {})] * 4 + [("ok", None, {})] * 2)
         elapsed = time.perf_counter() - t
-        assert out == [(0.0, True)] * 4 + [(1.0, False)] * 2
-        assert r.stats.timeouts == 4 and r.stats.last_error == "timed out after 0.5s"
+        assert _scored(out) == ["failed"] * 4 + [1.0] * 2
+        assert r.stats.timeouts == 4 and r.stats.last_error == "timed out after 0.5s (reward.timeout_s=0.5)"
         assert elapsed < 1.6, elapsed  # 2 rounds of 0.5 s; one after another: >= 2 s + restarts
     finally:
         r.close()
@@ -308,7 +314,7 @@ def test_hanging_verifiers_cost_one_deadline_per_round_of_workers():
 def test_verifier_writing_to_stdout_does_not_break_scoring():
     r = RewardRunner(T + "shell_out", timeout_s=5)
     try:
-        assert r.score([("a", None, {}), ("b", None, {})]) == [(1.0, False), (1.0, False)]
+        assert _scored(r.score([("a", None, {}), ("b", None, {})])) == [1.0, 1.0]
         assert r.stats.failures == 0
     finally:
         r.close()
@@ -318,16 +324,16 @@ def test_timed_out_verifier_leaves_no_child_process():
     m = marker()
     r = RewardRunner(T + "spawn_and_hang", timeout_s=0.5)
     try:
-        assert r.score([(m, None, {})]) == [(0.0, True)]
+        assert _scored(r.score([(m, None, {})])) == ["failed"]
         assert eventually(lambda: procs_with(m)) == []
     finally:
         r.close()
 
 
-def test_memory_hungry_verifier_scores_zero_and_the_runner_goes_on():
+def test_memory_hungry_verifier_fails_its_call_and_the_runner_goes_on():
     r = RewardRunner(T + "allocate_10gb", timeout_s=5)
     try:
-        assert r.score([("big", None, {}), ("small", None, {})]) == [(0.0, True), (1.0, False)]
+        assert _scored(r.score([("big", None, {}), ("small", None, {})])) == ["failed", 1.0]
         assert r.stats.last_error == "killed: out of memory (reward.memory_mb=4096)"
     finally:
         r.close()
@@ -337,7 +343,7 @@ def test_memory_hungry_verifier_scores_zero_and_the_runner_goes_on():
 def test_math_reward_under_bwrap():
     r = RewardRunner("math", timeout_s=5, sandbox="bwrap")
     try:
-        assert r.score([(r"\boxed{\frac{1}{2}}", "0.5", {}), (r"\boxed{3}", "4", {})]) == [(1.0, False), (0.0, False)]
+        assert _scored(r.score([(r"\boxed{\frac{1}{2}}", "0.5", {}), (r"\boxed{3}", "4", {})])) == [1.0, 0.0]
     finally:
         r.close()
 
@@ -346,3 +352,44 @@ def test_bwrap_asked_for_but_missing_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(RuntimeError, match="reward.sandbox=bwrap but bubblewrap is not installed: apt-get install"):
         RewardRunner("exact", sandbox="bwrap")
+
+
+WRITES = ("import subprocess\n\n"
+          "def score(completion, answer, metadata):\n"
+          "    with open('calls.txt', 'a') as f:\n"
+          "        f.write(completion + '\\n')\n"
+          "    subprocess.run(['sh', '-c', 'echo ' + completion + ' >> shell.txt'], check=True)\n"
+          "    return 1.0\n")
+
+
+def test_a_verifier_writes_where_the_user_can_and_the_fork_bomb_guard_stays(tmp_path, monkeypatch):
+    """As root the workers run as uid 65534 (RLIMIT_NPROC, which root ignores); the working
+    directory is root's (0755), yet the verifier and the programs it runs append to files there."""
+    work = tmp_path / "work"
+    work.mkdir(mode=0o755)
+    (work / "writes.py").write_text(WRITES)
+    monkeypatch.chdir(work)
+    r = RewardRunner("writes.py:score", timeout_s=10, workers=2)
+    try:
+        assert _scored(r.score([("a", None, {}), ("b", None, {})])) == [1.0, 1.0]
+    finally:
+        r.close()
+    assert sorted((work / "calls.txt").read_text().split()) == ["a", "b"]
+    assert sorted((work / "shell.txt").read_text().split()) == ["a", "b"]
+    if os.geteuid() == 0:  # the uid switch that keeps the fork-bomb guard still happens
+        assert (work / "calls.txt").stat().st_uid == NOBODY
+
+
+@needs_bwrap
+def test_under_bwrap_the_filesystem_stays_read_only(tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir(mode=0o755)
+    (work / "writes.py").write_text(WRITES)
+    monkeypatch.chdir(work)
+    r = RewardRunner("writes.py:score", timeout_s=10, workers=1, sandbox="bwrap")
+    try:
+        out = r.score([("a", None, {})])
+    finally:
+        r.close()
+    assert _scored(out) == ["failed"] and "Read-only file system" in out[0][1]["error"]
+    assert not (work / "calls.txt").exists()

@@ -2,9 +2,16 @@
 
 ``runs/<name>/checkpoints/step_NNNNNN/`` holds the policy (``save_pretrained``, safetensors,
 with the tokenizer: loadable by ``from_pretrained``), ``trainer.pt`` (optimiser, scheduler,
-RNG) and ``state.json`` (step, samples, data cursor, policy version). A checkpoint is written
-to a temporary folder and renamed into place, then ``latest`` is replaced atomically, so a
-kill at any moment leaves the previous checkpoint intact.
+RNG: torch, Python, and CUDA's per device when CUDA is in use) and ``state.json`` (step,
+samples, data cursor, policy version). A checkpoint is written to a temporary folder
+(``.tmp-step_N``), renamed into place, then ``latest`` is replaced atomically, so a kill at any
+moment leaves the previous checkpoint intact. Every file is fsynced, then the folder, before
+the rename, and the parent folder after it, so a power loss cannot leave a ``step_N`` folder
+whose files were never written out. A ``step_N`` that already exists is first renamed aside
+(``.old-step_N``), never deleted before its replacement is in place; old checkpoints beyond
+``keep`` are renamed to ``.trash-step_N`` before they are deleted. ``latest_checkpoint`` counts an
+aside copy whose ``step_N`` is missing (a crash between the two renames), and
+``remove_incomplete`` puts it back, and deletes temporary and trash folders.
 
 ``CheckpointWriter`` writes in the background (DataStates-LLM's idea): the caller's thread only
 takes an in-memory snapshot (tensors cloned, state serialised, RNG captured), and a writer
@@ -42,6 +49,7 @@ class RunState:
     partial_resumed: int = 0  # cumulative groups continued from the buffer
     staleness: dict = field(default_factory=dict)  # the rollout's cumulative counts (turns continued)
     failed_generations: int = 0  # responses the engine failed on (dropped, not trained)
+    failures: dict = field(default_factory=dict)  # episodes left out, by kind (relayrl.failures), cumulative
     groups_made: int = 0  # groups created so far: their ids stay unique across resumes
     config: dict = field(default_factory=dict)  # the resolved config the run was started with
     data_fingerprint: str = ""  # of the training prompts: a resume must see the same data
@@ -65,10 +73,47 @@ class RunState:
         return cls(**d)
 
 
+TMP, OLD, TRASH = ".tmp-", ".old-", ".trash-"  # prefixes of a checkpoint being written, set aside, deleted
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder: its entries, i.e. renames and new names in it). Folders
+    cannot be opened on Windows, where this is skipped for them."""
+    if path.is_dir() and os.name == "nt":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under ``root``, then every folder (the deepest first, ``root`` last)."""
+    for dirpath, _, files in os.walk(root, topdown=False):
+        for f in files:
+            _fsync_path(Path(dirpath) / f)
+        _fsync_path(Path(dirpath))
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_path(path.parent)
+
+
+def _discard(path: Path) -> None:
+    """Delete checkpoint folder ``path``: first renamed to a ``.trash-`` name (one atomic step), so a
+    kill in the middle of the deletion never leaves a half-deleted ``step_*`` folder."""
+    trash = path.with_name(TRASH + path.name)
+    if trash.exists():
+        shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def snapshot(state: RunState, model, trainer_state: dict, weights=None) -> dict:
@@ -81,15 +126,26 @@ def snapshot(state: RunState, model, trainer_state: dict, weights=None) -> dict:
         "state_json": json.dumps(state.to_json(), indent=1),
         "weights": {k: v.detach().clone() for k, v in (weights or model.state_dict)().items()},
         "trainer": copy.deepcopy(trainer_state),
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        "rng": capture_rng(),
     }
+
+
+def capture_rng() -> dict:
+    """torch's, Python's and, where CUDA is in use in this process, every device's CUDA RNG state.
+    (CUDA not yet initialised: nothing on it drew random numbers, and asking would initialise it.)"""
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
 
 
 def write_snapshot(run_dir: Path, snap: dict, model, tokenizer, keep: int) -> Path:
     ckpts = run_dir / "checkpoints"
-    ckpts.mkdir(parents=True, exist_ok=True)
-    final = ckpts / f"step_{snap['step']:06d}"
-    tmp = ckpts / f".tmp-step_{snap['step']:06d}"
+    if not ckpts.is_dir():
+        ckpts.mkdir(parents=True, exist_ok=True)
+        _fsync_path(ckpts.parent)
+    name = f"step_{snap['step']:06d}"
+    final, tmp, aside = ckpts / name, ckpts / (TMP + name), ckpts / (OLD + name)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -97,14 +153,21 @@ def write_snapshot(run_dir: Path, snap: dict, model, tokenizer, keep: int) -> Pa
     tokenizer.save_pretrained(tmp)
     torch.save({**snap["trainer"], "rng": snap["rng"]}, tmp / "trainer.pt")
     (tmp / "state.json").write_text(snap["state_json"])
+    _fsync_tree(tmp)  # every file on disk, and the folder's entries, before it gets its name
     fault_point("checkpoint")
-    if final.exists():
-        shutil.rmtree(final)
+    if final.exists():  # (the same step again) set aside, not deleted: some step_N exists at every moment
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.replace(final, aside)
+        _fsync_path(ckpts)
     os.replace(tmp, final)
+    _fsync_path(ckpts)  # the rename itself is durable
+    if aside.exists():  # (only counted while step_N is missing)
+        shutil.rmtree(aside)
     _write_atomic(ckpts / "latest", final.name)
     old = sorted(p for p in ckpts.glob("step_*") if p.is_dir())
     for p in old[:-keep]:
-        shutil.rmtree(p, ignore_errors=True)
+        _discard(p)
     return final
 
 
@@ -140,18 +203,36 @@ class CheckpointWriter:
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint. A checkpoint folder only gets its ``step_*`` name by an
-    atomic rename once every file is written, so any such folder is complete; ``latest`` is a
-    pointer for people and is not trusted here (a kill can fall between the rename and it)."""
-    done = [p for p in (run_dir / "checkpoints").glob("step_*") if (p / "state.json").exists()]
-    return max(done, key=lambda p: p.name) if done else None
+    atomic rename once every file is written (and fsynced), so any such folder is complete; an
+    ``.old-step_N`` (a complete ``step_N`` set aside for its replacement) counts where ``step_N``
+    is missing: a crash fell between the two renames. ``latest`` is a pointer for people and is
+    not trusted here (a kill can fall between the rename and it). Reads only (``remove_incomplete``
+    puts the aside copy back)."""
+    ckpts = run_dir / "checkpoints"
+    done = {p.name: p for p in ckpts.glob(OLD + "step_*") if (p / "state.json").exists()}
+    done = {name.removeprefix(OLD): p for name, p in done.items()}
+    done.update({p.name: p for p in ckpts.glob("step_*") if (p / "state.json").exists()})
+    return done[max(done)] if done else None
 
 
 def remove_incomplete(run_dir: Path) -> list[Path]:
-    """Delete checkpoint folders a kill left half-written (``.tmp-step_*``); returns them."""
-    tmp = sorted((run_dir / "checkpoints").glob(".tmp-*"))
-    for p in tmp:
+    """Tidy up after a kill: delete half-written checkpoint folders (``.tmp-step_*``) and
+    half-deleted ones (``.trash-*``); an ``.old-step_N`` goes back to ``step_N`` if that is missing
+    (the kill fell between setting it aside and renaming its replacement in), else it is deleted.
+    Returns the folders deleted."""
+    ckpts = run_dir / "checkpoints"
+    removed = []
+    for p in sorted(ckpts.glob(OLD + "step_*")):
+        final = ckpts / p.name.removeprefix(OLD)
+        if not final.exists() and (p / "state.json").exists():
+            os.replace(p, final)
+            _fsync_path(ckpts)
+        else:
+            removed.append(p)
+    removed += sorted(ckpts.glob(TMP + "*")) + sorted(ckpts.glob(TRASH + "*"))
+    for p in removed:
         shutil.rmtree(p, ignore_errors=True)
-    return tmp
+    return removed
 
 
 def load_run_state(ckpt: Path) -> tuple[RunState, dict]:
@@ -165,3 +246,6 @@ def restore_rng(trainer_state: dict) -> None:
     if rng:
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
+        cuda = rng.get("cuda")  # absent: saved without CUDA in use, or by an older version
+        if cuda and torch.cuda.is_available():  # (on a machine with fewer devices: those it has)
+            torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])

@@ -1,7 +1,8 @@
 """``relayrl train|eval [CONFIG.yaml] [section.key=value ...]``.
 
 Every error in the input reaches the user as one line on stderr, ``relayrl: <kind> error:
-<message>``, exit status 2; an engine failure at run time is one line with exit status 1.
+<message>``, exit status 2; an engine failure, or user code that fails too often at run time
+(``relayrl.failures``), is one line with exit status 1.
 Anything else is a bug in relayrl and keeps its traceback.
 """
 
@@ -35,6 +36,7 @@ ERRORS = [
     ("relayrl.models", "ModelError", "model", 2),
     ("relayrl.resume", "ResumeError", "resume", 2),
     ("relayrl.engine.base", "EngineError", "engine", 1),
+    ("relayrl.failures", "UserCodeError", "user code", 1),
     ("builtins", "ValueError", "input", 2),
 ]
 MAX_MESSAGE = 2000  # characters: a message quoting a huge value must not flood the terminal

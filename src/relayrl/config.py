@@ -46,6 +46,11 @@ class RunCfg(_Section):
     threads: int = Field(
         0, ge=0, description="torch threads of the trainer (0: all cores; with an engine process in an overlapped "
         "mode, the cores the engine does not take).")
+    max_failure_frac: float = Field(
+        0.5, ge=0, le=1, description="User code that fails (a verifier that raises or times out, an environment "
+        "that raises or passes its deadline) leaves its episode out of training, counted by kind, never scored 0. "
+        "When more than this fraction of a step's episodes (or an evaluation's) failed, the run stops with the "
+        "cause, exit status 1 (1: never stop for failures).")
     backend: Literal["local", "ray"] = Field(
         "local", description="Where engines run: 'local' (this process or child processes), 'ray' (Ray actors, "
         "restarted if they die; see the ray section).")
@@ -153,7 +158,9 @@ class RewardCfg(_Section):
     fn: str = Field(
         "math", description="Verifier: 'math', 'exact', a user function 'module:function' (importable from the "
         "current directory) or 'path/to/file.py:function'.")
-    timeout_s: float = Field(5.0, gt=0, description="Per-call time limit; a hung or failing verifier scores 0.")
+    timeout_s: float = Field(
+        5.0, gt=0, description="Per-call time limit; a call past it (or one that raises) fails its episode, which is "
+        "left out of training (run.max_failure_frac).")
     workers: int = Field(0, ge=0, description="Verifier calls run at once, each in its own process (0: the cores).")
     memory_mb: int = Field(4096, ge=64, description="Memory (address space) one verifier call may use, in MiB.")
     sandbox: Literal["none", "bwrap"] = Field(
@@ -258,6 +265,12 @@ class EnvCfg(_Section):
     max_tokens: int = Field(
         256, ge=1, description="Token budget of one episode after its prompt: the policy's turns and the tool "
         "results and template tokens between them (rollout.max_new_tokens bounds each turn).")
+    step_timeout_s: float = Field(
+        60.0, gt=0, description="Deadline of each environment call (reset, step, close); past it the episode fails "
+        "and is left out of training (run.max_failure_frac).")
+    episode_timeout_s: float = Field(
+        600.0, gt=0, description="Deadline of all of one episode's environment calls together (generation, bounded "
+        "by its token budget, is not counted).")
 
 
 class RayCfg(_Section):
@@ -366,6 +379,8 @@ APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] =
     "env.args": _ENV,
     "env.max_turns": _ENV,
     "env.max_tokens": _ENV,
+    "env.step_timeout_s": _ENV,
+    "env.episode_timeout_s": _ENV,
     "algo.gamma": (lambda c: c.algo.advantage == "gigpo", "with algo.advantage=gigpo", ("algo.advantage",)),
     "algo.gigpo_omega": (lambda c: c.algo.advantage == "gigpo", "with algo.advantage=gigpo", ("algo.advantage",)),
     "rollout.over_provision": (lambda c: c.rollout.partial and c.run.mode != "async",

@@ -46,6 +46,7 @@ from typing import Callable
 
 from relayrl.config import Config
 from relayrl.engine.base import EngineError
+from relayrl.failures import UserCodeError
 from relayrl.records import Group, SamplingParams, Trajectory, group_from_dict
 from relayrl.rollout import make_groups
 from relayrl.staleness import StalenessManager
@@ -91,7 +92,7 @@ class EpisodeRollout:
             raise ValueError("over-provisioning needs partial rollouts (the extra groups are cut and carried)")
         self.runner, self.take_prompts, self.new_groups, self.params = runner, take_prompts, new_groups, params
         self.batch, self.eta, self.partial, self.version = batch, eta, partial, version
-        self.slack = math.ceil(extra / batch)  # an over-provisioned group may be carried that many steps
+        self.extra, self.slack = extra, math.ceil(extra / batch)  # an over-provisioned group: carried ≤ slack steps
         self.park, self.drain = park_while_training and partial, drain_before_publish and not partial
         self.mgr = StalenessManager(eta, batch, version=version, extra=extra)
         self.runner.timeline = timeline
@@ -133,6 +134,7 @@ class EpisodeRollout:
             while (batch := self._pick(self.version)) is None:
                 self._raise_if_failed()
                 self._wait()
+                self.runner.check_alive()  # (an environment blocking the loop: no group would ever finish)
             for g in batch:
                 self.ready.remove(g)
                 for t in g.trajectories:
@@ -168,6 +170,7 @@ class EpisodeRollout:
                 while self.running or (self.mgr.capacity() and self.left and not self.hold):  # admitting
                     self._raise_if_failed()
                     self._wait()
+                    self.runner.check_alive()
         if self.partial:
             with self.runner.engine.pause():
                 self.runner.abort_inflight()
@@ -206,7 +209,8 @@ class EpisodeRollout:
             return
         self.closed = True
         self.runner.release()
-        self.runner.run(self._cancel())
+        if self.runner.blocked_for() < 5:  # (a loop blocked by user code cannot cancel: the run is ending)
+            self.runner.run(self._cancel())
 
     def _wait(self) -> None:
         """(With ``cv`` held.) Wait for a group to finish; a driven engine decodes meanwhile, here."""
@@ -221,8 +225,8 @@ class EpisodeRollout:
             self.cv.acquire()
 
     def _raise_if_failed(self) -> None:
-        if isinstance(self.error, EngineError):
-            raise EngineError(str(self.error)) from self.error
+        if isinstance(self.error, (EngineError, UserCodeError)):
+            raise type(self.error)(str(self.error)) from self.error
         if self.error is not None:
             raise RuntimeError(f"rollout failed: {self.error!r}") from self.error
 

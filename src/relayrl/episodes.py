@@ -12,6 +12,14 @@ tokens between turns (tool results, headers, separators) come from the chat temp
 token belongs to. The reward is computed inside the episode (the environment's, or ``reward.fn``
 on the final turn), off the trainer's thread.
 
+User code that fails never becomes training data (``relayrl.failures``): a verifier that raises or
+times out, an environment whose ``reset``/``step``/``close`` raises or passes its deadline
+(``env.step_timeout_s`` each call, ``env.episode_timeout_s`` for all of an episode's calls), leave
+the episode out, counted by kind; a chat template that cannot extend the conversation
+(``TemplateMismatch``) stops the run. An environment that blocks the loop itself (a blocking call
+inside ``async def step``) cannot be cancelled: ``check_alive`` finds the loop stuck past the step
+deadline and stops the run naming the line it is stuck on.
+
 A turn cut short (a weight update with ``rollout.partial``, or ``hold`` for a checkpoint) is
 continued from its tokens: partial rollout at the episode level. An episode still in its first
 turn can be carried in a checkpoint with its tokens and continued after a resume (its
@@ -27,11 +35,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import dataclasses
 import hashlib
+import inspect
 import itertools
 import json
+import math
+import sys
 import threading
+import time
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,8 +53,9 @@ from dataclasses import dataclass
 from relayrl.engine.async_front import AsyncEngine
 from relayrl.engine.base import Engine, EngineError
 from relayrl.envs.base import Env
-from relayrl.envs.chat import next_turn_suffix, render_ids
+from relayrl.envs.chat import TemplateMismatch, next_turn_suffix, render_ids
 from relayrl.envs.tools import tool_schemas
+from relayrl.failures import UserCodeError, fail
 from relayrl.faults import fault_point
 from relayrl.records import FinishReason, GenRequest, Group, SamplingParams, Trajectory
 from relayrl.scheduling import LengthModel, Pending, order
@@ -50,6 +65,20 @@ from relayrl.scheduling import LengthModel, Pending, order
 class EpisodeLimits:
     max_turns: int
     max_tokens: int  # after the prompt: the policy's turns and the observations between them
+    step_timeout_s: float = 60.0  # each call of the environment: reset, step, close
+    episode_timeout_s: float = 600.0  # all of one episode's environment calls together
+    env_name: str = "env"  # how failures name the environment (env.name's value)
+
+
+class _EnvFailed(Exception):
+    def __init__(self, kind: str, source: str, error: str):
+        super().__init__(error)
+        self.kind, self.source, self.error = kind, source, error
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def anchor(messages: list[dict]) -> int:
@@ -65,12 +94,18 @@ class EpisodeRunner:
     makes one environment per episode (None: single-turn episodes over prompts already
     tokenized, ``Trajectory.prompt_ids``)."""
 
+    BLOCKED_GRACE_S = 10.0  # how much longer than env.step_timeout_s the loop may be away before check_alive stops
+
     def __init__(self, engine: Engine, tokenizer, make_env: Callable[[], Env] | None, limits: EpisodeLimits | None,
-                 score: Callable[[str, object], tuple[float, bool]] | None = None, schedule: str = "fifo",
-                 score_batch: Callable[[list[tuple[str, object]]], list[tuple[float, bool]]] | None = None):
+                 score: Callable[[str, object], tuple[float, dict | None]] | None = None, schedule: str = "fifo",
+                 score_batch: Callable[[list[tuple[str, object]]], list[tuple[float, dict | None]]] | None = None,
+                 eos_ids: list[int] | None = None):
         if (score is None) == (score_batch is None):
             raise ValueError("give the verifier as score or as score_batch")
         self.tokenizer, self.make_env, self.limits = tokenizer, make_env, limits
+        # every id the engine stops on (a generation config may list several: Qwen2.5's <|im_end|> and
+        # <|endoftext|>); the template's end of turn is tokenizer.eos_token_id
+        self.eos_ids = set(eos_ids or []) | {tokenizer.eos_token_id}
         self.score_batch = score_batch or (lambda items: [score(text, prompt) for text, prompt in items])
         self._to_score: list[tuple[str, object, asyncio.Future]] = []
         if make_env is not None and limits is None:
@@ -78,8 +113,10 @@ class EpisodeRunner:
         self.schedule, self.lengths = schedule, LengthModel()
         self.driven = getattr(engine, "driven", False)  # decoded by the thread that waits (``serve``)
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="relayrl-episodes", daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name="relayrl-episodes", daemon=True)
         self._thread.start()
+        self._beat = time.monotonic()  # the loop's heartbeat: ``check_alive`` finds a loop that stopped
+        self.loop.call_soon_threadsafe(self._heartbeat)
         self.engine = AsyncEngine(engine, self.loop, order=None if schedule == "fifo" else self._order)
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -90,7 +127,7 @@ class EpisodeRunner:
         self._go.set()
         self.generated = 0  # training episodes' policy tokens since ``take_generated``
         self.continued = 0  # turns continued after a cut (cumulative)
-        self.errors: list[str] = []  # episodes that failed in the environment (first few messages)
+        self.errors: list[str] = []  # episodes that failed in user code (first few messages)
         self.error_count = 0
         self._verify = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="relayrl-verify")
         self.timeline = None  # a Timeline: the engine lane is busy while a request is in flight
@@ -102,10 +139,48 @@ class EpisodeRunner:
 
     def run(self, coro):
         fut = self.submit(coro)
-        if self.driven:
-            while not fut.done():
+        while not fut.done():
+            if self.driven:
                 self.serve(fut.done)
+            else:
+                concurrent.futures.wait([fut], timeout=0.5)
+            self.check_alive()
         return fut.result()
+
+    def _run_loop(self) -> None:
+        try:
+            self.loop.run_forever()
+        except SystemExit:  # ``_interrupt``: the loop was stuck in user code and the run is stopping
+            pass
+
+    def _heartbeat(self) -> None:
+        self._beat = time.monotonic()
+        self.loop.call_later(0.25, self._heartbeat)
+
+    def blocked_for(self) -> float:
+        return time.monotonic() - self._beat
+
+    def check_alive(self) -> None:
+        """``UserCodeError`` if the loop has not come back for longer than an environment call may take:
+        code running on it blocks (``time.sleep`` or a blocking request inside ``async def step``), so
+        no deadline can fire and nothing else runs. Names the line it is stuck on."""
+        limit = (self.limits.step_timeout_s if self.limits else 60.0) + self.BLOCKED_GRACE_S
+        if not self._thread.is_alive() or self.blocked_for() <= limit:
+            return
+        frame = sys._current_frames().get(self._thread.ident)
+        stack = traceback.extract_stack(frame) if frame is not None else []
+        user = [f for f in stack if "/asyncio/" not in f.filename and "/relayrl/" not in f.filename]
+        where = f"{user[-1].filename}:{user[-1].lineno} in {user[-1].name}" if user else "an unknown place"
+        self._interrupt()
+        raise UserCodeError(
+            f"the episodes' event loop has been blocked for {self.blocked_for():.0f} s at {where} (env.name="
+            f"{self.limits.env_name if self.limits else None}): code on the loop must not block (in an async reset/step "
+            f"run blocking work with asyncio.to_thread), since no deadline can stop it; the run stops")
+
+    def _interrupt(self) -> None:
+        """Raise SystemExit in the blocked loop thread when it next runs Python code (a call blocked in
+        C, e.g. one long sleep, is not interrupted; the thread is a daemon and ends with the process)."""
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread.ident), ctypes.py_object(SystemExit))
 
     def serve(self, until: Callable[[], bool], timeout: float = 0.05) -> None:
         """A driven engine decodes on this thread until ``until()`` or ``timeout`` with nothing to do."""
@@ -161,7 +236,7 @@ class EpisodeRunner:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-        if self.loop.is_running():
+        if self.loop.is_running() and self.blocked_for() < 5:  # (a blocked loop cannot cancel anything)
             try:
                 self.submit(cancel_all()).result(timeout=30)
             except concurrent.futures.TimeoutError:
@@ -180,21 +255,32 @@ class EpisodeRunner:
         return g
 
     async def episode(self, t: Trajectory, params: SamplingParams, train: bool = True) -> None:
-        """Run ``t`` to its end (from its start, or on from a turn carried by a checkpoint); an
-        environment that raises fails this episode only."""
+        """Run ``t`` to its end (from its start, or on from a turn carried by a checkpoint). User code
+        that fails (the verifier, the environment) fails this episode only: ``t.failure``, left out
+        of training (``relayrl.failures``); a template that cannot extend the conversation stops the run."""
+        t.failure = None
         try:
             if self.make_env is None:
                 await self._single(t, params, train)
             else:
                 await self._episode(t, params, train)
-        except (EngineError, asyncio.CancelledError):
+        except (EngineError, UserCodeError, asyncio.CancelledError):
             raise
-        except Exception as e:  # noqa: BLE001 - user code: counted, reported, the run goes on
-            t.finish_reason = FinishReason.FAILED
-            t.info["error"] = f"{type(e).__name__}: {e}"
+        except TemplateMismatch as e:
+            raise UserCodeError(
+                f"the chat template of the tokenizer ({getattr(self.tokenizer, 'name_or_path', '?')}) cannot extend a "
+                f"conversation token-in-token-out: {e}. Every multi-turn episode would fail the same way, so the run "
+                "stops. Give a template that renders earlier turns unchanged once later ones follow (a Qwen3-style "
+                "template drops earlier reasoning: use one that keeps it) with model.tokenizer, or train single-turn"
+            ) from None
+        except _EnvFailed as e:
+            fail(t, e.kind, e.source, e.error)
+        except Exception as e:  # noqa: BLE001 - rendering the environment's messages, its tools' schemas
+            fail(t, "env", f"env.name={self.limits.env_name if self.limits else None}", _describe(e))
+        if t.failure is not None:
             self.error_count += 1
             if len(self.errors) < 5:
-                self.errors.append(t.info["error"])
+                self.errors.append(f"{t.failure['source']}: {t.failure['error']}")
         t.complete = True
 
     async def _single(self, t: Trajectory, params: SamplingParams, train: bool) -> None:
@@ -202,11 +288,48 @@ class EpisodeRunner:
         if t.finish_reason == FinishReason.FAILED:  # the engine failed on it: not the policy's answer
             return
         t.text = self.tokenizer.decode(t.response_ids, skip_special_tokens=True)
-        t.reward, t.reward_failed = await self._verified(t.text, t.prompt)
+        t.reward, t.failure = await self._verified(t.text, t.prompt)
 
     async def _episode(self, t: Trajectory, params: SamplingParams, train: bool) -> None:
-        env = self.make_env()
-        messages = list(await env.reset(t.prompt))
+        budget = [self.limits.episode_timeout_s]  # what is left of the episode's time in environment calls
+        try:
+            env = self.make_env()
+        except Exception as e:  # noqa: BLE001 - user code
+            raise _EnvFailed("env", f"env.name={self.limits.env_name} (constructor)", _describe(e)) from None
+        try:
+            await self._run_episode(env, t, params, train, budget)
+        finally:
+            if callable(getattr(env, "close", None)):  # skyrl-gym style: release what the episode held
+                await self._env_call(env, "close", (), budget, final=True)
+
+    async def _env_call(self, env, method: str, args: tuple, budget: list[float], final: bool = False):
+        """``env.<method>(*args)`` under its deadline (``env.step_timeout_s``, and what is left of
+        ``env.episode_timeout_s``); what goes wrong raises ``_EnvFailed`` naming the method."""
+        source = f"{type(env).__name__}.{method} (env.name={self.limits.env_name})"
+        lim = self.limits
+        timeout = min(lim.step_timeout_s, max(budget[0], 0.0 if not final else lim.step_timeout_s))
+        if timeout <= 0:
+            raise _EnvFailed("env_timeout", source, f"the episode's environment calls passed env.episode_timeout_s="
+                                                    f"{lim.episode_timeout_s:g}")
+        start = time.monotonic()
+        try:
+            out = getattr(env, method)(*args)
+            if inspect.isawaitable(out):
+                out = await asyncio.wait_for(out, timeout)
+            return out
+        except asyncio.TimeoutError:
+            which = "env.step_timeout_s" if timeout == lim.step_timeout_s else "env.episode_timeout_s"
+            raise _EnvFailed("env_timeout", source, f"no answer within {timeout:.3g} s ({which}="
+                                                    f"{getattr(lim, which.split('.')[1]):g})") from None
+        except (EngineError, UserCodeError, TemplateMismatch, asyncio.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001 - user code
+            raise _EnvFailed("env", source, _describe(e)) from None
+        finally:
+            budget[0] -= time.monotonic() - start
+
+    async def _run_episode(self, env, t: Trajectory, params: SamplingParams, train: bool, budget: list[float]) -> None:
+        messages = list(await self._env_call(env, "reset", (t.prompt,), budget))
         tools = tool_schemas(env.tools) if getattr(env, "tools", None) else None
         prompt_ids = render_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
         carried = bool(t.response_ids) and prompt_ids == t.prompt_ids and 0 not in t.mask
@@ -216,6 +339,7 @@ class EpisodeRunner:
         counts: Counter = Counter()
         step_rewards, anchors = [], [anchor(messages)]
         final: float | None = None
+        carry = 0.0
         for turn in range(self.limits.max_turns):
             start = len(t.response_ids) if turn else 0  # turn 0 may go on from carried tokens
             if turn:
@@ -227,24 +351,31 @@ class EpisodeRunner:
                 return
             if t.finish_reason != FinishReason.STOP:  # cut by its token budget: scored as it stands
                 break
-            result = await env.step(text)
+            result = await self._env_call(env, "step", (text,), budget)
+            if result.reward is not None and not math.isfinite(float(result.reward)):
+                raise _EnvFailed("env", f"{type(env).__name__}.step (env.name={self.limits.env_name})",
+                                 f"returned a non-finite reward {result.reward}")
             counts.update(result.info)
             if result.done or turn + 1 == self.limits.max_turns:  # at the turn limit: that step's reward
                 final = result.reward
                 counts["turn_limit"] += int(not result.done)
                 break
-            step_rewards.append(float(result.reward or 0.0))
             suffix = next_turn_suffix(self.tokenizer, messages, result.messages, tools)
+            if t.response_ids[-1] != self.tokenizer.eos_token_id:  # stopped on another EOS id: end the turn
+                suffix = [self.tokenizer.eos_token_id] + suffix  # as the template does (not trained)
             if len(t.response_ids) + len(suffix) >= self.limits.max_tokens:
-                t.finish_reason = FinishReason.LENGTH
+                t.finish_reason = FinishReason.LENGTH  # no room for the observations: this turn is the last,
+                carry = float(result.reward or 0.0)  # its step reward and the verifier's together (one step)
                 break
+            step_rewards.append(float(result.reward or 0.0))
             self._append(t, suffix, [0.0] * len(suffix), [t.versions[-1]] * len(suffix), 0, turn)
             messages += result.messages
             anchors.append(anchor(result.messages))
         if final is None:  # the verifier decides on the last turn
-            final, failed = await self._verified(messages[-1]["content"], t.prompt)
-            counts["reward_failed"] += int(failed)
-        step_rewards.append(float(final))
+            final, t.failure = await self._verified(messages[-1]["content"], t.prompt)
+            if t.failure is not None:
+                return
+        step_rewards.append(float(final) + carry)
         t.reward = sum(step_rewards)
         t.text = messages[-1]["content"]
         t.info = {"turns": len(step_rewards), "step_rewards": step_rewards, "anchors": anchors[: len(step_rewards)],
@@ -287,18 +418,19 @@ class EpisodeRunner:
         if t.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.lengths.observe(t.prompt.id, t.group_id, len(t.response_ids) - start)
         ids = t.response_ids[start:]
-        if ids and ids[-1] == self.tokenizer.eos_token_id:
+        if ids and ids[-1] in self.eos_ids:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    async def _verified(self, text: str, prompt) -> tuple[float, bool]:
-        """The verifier's (reward, failed) for a final turn, off the loop; the calls made in one loop
+    async def _verified(self, text: str, prompt) -> tuple[float, dict | None]:
+        """The verifier's (reward, failure or None) for a final turn, off the loop; the calls made in one loop
         iteration (episodes whose last tokens arrived together) go to it as one batch."""
         fut = self.loop.create_future()
         if not self._to_score:
             self.loop.call_soon(self._score_pending)
         self._to_score.append((text, prompt, fut))
-        return await fut
+        reward, failure = await fut
+        return reward, failure or None
 
     def _score_pending(self) -> None:
         batch, self._to_score = self._to_score, []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from relayrl import failures
 from relayrl.config import Config
 from relayrl.faults import fault_point
 from relayrl.records import Prompt, SamplingParams
@@ -21,10 +22,11 @@ def episode_stats(trajs: list) -> dict:
     }
 
 
-def evaluate(runner, tokenizer, prompts: list[Prompt], cfg: Config) -> dict:
+def evaluate(runner, tokenizer, prompts: list[Prompt], cfg: Config, when: str = "") -> dict:
     """``accuracy``: mean reward (pass@1) of ``eval.samples`` sampled episodes per prompt at
     ``rollout.temperature``; ``accuracy_greedy``: mean reward of the greedy one. With an
     environment, also the tool-call rate (sampled and greedy) and tool errors of the sampled ones.
+    Episodes whose user code failed are left out of the means and counted (``accuracy_failed``).
     Runs through ``runner`` (episodes.EpisodeRunner) while the training episodes are held."""
     import asyncio
 
@@ -39,11 +41,15 @@ def evaluate(runner, tokenizer, prompts: list[Prompt], cfg: Config) -> dict:
 
         runner.run(run_all())
         fault_point("eval")
-        trajs = [t for g in groups for t in g.trajectories]
-        out[key] = sum(t.reward for t in trajs) / len(trajs)
+        every = [t for g in groups for t in g.trajectories]
+        which = "sampled" if key == "accuracy" else "greedy"  # (too many failures: the run stops)
+        counts = failures.check(every, cfg.run.max_failure_frac, f"the evaluation{' ' + when if when else ''} ({which})")
+        trajs = [t for t in every if not failures.failed(t)]  # failed episodes are not scored 0
+        out[key] = sum(t.reward for t in trajs) / max(1, len(trajs))
+        out[f"{key}_failed"] = sum(counts.values())
         stats = episode_stats(trajs) if runner.make_env is not None else None
         if key == "accuracy":
-            out.update(stats or {}, response_len_mean=sum(len(t.response_ids) for t in trajs) / len(trajs))
+            out.update(stats or {}, response_len_mean=sum(len(t.response_ids) for t in trajs) / max(1, len(trajs)))
         elif stats:
             out["tool_call_rate_greedy"] = stats["tool_call_rate"]
     return out

@@ -25,11 +25,12 @@ from relayrl.episode_rollout import EpisodeRollout, flatten, versions_behind
 from relayrl.episodes import EpisodeLimits, EpisodeRunner
 from relayrl.evaluation import episode_stats, evaluate
 from relayrl.models import check_prompt_lengths, load_policy, load_tokenizer, model_context, resolve_model_path
-from relayrl.placement import engine_counters, engine_spec, open_engine, start_ray, threads
+from relayrl.placement import engine_counters, engine_spec, eos_token_ids, open_engine, start_ray, threads
 from relayrl.records import Group, SamplingParams, group_to_dict
 from relayrl.resume import ResumeError, check_compatible, data_fingerprint, prepare_run_dir, start_state
 from relayrl.rewards import RewardRunner
 from relayrl.rollout import advantages_for, drop_failed
+from relayrl import failures
 from relayrl.timeline import Timeline
 from relayrl.tracking import MetricsLog, ProgressBar, Timers
 from relayrl.trainer import Trainer, build_batch
@@ -54,8 +55,8 @@ class Components:
     def agents(self) -> bool:
         return self.runner.make_env is not None
 
-    def evaluate(self, cfg: Config) -> dict:
-        return evaluate(self.runner, self.tokenizer, self.eval_prompts, cfg)
+    def evaluate(self, cfg: Config, when: str = "") -> dict:
+        return evaluate(self.runner, self.tokenizer, self.eval_prompts, cfg, when)
 
     def close(self) -> None:
         self.runner.close()
@@ -137,7 +138,7 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         spec = engine_spec(cfg, weights, tok_path, state.version, cfg.run.seed * 1_000_003 + state.step, engine_threads)
         engine = open_engine(cfg, spec, policy.state_dict(), tokenizer, cfg.run.name)
         undo.callback(engine.close)
-        runner = make_runner(cfg, engine, tokenizer, reward, make_env)
+        runner = make_runner(cfg, engine, tokenizer, reward, make_env, eos_token_ids(weights, tokenizer))
         undo.pop_all()
     r = cfg.rollout
     trainer = make_trainer(cfg, policy, ref)
@@ -153,14 +154,16 @@ def make_trainer(cfg: Config, policy, ref=None) -> Trainer:
                    ref_model=ref, top_p=r.top_p, top_k=r.top_k)
 
 
-def make_runner(cfg: Config, engine, tokenizer, reward: RewardRunner, make_env=None) -> EpisodeRunner:
+def make_runner(cfg: Config, engine, tokenizer, reward: RewardRunner, make_env=None, eos_ids=None) -> EpisodeRunner:
     """The episode runner over ``engine``: ``reward.fn`` verifies final turns, ``make_env`` (None:
-    single-turn) makes each episode's environment."""
+    single-turn) makes each episode's environment; ``eos_ids``: the ids the engine stops on."""
     def score_batch(items):
         return reward.score([(text, prompt.answer, dict(prompt.metadata)) for text, prompt in items])
 
-    limits = EpisodeLimits(cfg.env.max_turns, cfg.env.max_tokens) if make_env is not None else None
-    return EpisodeRunner(engine, tokenizer, make_env, limits, schedule=cfg.rollout.schedule, score_batch=score_batch)
+    e = cfg.env
+    limits = EpisodeLimits(e.max_turns, e.max_tokens, e.step_timeout_s, e.episode_timeout_s, e.name) if make_env else None
+    return EpisodeRunner(engine, tokenizer, make_env, limits, schedule=cfg.rollout.schedule, score_batch=score_batch,
+                         eos_ids=eos_ids)
 
 
 def step_metrics(groups: list[Group], generated: int, step_seconds: float, state: RunState) -> dict:
@@ -178,7 +181,6 @@ def step_metrics(groups: list[Group], generated: int, step_seconds: float, state
         "tokens_per_s": generated / max(step_seconds, 1e-9),  # over the whole step
         "truncated_frac": sum(t.finish_reason.value == "length" for t in trajs) / len(trajs),
         "reward_failures_total": state.reward_failures + state.reward_timeouts,
-        "failed_generations_total": state.failed_generations,
         "offpolicy_token_frac": sum(v < trained_at for t in trajs for v in t.versions) / max(1, sum(lens)),
         "staleness_max": max(stale),
         "staleness_mean": sum(stale) / len(stale),
@@ -224,11 +226,14 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=state.step)
     trained_log = MetricsLog(run_dir / "trained_prompts.jsonl", resume_step=state.step)
     if state.eval_before is None and c.eval_prompts:
-        state.eval_before = c.evaluate(cfg)
+        state.eval_before = c.evaluate(cfg, "before training")
         log(f"eval before: {fmt_eval(state.eval_before)}")
     timers, t_start, tl = Timers(), time.perf_counter() - state.wall_seconds, Timeline()
     writer = CheckpointWriter(run_dir, c.policy, c.tokenizer, cfg.run.keep_checkpoints, c.trainer.full_state_dict)
     source = EpisodeRollout.from_config(cfg, c, state, tl)
+    if source.eta + source.slack:
+        log(f"staleness bound: {source.eta + source.slack} policy versions (η={source.eta}"
+            + (f" + ⌈{source.extra}/{source.batch}⌉ for the over-provisioned groups" if source.slack else "") + ")")
     try:
         with ProgressBar(cfg.run.steps, state.step, cfg.run.progress, console) as bar:
             while state.step < cfg.run.steps:
@@ -236,7 +241,7 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                 with timers("step"):
                     with timers("generate"):  # all of it when synchronous; what training did not hide otherwise
                         groups, generated = source.next_batch()
-                    groups = drop_failed_or_raise(groups, state)  # (episodes scored themselves, off this thread)
+                    groups, failed = take_failures(groups, state, cfg)  # (episodes scored themselves, off this thread)
                     batch = build_batch(flatten(groups), advantages_for(groups, cfg.algo), c.tokenizer.pad_token_id)
                     with timers("train"), tl.busy("trainer"), c.engine.asleep():  # (rollout.vllm_sleep)
                         train_metrics = c.trainer.step(batch, version=state.version)
@@ -247,7 +252,8 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                 span = max(tl.now() - step_start, 1e-9)
                 idle = {f"{ln}_idle_frac": 1 - tl.busy_between(ln, step_start, step_start + span) / span
                         for ln in ("engine", "trainer")}
-                m = record_step(cfg, c, state, groups, generated, {**train_metrics, **idle, **source.metrics(), **engine_counters(c.engine)},
+                m = record_step(cfg, c, state, groups, generated, {**train_metrics, **idle, **source.metrics(),
+                                **engine_counters(c.engine), **failures.metrics(failed, state.failures)},
                                 timers.pop(), metrics, source)
                 trained_log.write({"step": state.step, "prompt_ids": [g.prompt.id for g in groups]})
                 bar.update(m)
@@ -267,12 +273,21 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
         trained_log.close()
 
 
-def drop_failed_or_raise(groups: list[Group], state: RunState) -> list[Group]:
-    kept, dropped = drop_failed(groups)
-    state.failed_generations += dropped
+def take_failures(groups: list[Group], state: RunState, cfg: Config) -> tuple[list[Group], dict]:
+    """The batch without its failed episodes, and their counts by kind (``relayrl.failures``); the run
+    stops (``UserCodeError``) when more than run.max_failure_frac of them failed in user code."""
+    where = f"step {state.step + 1}"
+    counts = failures.check(flatten(groups), cfg.run.max_failure_frac, where)
+    kept, _ = drop_failed(groups)
+    for k, n in counts.items():
+        state.failures[k] = state.failures.get(k, 0) + n
+    state.failed_generations = state.failures.get("engine", 0)
     if not kept:
-        raise EngineError(f"step {state.step + 1}: the engine failed on every response of the batch")
-    return kept
+        if set(counts) == {"engine"}:
+            raise EngineError(f"{where}: the engine failed on every response of the batch")
+        raise failures.UserCodeError(f"{where}: every episode of the batch failed ({dict(counts)}); first: "
+                                     f"{next(t.failure for t in flatten(groups) if t.failure)}")
+    return kept, counts
 
 
 def record_step(cfg: Config, c: Components, state: RunState, groups, generated: int, train_metrics: dict,
@@ -282,7 +297,7 @@ def record_step(cfg: Config, c: Components, state: RunState, groups, generated: 
     if cfg.eval.every and state.step % cfg.eval.every == 0 and c.eval_prompts:
         source.held()  # the rollout stops using the engine while it evaluates
         try:
-            m.update({f"eval/{k}": v for k, v in c.evaluate(cfg).items()})
+            m.update({f"eval/{k}": v for k, v in c.evaluate(cfg, f"at step {state.step}").items()})
         finally:
             source.release()
     metrics.write(m)
@@ -294,7 +309,7 @@ def fmt_eval(e: dict) -> str:
 
 
 def finish(cfg: Config, c: Components, state: RunState, log) -> dict:
-    after = c.evaluate(cfg) if c.eval_prompts else None
+    after = c.evaluate(cfg, "after training") if c.eval_prompts else None
     before = state.eval_before
     summary = {
         "steps": state.step,
@@ -309,11 +324,12 @@ def finish(cfg: Config, c: Components, state: RunState, log) -> dict:
         "reward_failures": state.reward_failures,
         "reward_timeouts": state.reward_timeouts,
         "reward_errors": c.reward.stats.errors[:5],
+        "episodes_left_out": dict(state.failures),  # by kind: failed, never trained (relayrl.failures)
+        "episode_errors": c.runner.errors,
     }
     if c.agents:
         summary.update({f"eval_{k}_{when}": e.get(k) if e else None for k in ("tool_call_rate", "tool_call_rate_greedy")
                         for when, e in (("before", before), ("after", after))})
-        summary.update(episode_errors=c.runner.error_count, episode_error_examples=c.runner.errors)
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     log(f"[bold]done[/bold]: {state.step} steps, {state.samples} samples, {state.wall_seconds:.0f}s")
     if before and after:
@@ -323,11 +339,10 @@ def finish(cfg: Config, c: Components, state: RunState, log) -> dict:
         log(f"tool-call rate: {before['tool_call_rate']:.1%} → {after['tool_call_rate']:.1%} (greedy "
             f"{before['tool_call_rate_greedy']:.1%} → {after['tool_call_rate_greedy']:.1%}), tool errors "
             f"{after['tool_errors']} and timeouts {after['tool_timeouts']} in the last evaluation")
-    if c.runner.error_count:
-        log(f"[yellow]{c.runner.error_count} episodes failed in the environment; first: {c.runner.errors[0]}")
-    if state.reward_failures or state.reward_timeouts:
-        log(f"[yellow]{state.reward_failures} reward calls failed and {state.reward_timeouts} timed out (scored 0); "
-            f"last: {c.reward.stats.last_error}")
+    if state.failures:
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(state.failures.items()))
+        log(f"[yellow]{sum(state.failures.values())} episodes failed and were left out of training ({kinds}); "
+            f"first: {c.runner.errors[0] if c.runner.errors else c.reward.stats.last_error}")
     log(f"run directory: {cfg.run_dir}")
     return summary
 

@@ -55,7 +55,7 @@ class RayRewardRunner:
             self.close()
             raise (RuntimeError if kind == "RuntimeError" else ValueError)(text)
 
-    def score(self, items: list) -> list[tuple[float, bool]]:
+    def score(self, items: list) -> list[tuple[float, dict | None]]:
         out, failures, timeouts, errors, last = self._ray.get(self._actor.score.remote(items))
         self.stats.failures += failures
         self.stats.timeouts += timeouts

@@ -86,7 +86,7 @@ class Trajectory:
     info: dict[str, Any] = field(default_factory=dict)  # an episode's counts: turns, tool calls, step rewards
     text: str = ""
     reward: float = 0.0
-    reward_failed: bool = False
+    failure: dict | None = None  # user code (or the engine) failed on it: left out (relayrl.failures)
     complete: bool = False  # the episode ran to its end (and was scored); else it is run (on) again
 
     @property
@@ -128,6 +128,7 @@ def group_from_dict(d: dict) -> Group:
     trajs = []
     for t in d["trajectories"]:
         t = dict(t)
+        t.pop("reward_failed", None)  # (checkpoints before the failure policy)
         t["finish_reason"] = FinishReason(t["finish_reason"]) if t["finish_reason"] is not None else None
         trajs.append(Trajectory(prompt=prompt, **t))
     return Group(prompt, d["group_id"], trajs)

@@ -5,8 +5,9 @@ A reward function has the signature ``fn(completion: str, answer: str | None, me
 the current directory) or ``path/to/file.py:function`` works too. Verifiers run in
 ``relayrl.workers.WorkerPool`` processes: ``workers`` calls at once, each with its own time
 limit, memory limit and process group, optionally under bubblewrap. A call that raises,
-returns a non-number or a non-finite number, exceeds its time limit or runs out of memory
-gives that sample reward 0; the failure is counted and reported, and the run goes on.
+returns a non-number or a non-finite number, exceeds its time limit or runs out of memory is a
+*failure*, never a reward of 0: its episode is left out of training and counted, and too many
+stop the run (``relayrl.failures``).
 """
 
 from __future__ import annotations
@@ -155,29 +156,33 @@ class RewardRunner:
         except ImportFailed as e:
             raise ValueError(f"reward function {e}") from None
 
-    def score(self, items: list[tuple[str, str | None, dict]]) -> list[tuple[float, bool]]:
-        """(reward, failed) per item, in order; failures and timeouts score 0.0."""
+    def score(self, items: list[tuple[str, str | None, dict]]) -> list[tuple[float, dict | None]]:
+        """(reward, None) per item, in order; a call that failed gives (nan, its failure: ``kind``
+        reward or reward_timeout, ``source`` the verifier, ``error`` what happened)."""
         args = [[self.spec, completion, answer, metadata] for completion, answer, metadata in items]
         out = []
         for result in self._pool.map(_SCORE_ONE, args, return_exceptions=True):
             if isinstance(result, Exception):
-                self._count(result)
-                out.append((0.0, True))
+                out.append((math.nan, self._count(result)))
             else:
-                out.append((float(result), False))
+                out.append((float(result), None))
         return out
 
-    def _count(self, err: Exception) -> None:
+    def _count(self, err: Exception) -> dict:
+        timeout = isinstance(err, CallFailed) and err.kind == "timeout"
+        oom = isinstance(err, CallFailed) and err.kind == "oom"
+        text = f"killed: out of memory (reward.memory_mb={self.memory_mb})" if oom else str(err)
+        if timeout:
+            text = f"{text} (reward.timeout_s={self.timeout_s:g})"
         with self._stats_lock:
-            if isinstance(err, CallFailed) and err.kind == "timeout":
+            if timeout:
                 self.stats.timeouts += 1
             else:
                 self.stats.failures += 1
-            oom = isinstance(err, CallFailed) and err.kind == "oom"
-            text = f"killed: out of memory (reward.memory_mb={self.memory_mb})" if oom else str(err)
             self.stats.last_error = text
             if len(self.stats.errors) < 20:
                 self.stats.errors.append(text)
+        return {"kind": "reward_timeout" if timeout else "reward", "source": f"reward.fn={self.spec}", "error": text}
 
     def close(self) -> None:
         self._pool.close()

@@ -7,8 +7,9 @@ import torch
 
 from relayrl.algos import ADVANTAGES, STEP_ADVANTAGES, lookup
 from relayrl.algos.agents import discounted_returns, gigpo, steps_to_tokens
+from relayrl.failures import failed
 from relayrl.models import encode_prompt
-from relayrl.records import FinishReason, Group, Prompt, Trajectory
+from relayrl.records import Group, Prompt, Trajectory
 
 
 def make_groups(prompts: list[Prompt], tokenizer, group_size: int, tag: str, prompt_format: str = "chat"
@@ -24,12 +25,12 @@ def make_groups(prompts: list[Prompt], tokenizer, group_size: int, tag: str, pro
 
 
 def drop_failed(groups: list[Group]) -> tuple[list[Group], int]:
-    """Responses the engine failed on are neither scored nor trained (a crash cut them; they are
-    not the policy's answer). A group keeps its other members, its advantages computed over them;
-    a group left with none is dropped. Returns (groups, responses dropped)."""
+    """Episodes that failed (the engine, or user code: ``relayrl.failures``) are not trained: not the
+    policy's answer, or not scored. A group keeps its other members, its advantages computed over
+    them; a group left with none is dropped. Returns (groups, episodes dropped)."""
     out, dropped = [], 0
     for g in groups:
-        ok = [t for t in g.trajectories if t.finish_reason != FinishReason.FAILED]
+        ok = [t for t in g.trajectories if not failed(t)]
         dropped += len(g.trajectories) - len(ok)
         if ok:
             out.append(g if len(ok) == len(g.trajectories) else Group(g.prompt, g.group_id, ok))

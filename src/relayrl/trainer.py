@@ -303,7 +303,8 @@ class Trainer:
         mismatch.append(self._previous_version_mismatch(batch, version))
         perm = torch.randperm(batch.size)
         perm = (self.dp.broadcast(perm) if self.dp else perm).tolist()  # (FSDP: rank 0's order on every rank)
-        chunks = [perm[i :: self.tcfg.updates_per_step] for i in range(self.tcfg.updates_per_step)]
+        # (a batch left with fewer rows than updates_per_step, after failed episodes were left out: fewer steps)
+        chunks = [c for c in (perm[i :: self.tcfg.updates_per_step] for i in range(self.tcfg.updates_per_step)) if c]
         totals: dict[str, float] = {}
         for chunk in chunks:
             mini = batch.select(chunk)
@@ -352,10 +353,15 @@ class Trainer:
             rows = torch.nonzero(sel.sum(1) > 0).flatten()[: self.mismatch_rows].tolist()
             if rows:
                 sub = batch.select(rows)
-                lp = self.logprobs(sub, params=self._prev[1])
+                on_device = {k: v.to(self.device, non_blocking=True) for k, v in self._prev[1].items()}
+                lp = self.logprobs(sub, params=on_device)
+                del on_device
                 out = _mismatch(lp, sub.behav_logp, sel[torch.tensor(rows), : lp.shape[1]])
         if bool(((batch.versions < version) & batch.loss_mask.bool()).any()):  # a mode with stale tokens
-            self._prev = (version, {k: p.detach().clone() for k, p in self.model.named_parameters()})
+            # kept on the CPU (a GPU trainer would otherwise hold a second copy of the weights all run long);
+            # FSDP's shards stay where they are (a rank holds 1/N of the weights)
+            where = self.device if self.dp else torch.device("cpu")
+            self._prev = (version, {k: p.detach().to(where, copy=True) for k, p in self.model.named_parameters()})
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

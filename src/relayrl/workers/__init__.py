@@ -55,9 +55,15 @@ Isolation, per worker (and so per call):
   ``os.system`` or a C library writing to fd 1 cannot touch the protocol, which uses its own
   close-on-exec pipes. Every other inherited fd is closed.
 - Fork bombs: as root, RLIMIT_NPROC is not enforced, so a worker switches to uid/gid 65534
-  (keeping only CAP_DAC_READ_SEARCH, so it can still read, e.g., a Python installed under a
-  0700 /root; writes need a world-writable place such as /tmp) with RLIMIT_NPROC set and
-  no_new_privs. Not root: the kernel already enforces the user's own process limit.
+  with RLIMIT_NPROC set and no_new_privs, keeping CAP_DAC_READ_SEARCH and, without a sandbox,
+  CAP_DAC_OVERRIDE (ambient, so programs it runs keep them): user code reads and writes where
+  the user can — a verifier appending to a file in the working directory works — and what it
+  creates belongs to uid 65534. Neither capability lifts RLIMIT_NPROC. Under bwrap the
+  filesystem stays read-only (a read-only mount, whatever the capabilities) but its private /tmp.
+  Not root: the kernel already enforces the user's own process limit. (Alternatives weighed: a
+  pids cgroup guarantees a hard limit without the uid switch, but needs a writable cgroup
+  hierarchy, which most containers lack; a worker counting and killing its descendants races a
+  fast fork bomb. The uid switch holds wherever the pool runs as root.)
 - Parent death: the server gets SIGTERM when the trainer thread that spawned it dies
   (PR_SET_PDEATHSIG; the pool spawns from one long-lived thread so that is the pool's life)
   and kills every worker group; EOF on its request pipe does the same. Workers get SIGKILL
@@ -72,8 +78,7 @@ Isolation, per worker (and so per call):
   package stay visible beneath. ``tmp_size_mb`` caps the private /tmp (it is memory).
 
 Limits of the guarantees: ``sandbox="none"`` is resource control, not a security boundary
-(the code can read what the trainer can, and as root outside bwrap write world-writable
-places and signal what uid 65534 owns). Calls of one worker share a process, so module state
+(the code can read and write what the trainer can, and signal what uid 65534 owns). Calls of one worker share a process, so module state
 one call leaves is seen by the next call of that worker. The RLIMIT_NPROC budget is shared
 by every process of uid 65534 on the machine. Under ``none``, a grandchild process of an
 in-flight call can outlive a server that is SIGKILLed itself (not the trainer: that path

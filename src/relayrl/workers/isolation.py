@@ -26,7 +26,7 @@ _REQ_FD, _RES_FD = 3, 4  # the worker's private protocol pipes (close-on-exec)
 # prctl / capability constants (linux/prctl.h, linux/capability.h)
 _PR_SET_PDEATHSIG, _PR_SET_KEEPCAPS, _PR_SET_CHILD_SUBREAPER = 1, 8, 36
 _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE = 38, 47, 2
-_CAP_DAC_READ_SEARCH = 2
+_CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH = 1, 2
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 # what the bwrap'd server keeps as root: switch workers' uid/gid, kill them, read files
 _SERVER_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_DAC_READ_SEARCH")
@@ -102,9 +102,27 @@ class _CapData(ctypes.Structure):
     _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
 
-def _drop_root(uid: int, nproc: int) -> None:
-    """Root ignores RLIMIT_NPROC; uid ``uid`` does not. Keep CAP_DAC_READ_SEARCH (also across
-    exec, as an ambient capability) so reading, e.g. a Python under a 0700 /root, still works.
+def _capset(caps: int) -> bool:
+    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    data[0].effective = data[0].permitted = data[0].inheritable = caps
+    return _libc.capset(ctypes.byref(header), data) == 0
+
+
+def _drop_root(uid: int, nproc: int, writable: bool = True) -> None:
+    """Root ignores RLIMIT_NPROC (the kernel exempts uid 0 whatever its capabilities); uid ``uid``
+    does not: that is the fork-bomb guard. What the call may touch stays the user's:
+
+    - reading: CAP_DAC_READ_SEARCH (so a Python under a 0700 /root still loads);
+    - ``writable`` (no sandbox): CAP_DAC_OVERRIDE too, so a verifier or tool writes where the user
+      (root) can — the working directory, the run directory — and so do programs it runs (both
+      capabilities are ambient: kept across exec). Files it creates belong to ``uid`` (keeping the
+      filesystem uid 0 instead would make them root's, but the kernel then clears the ambient
+      capabilities at every exec, so ``subprocess.run(["sh", ...])`` could no longer write: measured).
+      Neither capability exempts from RLIMIT_NPROC (only CAP_SYS_RESOURCE and CAP_SYS_ADMIN do, and
+      both are dropped).
+    - under bwrap the filesystem is read-only whatever the capabilities (a read-only mount).
+
     Where the switch is refused (root of a user namespace without that uid) we stay as we are:
     there the kernel enforces RLIMIT_NPROC anyway, as the uid is not the host's root."""
     resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
@@ -116,13 +134,12 @@ def _drop_root(uid: int, nproc: int) -> None:
     except OSError as e:
         if e.errno not in (errno.EPERM, errno.EINVAL):
             raise
-    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
-    data = (_CapData * 2)()
-    data[0].effective = data[0].permitted = data[0].inheritable = 1 << _CAP_DAC_READ_SEARCH
-    if _libc.capset(ctypes.byref(header), data) == 0:
-        # ambient: programs the call execs keep it too (fails quietly before Linux 4.3)
-        _libc.prctl(ctypes.c_int(_PR_CAP_AMBIENT), ctypes.c_ulong(_PR_CAP_AMBIENT_RAISE),
-                    ctypes.c_ulong(_CAP_DAC_READ_SEARCH), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    keep = 1 << _CAP_DAC_READ_SEARCH | (1 << _CAP_DAC_OVERRIDE if writable else 0)
+    if _capset(keep):
+        for cap in (_CAP_DAC_READ_SEARCH, _CAP_DAC_OVERRIDE):  # ambient: programs the call execs keep them
+            if keep >> cap & 1:  # (fails quietly before Linux 4.3)
+                _libc.prctl(ctypes.c_int(_PR_CAP_AMBIENT), ctypes.c_ulong(_PR_CAP_AMBIENT_RAISE),
+                            ctypes.c_ulong(cap), ctypes.c_ulong(0), ctypes.c_ulong(0))
     _prctl(_PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries cannot give root back
 
 

@@ -259,6 +259,7 @@ class WorkerPool:
             "prefetch": max(1, self._prefetch), "calls_per_worker": self._calls_per_worker,
             "parent_pid": None if self._prefix else os.getpid(),  # under bwrap the parent is bwrap
             "drop_uid": NOBODY if root else None,
+            "writable": not self._prefix,  # no sandbox: the call writes where the user can (isolation._drop_root)
             # RLIMIT_NPROC counts every task of the uid on the machine: what it runs already + a budget
             "nproc": _count_tasks(NOBODY) + self.workers * self._procs_per_worker if root else None,
         }

@@ -358,7 +358,7 @@ def _worker_main(cfg: dict, req_fd: int, res_fd: int) -> None:
     try:
         _limit_resources(cfg["memory_mb"])
         if cfg["drop_uid"] is not None:
-            _drop_root(cfg["drop_uid"], cfg["nproc"])
+            _drop_root(cfg["drop_uid"], cfg["nproc"], writable=cfg["writable"])
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid switch, which clears it
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # what a call orphans stays ours: _left_behind sees it
     except Exception as e:

@@ -1,0 +1,83 @@
+"""The failure policy for user code (verifiers, environments, tools, templates): a failure is never
+a training signal.
+
+An episode whose verifier raised or timed out, or whose environment raised or passed its deadline,
+is *left out*: it is not scored 0 and trained on, it is counted (``Trajectory.failure``: kind, the
+code that failed, the exception) and dropped before the advantages. Its group keeps its other
+episodes and takes its baseline over them: every group estimator here (GRPO, Dr.GRPO, RLOO, GiGPO)
+is defined for any group size, and a group left with one episode gets advantage 0 — leaving out the
+whole group would throw away its good samples for one bad call, while keeping the failed one as 0
+would push a correct but slow-to-verify answer down.
+
+Kinds: ``reward`` and ``reward_timeout`` (``reward.fn``), ``env`` and ``env_timeout`` (``env.name``'s
+reset/step/close, past ``env.step_timeout_s`` or ``env.episode_timeout_s``), ``engine`` (the
+inference engine failed on the request: not user code, left out the same way).
+
+Each step counts its failures by kind (``failures/<kind>``). When more than ``run.max_failure_frac``
+of a step's episodes (or of an evaluation's) failed, the run stops: ``UserCodeError``, one line
+naming the code, the exception, how many failed of how many and the setting that lets it go on,
+exit status 1, before anything of that step is trained or saved (the last checkpoint stays as it
+was). A chat template that cannot extend a conversation token-in-token-out (``TemplateMismatch``)
+stops the run at its first occurrence: every multi-turn episode would fail the same way.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from relayrl.records import FinishReason, Trajectory
+
+KINDS = ("reward", "reward_timeout", "env", "env_timeout", "engine")
+
+
+class UserCodeError(RuntimeError):
+    """The run stops because of user code (a verifier, an environment, a template)."""
+
+
+def fail(t: Trajectory, kind: str, source: str, error: str) -> None:
+    """Mark ``t`` failed: left out of training, counted under ``kind``."""
+    assert kind in KINDS, kind
+    t.failure = {"kind": kind, "source": source, "error": error}
+
+
+def failed(t: Trajectory) -> bool:
+    return t.failure is not None or t.finish_reason == FinishReason.FAILED
+
+
+def kind_of(t: Trajectory) -> str | None:
+    if t.failure is not None:
+        return t.failure["kind"]
+    return "engine" if t.finish_reason == FinishReason.FAILED else None
+
+
+def count(trajs: list[Trajectory]) -> Counter:
+    """Failed episodes by kind."""
+    return Counter(k for t in trajs if (k := kind_of(t)) is not None)
+
+
+def check(trajs: list[Trajectory], max_frac: float, where: str) -> Counter:
+    """Failures by kind among ``trajs``; ``UserCodeError`` when more than ``max_frac`` of them failed
+    in user code (``where``: "step 3", "the evaluation before training")."""
+    counts = count(trajs)
+    user = sum(n for k, n in counts.items() if k != "engine")
+    if trajs and user and user / len(trajs) > max_frac:
+        raise UserCodeError(stop_message(trajs, user, where, max_frac))
+    return counts
+
+
+def stop_message(trajs: list[Trajectory], user: int, where: str, max_frac: float) -> str:
+    """One line: the code that failed most, its exception, how many failed of how many, the setting."""
+    by_source = Counter((t.failure["source"], t.failure["kind"]) for t in trajs if t.failure)
+    (source, kind), n = by_source.most_common(1)[0]
+    example = next(t.failure["error"] for t in trajs if t.failure and t.failure["source"] == source)
+    what = {"reward_timeout": "timed out", "env_timeout": "passed its deadline"}.get(kind, "raised")
+    others = f" ({user - n} more failed elsewhere)" if user > n else ""
+    return (f"{where}: {source} {what} in {n} of {len(trajs)} episodes{others}: {example} — more than "
+            f"run.max_failure_frac={max_frac:g} of the episodes failed, so the run stops rather than train on what "
+            f"is left (failed episodes are never scored 0; set run.max_failure_frac=1 to go on without them)")
+
+
+def metrics(counts: Counter, totals: dict) -> dict:
+    """This step's failures by kind, and the run's totals."""
+    return {**{f"failures/{k}": counts.get(k, 0) for k in KINDS},
+            **{f"failures/{k}_total": totals.get(k, 0) for k in KINDS}}
