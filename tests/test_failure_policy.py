@@ -355,3 +355,36 @@ def test_a_run_whose_environment_sometimes_hangs_goes_on_without_those_episodes(
     time.sleep(0.5)
     left = {t.name for t in threading.enumerate()} - threads_before
     assert not [n for n in left if n.startswith(("relayrl-episodes", "relayrl-verify"))], left
+
+
+def test_a_tool_that_raises_is_an_observation_but_a_step_where_every_call_raised_stops(tok):
+    def broken_add(a: int, b: int) -> int:
+        """Add two integers (but the file it needs is not writable).
+
+        Args:
+            a: The first.
+            b: The second.
+        """
+        raise PermissionError("[Errno 13] Permission denied: 'cache.db'")
+
+    broken_add.__name__ = "add"
+    runner = make_runner(tok, calc_reply, lambda: ToolEnv([broken_add]))
+    try:
+        trajs = [run(runner, Trajectory(PROMPT, "g", i, [])) for i in range(8)]
+    finally:
+        runner.close()
+    t = trajs[0]
+    assert t.failure is None and t.info["tool_calls"] == 1 and t.info["tool_raised"] == 1 and t.info["tool_errors"] == 1
+    assert "PermissionError" in t.info["tool_raised_example"]
+    with pytest.raises(UserCodeError, match=r"step 2: every one of the 8 tool calls raised inside the tool, e\.g\. "
+                                            r"tool add: PermissionError"):
+        failures.check_tools(trajs, 0.5, "step 2")
+    failures.check_tools(trajs, 1.0, "step 2")  # 1: goes on
+    failures.check_tools(trajs[:7], 0.5, "step 2")  # too few calls to tell
+
+
+def test_arguments_a_tool_does_not_take_are_the_models_mistake_not_the_tools():
+    env = ToolEnv([add])
+    out = asyncio.run(env.step('<tool_call>{"name": "add", "arguments": {"a": 1, "c": 2}}</tool_call>'))
+    assert out.info["tool_errors"] == 1 and out.info["tool_raised"] == 0 and out.raised == []
+    assert out.messages[0]["content"].startswith("error: add: ")  # what binding the arguments said

@@ -340,6 +340,7 @@ class EpisodeRunner:
         step_rewards, anchors = [], [anchor(messages)]
         final: float | None = None
         carry = 0.0
+        raised: str | None = None  # the first exception a tool raised (the failure report's example)
         for turn in range(self.limits.max_turns):
             start = len(t.response_ids) if turn else 0  # turn 0 may go on from carried tokens
             if turn:
@@ -356,6 +357,7 @@ class EpisodeRunner:
                 raise _EnvFailed("env", f"{type(env).__name__}.step (env.name={self.limits.env_name})",
                                  f"returned a non-finite reward {result.reward}")
             counts.update(result.info)
+            raised = raised or (result.raised[0] if result.raised else None)
             if result.done or turn + 1 == self.limits.max_turns:  # at the turn limit: that step's reward
                 final = result.reward
                 counts["turn_limit"] += int(not result.done)
@@ -379,7 +381,7 @@ class EpisodeRunner:
         t.reward = sum(step_rewards)
         t.text = messages[-1]["content"]
         t.info = {"turns": len(step_rewards), "step_rewards": step_rewards, "anchors": anchors[: len(step_rewards)],
-                  **{k: int(v) for k, v in counts.items()}}
+                  **{k: int(v) for k, v in counts.items()}, **({"tool_raised_example": raised} if raised else {})}
 
     async def _turn(self, t: Trajectory, turn: int, start: int, limit: int, params: SamplingParams,
                     train: bool) -> str:

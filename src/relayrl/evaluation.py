@@ -18,6 +18,7 @@ def episode_stats(trajs: list) -> dict:
         "tool_calls_mean": sum(i.get("tool_calls", 0) for i in info) / n,
         "tool_errors": sum(i.get("tool_errors", 0) for i in info),
         "tool_timeouts": sum(i.get("tool_timeouts", 0) for i in info),
+        "tool_raised": sum(i.get("tool_raised", 0) for i in info),  # exceptions inside tools (of tool_errors)
         "turns_mean": sum(i.get("turns", 1) for i in info) / n,
     }
 

@@ -65,6 +65,20 @@ def check(trajs: list[Trajectory], max_frac: float, where: str) -> Counter:
     return counts
 
 
+def check_tools(trajs: list[Trajectory], max_frac: float, where: str, min_calls: int = 8) -> None:
+    """A tool that raised is an observation the model reads (it may have asked for 1/0), not a failed
+    episode; but a step where *every* tool call raised (at least ``min_calls``) means the tool cannot
+    work at all (a missing file, a permission), and training on it teaches the model that tools fail:
+    ``UserCodeError`` (unless run.max_failure_frac=1)."""
+    calls = sum(t.info.get("tool_calls", 0) for t in trajs)
+    raised = sum(t.info.get("tool_raised", 0) for t in trajs)
+    if max_frac < 1 and calls >= min_calls and raised == calls:
+        example = next(t.info["tool_raised_example"] for t in trajs if t.info.get("tool_raised_example"))
+        raise UserCodeError(f"{where}: every one of the {calls} tool calls raised inside the tool, e.g. {example} — "
+                            "a tool that cannot work would teach the model that tools fail, so the run stops (set "
+                            "run.max_failure_frac=1 to go on)")
+
+
 def stop_message(trajs: list[Trajectory], user: int, where: str, max_frac: float) -> str:
     """One line: the code that failed most, its exception, how many failed of how many, the setting."""
     by_source = Counter((t.failure["source"], t.failure["kind"]) for t in trajs if t.failure)

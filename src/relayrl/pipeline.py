@@ -278,6 +278,7 @@ def take_failures(groups: list[Group], state: RunState, cfg: Config) -> tuple[li
     stops (``UserCodeError``) when more than run.max_failure_frac of them failed in user code."""
     where = f"step {state.step + 1}"
     counts = failures.check(flatten(groups), cfg.run.max_failure_frac, where)
+    failures.check_tools(flatten(groups), cfg.run.max_failure_frac, where)
     kept, _ = drop_failed(groups)
     for k, n in counts.items():
         state.failures[k] = state.failures.get(k, 0) + n

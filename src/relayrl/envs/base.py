@@ -41,6 +41,7 @@ class StepResult:
     reward: float | None = 0.0  # this step's reward; None on the last step: scored by reward.fn
     done: bool = False
     info: dict = field(default_factory=dict)  # counts summed into the episode's metrics
+    raised: list[str] = field(default_factory=list)  # what tools raised this step (the run's failure report)
 
 
 class Env:
@@ -80,17 +81,28 @@ class ToolEnv(Env):
             return StepResult(reward=None, done=True)
         results = await asyncio.gather(*(self._run(c) for c in calls[: self.max_calls]))
         results += [(f"error: more than {self.max_calls} tool calls in one turn", "error")] * (len(calls) - self.max_calls)
-        info = {"tool_calls": len(calls), "tool_errors": sum(k == "error" for _, k in results),
-                "tool_timeouts": sum(k == "timeout" for _, k in results)}
-        return StepResult([tool_result_message(c, out) for c, (out, _) in zip(calls, results)], info=info)
+        info = {"tool_calls": len(calls), "tool_errors": sum(k in ("error", "raised") for _, k in results),
+                "tool_timeouts": sum(k == "timeout" for _, k in results),
+                "tool_raised": sum(k == "raised" for _, k in results)}
+        raised = [f"tool {c.name}: {out.removeprefix('error: ')}" for c, (out, k) in zip(calls, results) if k == "raised"]
+        return StepResult([tool_result_message(c, out) for c, (out, _) in zip(calls, results)], info=info, raised=raised)
 
     async def _run(self, call: ToolCall) -> tuple[str, str]:
-        """(what the model reads, "ok" | "error" | "timeout")."""
+        """(what the model reads, "ok" | "error" | "raised" | "timeout"): "error" is the model's
+        mistake (a malformed call, an unknown tool, arguments the function does not take), "raised"
+        an exception inside the tool (the model reads it too; a step where every call raised stops
+        the run: ``relayrl.failures``)."""
         if call.error:
             return f"error: {call.error}", "error"
         fn = self._by_name.get(call.name)
         if fn is None:
             return f"error: unknown tool {call.name!r}; available: {', '.join(self._by_name)}", "error"
+        try:
+            inspect.signature(fn).bind(**call.arguments)
+        except TypeError as e:
+            return f"error: {call.name}: {e}", "error"
+        except ValueError:  # no signature to check
+            pass
         try:
             if inspect.iscoroutinefunction(fn):
                 out = await asyncio.wait_for(fn(**call.arguments), self.timeout_s)
@@ -101,7 +113,7 @@ class ToolEnv(Env):
         except asyncio.TimeoutError:
             return f"error: {call.name} timed out after {self.timeout_s:g} s", "timeout"
         except Exception as e:  # noqa: BLE001 - the model reads what went wrong
-            return f"error: {type(e).__name__}: {e}", "error"
+            return f"error: {type(e).__name__}: {e}", "raised"
         return str(out), "ok"
 
 
