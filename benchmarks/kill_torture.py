@@ -7,7 +7,8 @@ again during a resume), lets the last resume run to completion, and checks:
 1. **once**: every prompt trained exactly once: no prompt id twice in ``trained_prompts.jsonl``,
    steps 1..N there once each, every step's list full (``prompts_per_step`` ids), and the final
    checkpoint's ``sampler.consumed`` == trained prompt ids + groups carried in its
-   ``partial_buffer`` (carried prompts not among the trained ones). Runs are far shorter than one
+   ``partial_buffer`` (carried prompts not among the trained ones) + prompts dynamic sampling
+   filtered (``filtered_prompt_ids``, and the checkpoint's pending ones). Runs are far shorter than one
    epoch of the 20,000 demo prompts, so once per epoch means once.
 2. **steps**: ``metrics.jsonl`` holds steps 1..N, each exactly once, in order.
 3. **loads**: the final checkpoint (``checkpoints/step_N``) loads with
@@ -401,9 +402,16 @@ def check_once(run_dir: Path, steps: int) -> tuple[bool, str]:
     carried = [g["prompt"]["id"] for g in state.get("partial_buffer", [])]
     if len(set(carried)) != len(carried) or set(carried) & set(ids):
         return False, f"carried groups repeat prompts: {sorted(set(carried) & set(ids), key=str)[:5]}"
+    # prompts dynamic sampling left out (zero-variance groups): recorded per step, and in the checkpoint
+    # those filtered after the last step's record
+    filtered = [i for t in trained for i in t.get("filtered_prompt_ids", [])]
+    filtered += state.get("staleness", {}).get("filtered_pending", [])
+    if set(filtered) & set(ids) or len(set(filtered)) != len(filtered):
+        return False, f"filtered prompts trained or filtered twice: {sorted(set(filtered) & set(ids), key=str)[:5]}"
     consumed = state["sampler"]["consumed"]
-    if consumed != len(ids) + len(carried):
-        return False, f"sampler.consumed {consumed} != {len(ids)} trained + {len(carried)} carried"
+    if consumed != len(ids) + len(carried) + len(filtered):
+        return False, (f"sampler.consumed {consumed} != {len(ids)} trained + {len(carried)} carried + "
+                       f"{len(filtered)} filtered")
     return True, ""
 
 

@@ -117,7 +117,8 @@ def _holds_cut_off(state: dict) -> bool:
     ["run.mode=periodic", "rollout.partial=false"],
     ["run.mode=periodic", "rollout.partial=true"],
     ["run.mode=async", "rollout.partial=true", "rollout.max_staleness=2"],
-], ids=["sync+partial", "periodic", "periodic+partial", "async+partial"])
+    ["run.mode=async", "rollout.partial=true", "rollout.max_staleness=2", "rollout.dynamic_sampling=true"],
+], ids=["sync+partial", "periodic", "periodic+partial", "async+partial", "async+partial+dynamic"])
 def test_carried_work_survives_kill_and_resume(tmp_path, mode):
     """On the demo model (long-tail lengths): partial groups carried across steps and batches
     generated ahead (periodic) are checkpointed, and a kill -9 + --resume neither loses nor
@@ -137,8 +138,14 @@ def test_carried_work_survives_kill_and_resume(tmp_path, mode):
     state = json.loads((ckpt_dir / "step_000008" / "state.json").read_text())
     carried = {g["prompt"]["id"] for g in state["partial_buffer"]}
     assert not carried & set(ids)
-    assert state["sampler"]["consumed"] == len(ids) + len(carried)  # every prompt drawn is trained or carried
+    filtered = [i for t in trained for i in t.get("filtered_prompt_ids", [])] + state["staleness"]["filtered_pending"]
+    assert not set(filtered) & (set(ids) | carried)
+    # every prompt drawn is trained, carried, or (dynamic sampling) filtered and recorded as such
+    assert state["sampler"]["consumed"] == len(ids) + len(carried) + len(filtered)
     m = _metrics(run)
+    if "rollout.dynamic_sampling=true" in mode:
+        assert filtered and sum(x["dynamic/filtered_groups"] for x in m) + len(state["staleness"]["filtered_pending"]) \
+            == m[-1]["dynamic/filtered_total"]
     if "rollout.partial=true" in mode:
         assert m[-1]["partial_resumed_total"] > 0  # the long tail was carried over and continued
     assert any(x["offpolicy_token_frac"] > 0 for x in m)  # continued or generated-ahead tokens are one version old

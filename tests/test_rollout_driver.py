@@ -33,7 +33,7 @@ def score(text, prompt):
 
 
 def rollout(eng, eta, *, partial=False, extra=0, park=False, drain=False, n_prompts=5, seed=0, version=0,
-            carried=(), drawn=None, max_groups=None, params=SamplingParams(10)):
+            carried=(), drawn=None, max_groups=None, params=SamplingParams(10), scorer=score, **kw):
     prompts = [Prompt(f"p{i}", [{"role": "user", "content": str(i)}]) for i in range(n_prompts)]
     sampler = PromptSampler(prompts, seed)
     drawn = [] if drawn is None else drawn
@@ -49,10 +49,10 @@ def rollout(eng, eta, *, partial=False, extra=0, park=False, drain=False, n_prom
         gids = [f"t{version}.{tag}.{k}/{p.id}" for k, p in enumerate(ps)]
         return [Group(p, gid, [Trajectory(p, gid, i, [1, 2]) for i in range(G)]) for p, gid in zip(ps, gids)]
 
-    runner = EpisodeRunner(eng, Tok(), None, None, score)
+    runner = EpisodeRunner(eng, Tok(), None, None, scorer)
     ro = EpisodeRollout(runner, take, new_groups, params, B, eta, partial=partial, extra=extra,
                         park_while_training=park, drain_before_publish=drain, version=version, carried=carried,
-                        max_groups=max_groups)
+                        max_groups=max_groups, **kw)
     return ro, drawn
 
 
@@ -250,3 +250,32 @@ def test_held_groups_resume_without_loss_within_the_bound(seed, eta, partial):
         for t in g.trajectories:
             if t.request_id in cut:  # continued from its carried tokens
                 assert t.response_ids[: len(cut[t.request_id])] == cut[t.request_id]
+
+
+@settings(max_examples=24, deadline=None)
+@given(mode=st.sampled_from(["sync", "periodic", "async"]), partial=st.booleans(), seed=st.integers(0, 10**6))
+def test_dynamic_sampling_trains_only_groups_that_teach_and_accounts_for_every_prompt(mode, partial, seed):
+    """Zero-variance groups (a third of them here) are left out before acceptance and replaced: every
+    trained group has reward variance, the staleness bound holds, every prompt drawn is trained, held
+    or filtered (recorded), and the generation they cost is counted."""
+    eta = {"sync": 0, "periodic": 1, "async": 2}[mode]
+    eng = FakeEngine(seed, max_len=12, width=2)
+    ro, drawn = rollout(eng, eta, partial=partial, park=mode == "sync", drain=mode == "periodic", seed=seed,
+                        max_groups=5 * B if mode != "async" else None, filter_groups=True, filter_max=10)
+    batches, held = drive(ro, eng, steps=5)
+    trained = check_trained(batches, eta)
+    assert all(len(set(g.rewards)) > 1 for g in trained)
+    filtered, m = ro.take_filtered()
+    assert Counter([g.prompt.id for g in trained + held] + filtered) == Counter(drawn)
+    assert m["dynamic/filtered_groups"] == len(filtered) == m["dynamic/filtered_total"]
+    assert (m["dynamic/filtered_tokens"] > 0) == bool(filtered) and m["dynamic/accepted_unfiltered_total"] == 0
+    assert ro.counters()["filtered_pending"] == []  # taken: the next step's record has them
+
+
+def test_dynamic_sampling_gives_up_past_its_cap_rather_than_generate_forever():
+    eng = FakeEngine(3, max_len=6, width=2)
+    ro, drawn = rollout(eng, 0, park=True, scorer=lambda text, p: (1.0, None), filter_groups=True, filter_max=1)
+    batches, _ = drive(ro, eng, steps=2)
+    filtered, m = ro.take_filtered()
+    assert [len(gs) for _, gs in batches] == [B, B]
+    assert len(filtered) == 2 * B and m["dynamic/accepted_unfiltered_total"] == 2 * B  # B filtered per step

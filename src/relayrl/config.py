@@ -144,6 +144,14 @@ class RolloutCfg(_Section):
     max_staleness: int = Field(
         2, ge=0, description="async: η, how many policy versions generation may run ahead of training; a group "
         "about to exceed it is waited for, never dropped. 0 behaves synchronously.")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO's dynamic sampling: a group whose rewards have no variance (all right or all "
+        "wrong: zero advantage) is left out before it is accepted and a new group generated in its place, in every "
+        "mode, so each step trains on groups that teach.")
+    dynamic_sampling_max: int = Field(
+        4, ge=1, description="dynamic_sampling: at most this many × prompts_per_step groups filtered per step; past it "
+        "zero-variance groups are accepted as they are (a model that solves everything would otherwise generate "
+        "forever).")
     schedule: Literal["fifo", "partial_first", "longest_first", "srpt", "gittins"] = Field(
         "fifo", description="Order requests are handed to the engine: arrival, continued responses first, longest "
         "expected first (for a step barrier), shortest expected remaining, or Gittins index (for streaming).")
@@ -362,6 +370,8 @@ APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] =
                                "(rollout.engine_process=true, or null with run.mode=periodic or async; or "
                                "rollout.engines > 1; or run.backend=ray)",
                                ("rollout.engine_process", "run.mode", "rollout.engines", "run.backend")),
+    "rollout.dynamic_sampling_max": (lambda c: c.rollout.dynamic_sampling, "with rollout.dynamic_sampling=true",
+                                     ("rollout.dynamic_sampling",)),
     "rollout.vllm_max_model_len": _VLLM,
     "rollout.vllm_gpu_memory_utilization": _VLLM,
     "rollout.vllm_sleep": _VLLM,

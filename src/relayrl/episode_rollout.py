@@ -28,6 +28,16 @@ requeued. Discarding stale groups (or regenerating them) trains on the ones that
 finish quickly — short responses, few turns, fast tools; here every admitted group is trained,
 whatever its length, and the wait is for the slowest of at most one batch.
 
+Dynamic sampling (DAPO, ``rollout.dynamic_sampling``): a finished group whose rewards have no
+variance (every episode right, or every one wrong) has zero advantage everywhere and teaches
+nothing; it is left out before it is accepted, its capacity slot freed, and a new group takes its
+place, so the step's batch fills with groups that teach. That holds in every mode: the staleness
+bound counts accepted groups, so a filtered one costs no version of lag, and the replacement gets
+its own deadline. At most ``rollout.dynamic_sampling_max`` × the batch groups are filtered between
+two batches taken (DAPO's max_num_gen_batches); past that a zero-variance group is accepted as it
+is (a model that solves everything, or nothing, would otherwise generate forever). The prompts filtered are written beside the ones
+trained (``trained_prompts.jsonl``), so every consumed prompt is accounted for across resumes.
+
 Checkpoints: ``held`` stops the episodes at a token boundary and returns every group not yet
 trained: complete ones, running ones with what their episodes generated so far (an episode past
 its first tool call restarts from its prompt: ``episodes``), and those not yet started. A
@@ -46,7 +56,7 @@ from typing import Callable
 
 from relayrl.config import Config
 from relayrl.engine.base import EngineError
-from relayrl.failures import UserCodeError
+from relayrl.failures import UserCodeError, failed
 from relayrl.records import Group, SamplingParams, Trajectory, group_from_dict
 from relayrl.rollout import make_groups
 from relayrl.staleness import StalenessManager
@@ -87,7 +97,7 @@ class EpisodeRollout:
                  params: SamplingParams, batch: int, eta: int, *, partial: bool = False, extra: int = 0,
                  park_while_training: bool = False, drain_before_publish: bool = False, version: int = 0,
                  carried: list[Group] = (), timeline: Timeline | None = None, counters: dict | None = None,
-                 max_groups: int | None = None):
+                 max_groups: int | None = None, filter_groups: bool = False, filter_max: int = 4):
         if extra and not partial:
             raise ValueError("over-provisioning needs partial rollouts (the extra groups are cut and carried)")
         self.runner, self.take_prompts, self.new_groups, self.params = runner, take_prompts, new_groups, params
@@ -96,7 +106,13 @@ class EpisodeRollout:
         self.park, self.drain = park_while_training and partial, drain_before_publish and not partial
         self.mgr = StalenessManager(eta, batch, version=version, extra=extra)
         self.runner.timeline = timeline
-        self.runner.continued = (counters or {}).get("partial_resumed", self.runner.continued)
+        counters = counters or {}
+        self.runner.continued = counters.get("partial_resumed", self.runner.continued)
+        self.filter, self.filter_cap = filter_groups, filter_max * batch
+        self.filtered_ids: list[str] = list(counters.get("filtered_pending", []))  # since the last step
+        self.filtered_tokens = 0  # generated for filtered groups since the last step
+        self.filtered_total = counters.get("filtered_total", 0)
+        self.filtered_since_batch = self.filter_exhausted = 0
         self.cv = threading.Condition()
         self.waiting: deque[Group] = deque(carried)
         self.ready: list[Group] = []
@@ -124,7 +140,8 @@ class EpisodeRollout:
                    partial=r.partial, extra=extra,
                    park_while_training=mode == "sync", drain_before_publish=mode == "periodic",
                    version=state.version, carried=[group_from_dict(d) for d in state.partial_buffer], timeline=tl,
-                   counters=state.staleness, max_groups=(cfg.run.steps - state.step) * r.prompts_per_step)
+                   counters=state.staleness, max_groups=(cfg.run.steps - state.step) * r.prompts_per_step,
+                   filter_groups=r.dynamic_sampling, filter_max=r.dynamic_sampling_max)
 
     # -- trainer side --------------------------------------------------------------------------
     def next_batch(self) -> tuple[list[Group], int]:
@@ -135,6 +152,7 @@ class EpisodeRollout:
                 self._raise_if_failed()
                 self._wait()
                 self.runner.check_alive()  # (an environment blocking the loop: no group would ever finish)
+            self.filtered_since_batch = 0
             for g in batch:
                 self.ready.remove(g)
                 for t in g.trajectories:
@@ -195,6 +213,16 @@ class EpisodeRollout:
         self.runner.release()
         self.runner.loop.call_soon_threadsafe(self.wake.set)
 
+    def take_filtered(self) -> tuple[list[str], dict]:
+        """The prompt ids dynamic sampling filtered since the last call, and its metrics."""
+        with self.cv:
+            ids, self.filtered_ids = self.filtered_ids, []
+            tokens, self.filtered_tokens = self.filtered_tokens, 0
+        if not self.filter:
+            return ids, {}
+        return ids, {"dynamic/filtered_groups": len(ids), "dynamic/filtered_tokens": tokens,
+                     "dynamic/filtered_total": self.filtered_total, "dynamic/accepted_unfiltered_total": self.filter_exhausted}
+
     def metrics(self) -> dict:
         return {"partial_resumed_total": self.runner.continued, "groups_in_flight": len(self.running),
                 "episode_errors_total": self.runner.error_count,
@@ -202,7 +230,9 @@ class EpisodeRollout:
                    for c in v}}
 
     def counters(self) -> dict:
-        return {"partial_resumed": self.runner.continued}
+        with self.cv:
+            return {"partial_resumed": self.runner.continued, "filtered_pending": list(self.filtered_ids),
+                    "filtered_total": self.filtered_total}
 
     def close(self) -> None:
         if self.closed:
@@ -278,10 +308,27 @@ class EpisodeRollout:
             del self.running[id(g)]
             for t in g.trajectories:
                 self.finished[_length_class(t)] += 1
+            if self.filter and _no_variance(g):
+                if self.filtered_since_batch < self.filter_cap:
+                    self._filtered(g)
+                    return
+                self.filter_exhausted += 1
             self.mgr.finish(accepted=True)
             self.ready.append(g)
             self.changes += 1
             self.cv.notify_all()
+
+    def _filtered(self, g: Group) -> None:
+        """(With ``cv`` held, on the loop.) ``g`` teaches nothing: its slot goes to a new group."""
+        self.mgr.finish(accepted=False)
+        self.left += 1
+        self.filtered_since_batch += 1
+        self.filtered_total += 1
+        self.filtered_ids.append(g.prompt.id)
+        self.filtered_tokens += sum(int(sum(t.mask)) if t.mask else len(t.response_ids) for t in g.trajectories)
+        self.changes += 1
+        self.cv.notify_all()
+        self.wake.set()  # admit its replacement
 
     def _fail(self, e: BaseException) -> None:
         with self.cv:
@@ -301,6 +348,13 @@ class EpisodeRollout:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self.admission.cancel()
+
+
+def _no_variance(g: Group) -> bool:
+    """Every scored episode of ``g`` has the same reward (failed ones aside; a group with none
+    scored is left to the failure policy)."""
+    rewards = [t.reward for t in g.trajectories if not failed(t)]
+    return bool(rewards) and max(rewards) - min(rewards) < 1e-9
 
 
 def _length_class(t: Trajectory) -> str:

@@ -252,10 +252,12 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                 span = max(tl.now() - step_start, 1e-9)
                 idle = {f"{ln}_idle_frac": 1 - tl.busy_between(ln, step_start, step_start + span) / span
                         for ln in ("engine", "trainer")}
-                m = record_step(cfg, c, state, groups, generated, {**train_metrics, **idle, **source.metrics(),
+                filtered, dynamic = source.take_filtered()
+                m = record_step(cfg, c, state, groups, generated, {**train_metrics, **idle, **source.metrics(), **dynamic,
                                 **engine_counters(c.engine), **failures.metrics(failed, state.failures)},
                                 timers.pop(), metrics, source)
-                trained_log.write({"step": state.step, "prompt_ids": [g.prompt.id for g in groups]})
+                trained_log.write({"step": state.step, "prompt_ids": [g.prompt.id for g in groups],
+                                   **({"filtered_prompt_ids": filtered} if filtered else {})})
                 bar.update(m)
                 if (cfg.run.save_every and state.step % cfg.run.save_every == 0) or state.step == cfg.run.steps:
                     state.partial_buffer = [group_to_dict(g) for g in source.held()]  # generation stops here...
@@ -362,7 +364,8 @@ def evaluate_only(cfg: Config) -> dict:
         check_prompts_fit(cfg, path, tokenizer, [], prompts)
         engine = open_engine(cfg, engine_spec(cfg, path, tok_path, 0, cfg.run.seed, threads(cfg)[1]), tokenizer=tokenizer)
         runner = make_runner(cfg, engine, tokenizer, reward,
-                             make_env_factory(cfg.env.name, cfg.env.args) if cfg.env.name else None)
+                             make_env_factory(cfg.env.name, cfg.env.args) if cfg.env.name else None,
+                             eos_token_ids(path, tokenizer))
         try:
             return evaluate(runner, tokenizer, prompts, cfg)
         finally:
