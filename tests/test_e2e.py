@@ -131,6 +131,9 @@ def test_carried_work_survives_kill_and_resume(tmp_path, mode):
                                          holding=_holds_cut_off if "run.mode=async" in mode else None)
     ckpt_dir = tmp_path / "p" / "checkpoints"
     run = tmp_path / "p"
+    name, partial = mode[0].split("=")[1], "rollout.partial=true" in mode
+    bound = {"sync": 0, "periodic": 1, "async": 2}[name] + (partial and name != "async")  # η + ⌈extra/B⌉
+    assert f"staleness bound: {bound} policy versions" in " ".join(out.split())  # printed at start
     trained = [json.loads(x) for x in (run / "trained_prompts.jsonl").read_text().splitlines()]
     assert [t["step"] for t in trained] == list(range(1, 9))
     ids = [i for t in trained for i in t["prompt_ids"]]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from relayrl import distributed
+from relayrl import distributed, failures
 from relayrl.checkpoint import CheckpointWriter, RunState, restore_rng
 from relayrl.config import Config, dump_config
 from relayrl.data import PromptSampler, load_prompts
@@ -30,7 +30,6 @@ from relayrl.records import Group, SamplingParams, group_to_dict
 from relayrl.resume import ResumeError, check_compatible, data_fingerprint, prepare_run_dir, start_state
 from relayrl.rewards import RewardRunner
 from relayrl.rollout import advantages_for, drop_failed
-from relayrl import failures
 from relayrl.timeline import Timeline
 from relayrl.tracking import MetricsLog, ProgressBar, Timers
 from relayrl.trainer import Trainer, build_batch
