@@ -484,9 +484,14 @@ def run_case(index: int, workdir: Path, seed: int = 0, src: Path | None = None, 
             a = run_attempt(cmd, env, run_dir, logs / (f"attempt{i}.log" if t == 0 else f"attempt{i}-replan{t}.log"),
                             planned, draw, resume=i > 0, timeout=timeout, grace=grace, marker=marker)
             tries.append((i, a))
-            if kill is None or a.killed or a.rc != 0 or a.landed.startswith("HUNG"):
+            # a kill that landed once the final checkpoint was written leaves the later planned kills
+            # nothing to land in (a resume with no step left): a miss too
+            late = (a.killed and i + 1 < len(case.kills)
+                    and (run_dir / "checkpoints" / f"step_{STEPS:06d}" / "state.json").exists())
+            if kill is None or a.landed.startswith("HUNG") or (a.killed and not late) or (not a.killed and a.rc != 0):
                 break
-            # the run completed before its kill: a harness miss, not a failure; run it again, killed earlier
+            # the run completed before its kill (or was killed too late): a harness miss, not a failure; run
+            # it again, killed earlier
             start = int(a.expected_from) if a.expected_from.isdigit() else 0
             nxt = replan(planned, a, last_logged_step(run_dir) - start) if t < MAX_REPLANS else None
             replans.append({"kill": a.kill, "rc": a.rc, "seconds": round(a.seconds, 1),
@@ -494,8 +499,9 @@ def run_case(index: int, workdir: Path, seed: int = 0, src: Path | None = None, 
                             "survivors": a.survivors})
             if nxt is None:
                 break
-            notes.append(f"attempt {i}: kill '{a.kill}' could not land (the run completed in {a.seconds:.0f}s): "
-                         f"re-planned as {describe_kill(nxt)}")
+            why = "landed after the final checkpoint, leaving nothing for the later kills" if late else \
+                f"could not land (the run completed in {a.seconds:.0f}s)"
+            notes.append(f"attempt {i}: kill '{a.kill}' {why}: re-planned as {describe_kill(nxt)}")
             put_back(before, run_dir)
             planned, draw = nxt, random.Random(f"{seed}:{index}:{i}:replan{t + 1}")
         if before is not None:
@@ -607,7 +613,7 @@ def main() -> int:
               + "".join(f"\n  - {n}" for n in r["notes"]), flush=True)
     passed = sum(r["passed"] for r in results)
     replans, untested = sum(r["replans"] for r in results), [r["case"] for r in results if r["untested"]]
-    summary = (f"{passed}/{len(results)} passed" + (f"; {replans} kill(s) re-planned (the run completed first)"
+    summary = (f"{passed}/{len(results)} passed" + (f"; {replans} kill(s) re-planned (the run completed first, or was killed past its last checkpoint)"
                                                      if replans else "")
                + (f"; a planned kill never landed in case(s) {untested}: untested past it" if untested else ""))
     out = Path(args.out)

@@ -78,6 +78,36 @@ def test_a_kill_that_cannot_land_is_replanned_earlier_from_the_same_run_director
     assert again == seen  # deterministic from the seed
 
 
+def test_a_kill_that_lands_after_the_final_checkpoint_is_replanned_when_more_kills_follow(tmp_path, monkeypatch):
+    """A kill landing once the last checkpoint is written leaves the next planned kill nothing to land
+    in (the resume has no step left): that kill is drawn again, earlier, from the same run directory."""
+    case = next(i for i, c in enumerate(kill_torture.CASES) if len(c.kills) >= 2)
+    steps_dir = tmp_path / f"case{case + 1:02d}" / "checkpoints" / f"step_{kill_torture.STEPS:06d}"
+    seen: list = []
+
+    def run_attempt(cmd, env, run_dir, log, kill, rng, resume, timeout, grace, marker):
+        seen.append(kill)
+        late = len(seen) == 1  # the first try is killed past the final checkpoint, every later one in time
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if late:
+            steps_dir.mkdir(parents=True)
+            (steps_dir / "state.json").write_text("{}")
+        rc = -9 if kill is not None else 0
+        return kill_torture.Attempt(kill="k" if kill else "", drawn=kill_torture.STEPS if late else 1, rc=rc,
+                                    killed=rc == -9, landed="x" if rc else "", seconds=1.0, procs_seen=1,
+                                    expected_from="scratch" if resume else "")
+
+    monkeypatch.setattr(kill_torture, "run_attempt", run_attempt)
+    monkeypatch.setattr(kill_torture, "last_logged_step", lambda run_dir: kill_torture.STEPS)
+    for check in ("check_once", "check_steps", "check_loads"):
+        monkeypatch.setattr(kill_torture, check, lambda run_dir, steps: (True, ""))
+    monkeypatch.setattr(kill_torture, "marked_processes", lambda marker: [])
+    r = kill_torture.run_case(case, tmp_path, seed=0)
+    assert r["replans"] == 1 and not steps_dir.exists()  # re-run from the run directory put back as it was
+    assert len(seen) == len(kill_torture.CASES[case].kills) + 2 and r["passed"], r["notes"]
+    assert any("landed after the final checkpoint" in n for n in r["notes"])
+
+
 def test_a_kill_that_never_lands_leaves_the_case_untested_not_failed(tmp_path, monkeypatch):
     seen = _scripted(monkeypatch, ["done"] * 10)
     r = kill_torture.run_case(1, tmp_path, seed=0)
