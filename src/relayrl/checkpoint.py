@@ -48,7 +48,7 @@ class RunState:
     partial_buffer: list = field(default_factory=list)  # groups not yet trained (group_to_dict), run on when resumed
     partial_resumed: int = 0  # cumulative groups continued from the buffer
     staleness: dict = field(default_factory=dict)  # the rollout's cumulative counts (turns continued)
-    failed_generations: int = 0  # responses the engine failed on (dropped, not trained)
+    failed_generations: int = 0  # (older checkpoints; failures["engine"] counts these now)
     failures: dict = field(default_factory=dict)  # episodes left out, by kind (relayrl.failures), cumulative
     groups_made: int = 0  # groups created so far: their ids stay unique across resumes
     config: dict = field(default_factory=dict)  # the resolved config the run was started with

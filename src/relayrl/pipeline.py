@@ -283,7 +283,6 @@ def take_failures(groups: list[Group], state: RunState, cfg: Config) -> tuple[li
     kept, _ = drop_failed(groups)
     for k, n in counts.items():
         state.failures[k] = state.failures.get(k, 0) + n
-    state.failed_generations = state.failures.get("engine", 0)
     if not kept:
         if set(counts) == {"engine"}:
             raise EngineError(f"{where}: the engine failed on every response of the batch")
