@@ -91,6 +91,23 @@ def test_an_engine_failure_reaches_every_waiting_episode():
     assert all(isinstance(o, EngineError) and "died" in str(o) for o in outs)
 
 
+def test_a_submit_that_raises_fails_its_episodes_instead_of_leaving_them_waiting():
+    class Refuses(FakeEngine):
+        def submit(self, requests):
+            raise IndexError("list index out of range")
+
+    async def main():
+        front = AsyncEngine(Refuses(0), asyncio.get_running_loop())
+        try:
+            reqs = [GenRequest(f"r{i}", [1, 2], SamplingParams(5)) for i in range(2)]
+            return await asyncio.gather(*(front.generate(r) for r in reqs), return_exceptions=True)
+        finally:
+            front.close()
+
+    outs = asyncio.run(asyncio.wait_for(main(), 10))
+    assert all(isinstance(o, EngineError) and "IndexError" in str(o) for o in outs)
+
+
 @pytest.mark.parametrize("driven", [False, True])
 def test_stream_yields_tokens_as_sampled_and_leaving_early_aborts(tiny, driven):
     """``stream``: pieces of one token each, then the last with its finish reason; together they are

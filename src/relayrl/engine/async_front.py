@@ -107,8 +107,11 @@ class AsyncEngine:
             cut = [(f, Completion(r.request_id, [], [], [], FinishReason.ABORTED)) for r in requests
                    if r.request_id in self._cut and (f := self._futures.pop(r.request_id, None)) is not None]
             self._cut.clear()
+        try:
             if send:
                 self.engine.submit(self.order(send) if self.order else send)
+        except BaseException as e:  # noqa: BLE001 - a submit that raises would leave its episodes waiting forever
+            self._fail_all(e)
         _resolve_all(cut)
 
     def abort(self, request_ids: Iterable[str]) -> None:
