@@ -453,6 +453,43 @@ def case_label(case: Case) -> str:
     return f"{case.mode}{'+partial' if case.partial else ''}{' +eval' if case.eval else ''}"
 
 
+def attempt_with_replans(i: int, kill: Kill | None, n_kills: int, cmd: list[str], env: dict, run_dir: Path,
+                         logs: Path, rng: random.Random, random_for, workdir: Path, tries: list, notes: list,
+                         timeout: float, grace: float, marker: str) -> Attempt:
+    """Attempt ``i`` of a case, killed as ``kill`` plans (None: run to completion). A kill that could not
+    land — the run completed first, or the kill came once the final checkpoint was written while later
+    kills are planned (they would have nothing to land in) — is a harness miss, not a failure: the run
+    directory is put back as it was and the attempt runs again with an earlier kill, drawn from
+    ``random_for(t)``, at most ``MAX_REPLANS`` times. Every try goes to ``tries``; the last is returned,
+    its misses in ``replans``."""
+    before = copy_run_dir(run_dir, workdir) if kill is not None else None
+    planned, draw, replans = kill, rng, []
+    for t in range(MAX_REPLANS + 1):
+        a = run_attempt(cmd, env, run_dir, logs / (f"attempt{i}.log" if t == 0 else f"attempt{i}-replan{t}.log"),
+                        planned, draw, resume=i > 0, timeout=timeout, grace=grace, marker=marker)
+        tries.append((i, a))
+        late = (a.killed and i + 1 < n_kills
+                and (run_dir / "checkpoints" / f"step_{STEPS:06d}" / "state.json").exists())
+        if kill is None or a.landed.startswith("HUNG") or (a.killed and not late) or (not a.killed and a.rc != 0):
+            break
+        start = int(a.expected_from) if a.expected_from.isdigit() else 0
+        nxt = replan(planned, a, last_logged_step(run_dir) - start) if t < MAX_REPLANS else None
+        replans.append({"kill": a.kill, "rc": a.rc, "seconds": round(a.seconds, 1),
+                        "run_dir_at_end": describe_state(run_dir), "replanned": describe_kill(nxt) if nxt else None,
+                        "survivors": a.survivors})
+        if nxt is None:
+            break
+        why = "landed after the final checkpoint, leaving nothing for the later kills" if late else \
+            f"could not land (the run completed in {a.seconds:.0f}s)"
+        notes.append(f"attempt {i}: kill '{a.kill}' {why}: re-planned as {describe_kill(nxt)}")
+        put_back(before, run_dir)
+        planned, draw = nxt, random_for(t + 1)
+    if before is not None:
+        shutil.rmtree(before, ignore_errors=True)
+    a.replans = replans
+    return a
+
+
 def run_case(index: int, workdir: Path, seed: int = 0, src: Path | None = None, timeout: float = 300.0,
              grace: float = 20.0, keep: bool = False) -> dict:
     """Run case ``index`` (0-based into CASES) in its own run directory under ``workdir``; returns the
@@ -478,35 +515,10 @@ def run_case(index: int, workdir: Path, seed: int = 0, src: Path | None = None, 
     notes = []
     plan = list(case.kills) + [None]  # the last attempt runs to completion
     for i, kill in enumerate(plan):
-        before = copy_run_dir(run_dir, workdir / f"{name}-before") if kill is not None else None
-        planned, draw, replans = kill, rng, []
-        for t in range(MAX_REPLANS + 1):
-            a = run_attempt(cmd, env, run_dir, logs / (f"attempt{i}.log" if t == 0 else f"attempt{i}-replan{t}.log"),
-                            planned, draw, resume=i > 0, timeout=timeout, grace=grace, marker=marker)
-            tries.append((i, a))
-            # a kill that landed once the final checkpoint was written leaves the later planned kills
-            # nothing to land in (a resume with no step left): a miss too
-            late = (a.killed and i + 1 < len(case.kills)
-                    and (run_dir / "checkpoints" / f"step_{STEPS:06d}" / "state.json").exists())
-            if kill is None or a.landed.startswith("HUNG") or (a.killed and not late) or (not a.killed and a.rc != 0):
-                break
-            # the run completed before its kill (or was killed too late): a harness miss, not a failure; run
-            # it again, killed earlier
-            start = int(a.expected_from) if a.expected_from.isdigit() else 0
-            nxt = replan(planned, a, last_logged_step(run_dir) - start) if t < MAX_REPLANS else None
-            replans.append({"kill": a.kill, "rc": a.rc, "seconds": round(a.seconds, 1),
-                            "run_dir_at_end": describe_state(run_dir), "replanned": describe_kill(nxt) if nxt else None,
-                            "survivors": a.survivors})
-            if nxt is None:
-                break
-            why = "landed after the final checkpoint, leaving nothing for the later kills" if late else \
-                f"could not land (the run completed in {a.seconds:.0f}s)"
-            notes.append(f"attempt {i}: kill '{a.kill}' {why}: re-planned as {describe_kill(nxt)}")
-            put_back(before, run_dir)
-            planned, draw = nxt, random.Random(f"{seed}:{index}:{i}:replan{t + 1}")
-        if before is not None:
-            shutil.rmtree(before, ignore_errors=True)
-        a.replans = replans
+        a = attempt_with_replans(i, kill, len(case.kills), cmd, env, run_dir, logs, rng,
+                                 random_for=lambda t, i=i: random.Random(f"{seed}:{index}:{i}:replan{t}"),
+                                 workdir=workdir / f"{name}-before", tries=tries, notes=notes,
+                                 timeout=timeout, grace=grace, marker=marker)
         attempts.append(a)
         if kill is not None and not a.killed:
             break  # the kill did not land (run ended first, even re-planned) or the run failed: nothing more to resume
