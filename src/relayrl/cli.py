@@ -35,6 +35,8 @@ ERRORS = [
     ("relayrl.data", "DataError", "data", 2),
     ("relayrl.models", "ModelError", "model", 2),
     ("relayrl.resume", "ResumeError", "resume", 2),
+    ("relayrl.tracking.trackers", "TrackerError", "tracker", 2),
+    ("relayrl.tracking.pictures", "PlotError", "plot", 2),
     ("relayrl.engine.base", "EngineError", "engine", 1),
     ("relayrl.failures", "UserCodeError", "user code", 1),
     ("builtins", "ValueError", "input", 2),

@@ -27,6 +27,9 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
+TrackerName = Literal["jsonl", "tensorboard", "wandb", "mlflow", "trackio", "swanlab"]
+
+
 class RunCfg(_Section):
     """The run: name, length, mode, checkpoints."""
 
@@ -54,6 +57,37 @@ class RunCfg(_Section):
     backend: Literal["local", "ray"] = Field(
         "local", description="Where engines run: 'local' (this process or child processes), 'ray' (Ray actors, "
         "restarted if they die; see the ray section).")
+    report_to: list[TrackerName] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="Where the metrics go, a list (one name or a comma-separated string also works): jsonl "
+        "(metrics.jsonl, always on), tensorboard, wandb, mlflow, trackio, swanlab, each through its own library "
+        "(pip install 'relayrl[NAME]'). Every step's metrics with the step, the resolved config as the run's "
+        "parameters, curves.png and timeline.png as images. Offline by default: TensorBoard in <run dir>/tensorboard, "
+        "W&B offline in <run dir>/wandb (WANDB_MODE=online to upload), MLflow to sqlite in <run dir>/mlflow.db "
+        "(MLFLOW_TRACKING_URI for a server), SwanLab offline in <run dir>/swanlog (SWANLAB_MODE=online), trackio to "
+        "its local folder (TRACKIO_DIR). A tracker that cannot start fails the run at start; --resume continues "
+        "the same tracker runs.")
+    project: str = Field(
+        "relayrl", min_length=1, description="Project name in the trackers of run.report_to: the W&B, trackio and "
+        "SwanLab project, the MLflow experiment.")
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _tracker_list(cls, v: Any) -> Any:
+        # `run.report_to=wandb` or `run.report_to=tensorboard,wandb` on the command line: a list of names
+        return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
+
+    @field_validator("report_to")
+    @classmethod
+    def _jsonl_always(cls, v: list[str]) -> list[str]:
+        return list(dict.fromkeys(["jsonl", *v]))  # (duplicates dropped, order kept)
+
+    @field_validator("project")
+    @classmethod
+    def _project_name(cls, v: str) -> str:
+        if any(c in v for c in "/\\#?%:\0"):  # W&B's rule, the strictest of the trackers'
+            raise ValueError("must not contain any of / \\ # ? % :")
+        return v
 
     @field_validator("name")
     @classmethod
@@ -357,6 +391,7 @@ _EVAL = (lambda c: c.data.eval_path is not None, "when data.eval_path is set", (
 _ENV = (lambda c: c.env.name is not None, "with an environment (env.name set)", ("env.name",))
 _VLLM = (lambda c: c.rollout.engine == "vllm", "with rollout.engine=vllm", ("rollout.engine",))
 _RAY = (lambda c: c.run.backend == "ray", "with run.backend=ray", ("run.backend",))
+_PROJECT_TRACKERS = ("wandb", "mlflow", "trackio", "swanlab")
 
 # Fields that the chosen mode/options ignore: field -> (does it apply?, when it applies, the fields
 # that decide). Setting one where it does not apply would silently do nothing, so it is an error
@@ -375,6 +410,9 @@ APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] =
     "rollout.vllm_max_model_len": _VLLM,
     "rollout.vllm_gpu_memory_utilization": _VLLM,
     "rollout.vllm_sleep": _VLLM,
+    "run.project": (lambda c: any(t in _PROJECT_TRACKERS for t in c.run.report_to),
+                    f"when run.report_to names a tracker with projects ({', '.join(_PROJECT_TRACKERS)})",
+                    ("run.report_to",)),
     "ray.address": _RAY,
     "ray.num_cpus": _RAY,
     "ray.max_engine_restarts": _RAY,
@@ -540,15 +578,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         raise ConfigError("invalid configuration: " + "; ".join(_describe(x, origin) for x in e.errors())) from None
 
 
-def dump_config(cfg: Config, path: Path) -> None:
-    """The resolved config; fields the configuration ignores are left out, so the file loads back
-    (``relayrl train runs/<name>/config.yaml``) without tripping the check on them."""
+def resolved_tree(cfg: Config) -> dict:
+    """The resolved config as plain data (section -> field -> value), without the fields the
+    configuration ignores: what config.yaml holds and the trackers get as the run's parameters."""
     tree = cfg.model_dump(mode="json")
     for field, (applies, _, _) in APPLIES_ONLY.items():
         if not applies(cfg):
             sec, key = field.split(".")
             del tree[sec][key]
-    path.write_text(yaml.safe_dump(tree, sort_keys=False))
+    return tree
+
+
+def dump_config(cfg: Config, path: Path) -> None:
+    """The resolved config; fields the configuration ignores are left out, so the file loads back
+    (``relayrl train runs/<name>/config.yaml``) without tripping the check on them."""
+    path.write_text(yaml.safe_dump(resolved_tree(cfg), sort_keys=False))
 
 
 def describe() -> str:

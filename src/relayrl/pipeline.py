@@ -31,7 +31,7 @@ from relayrl.resume import ResumeError, check_compatible, data_fingerprint, prep
 from relayrl.rewards import RewardRunner
 from relayrl.rollout import advantages_for, drop_failed
 from relayrl.timeline import Timeline
-from relayrl.tracking import MetricsLog, ProgressBar, Timers
+from relayrl.tracking import MetricsLog, ProgressBar, RunReport, Timers, Trackers
 from relayrl.trainer import Trainer, build_batch
 
 
@@ -199,6 +199,7 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
     log = console.print
     # everything that can be wrong with the input is found before the run directory is touched
     state, trainer_state, ckpt = start_state(cfg, resume, log)
+    Trackers.check(cfg.run.report_to, cfg.run_dir)  # a tracker's library missing, its server unreachable
     data = load_data(cfg)
     fingerprint = data_fingerprint(data[0])
     if ckpt:
@@ -222,11 +223,11 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
         c.trainer.load_state_dict(trainer_state)
         restore_rng(trainer_state)
         log(f"resumed from {ckpt} (step {state.step}, {state.samples} samples)")
-    metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=state.step)
-    trained_log = MetricsLog(run_dir / "trained_prompts.jsonl", resume_step=state.step)
     if state.eval_before is None and c.eval_prompts:
         state.eval_before = c.evaluate(cfg, "before training")
         log(f"eval before: {fmt_eval(state.eval_before)}")
+    metrics = RunReport(cfg, state, log)  # metrics.jsonl, the trackers of run.report_to, curves.png
+    trained_log = MetricsLog(run_dir / "trained_prompts.jsonl", resume_step=state.step)
     timers, t_start, tl = Timers(), time.perf_counter() - state.wall_seconds, Timeline()
     writer = CheckpointWriter(run_dir, c.policy, c.tokenizer, cfg.run.keep_checkpoints, c.trainer.full_state_dict)
     source = EpisodeRollout.from_config(cfg, c, state, tl)
@@ -265,8 +266,10 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                     source.release()
         source.close()
         writer.wait()
-        log(f"timeline: {tl.save(run_dir)}")
-        return finish(cfg, c, state, log)
+        log(f"timeline: {(timeline := tl.save(run_dir))}")
+        summary = finish(cfg, c, state, log)
+        metrics.finish(summary, timeline)  # curves.png; the pictures and the summary to the trackers
+        return summary
     finally:
         source.close()
         writer.wait()

@@ -91,5 +91,6 @@ def prepare_run_dir(run_dir: Path, fresh: bool) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     remove_incomplete(run_dir)
     if fresh:
-        for name in ("metrics.jsonl", "trained_prompts.jsonl", "summary.json", "timeline.json", "timeline.png"):
+        for name in ("metrics.jsonl", "trained_prompts.jsonl", "summary.json", "timeline.json", "timeline.png",
+                     "curves.png"):
             (run_dir / name).unlink(missing_ok=True)

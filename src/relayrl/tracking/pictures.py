@@ -1,0 +1,196 @@
+"""Learning curves: ``curves.png`` of one run, and one picture comparing several (``relayrl plot``).
+
+Both read what a run writes, ``metrics.jsonl`` (one line per step) and ``summary.json`` (held-out
+accuracy before and after training), so a picture can be drawn of a run that is still going, or
+of runs made long ago. Six panels: reward, held-out accuracy, response length, staleness, engine
+and trainer idle time, throughput; over training steps, or over wall-clock time (``x="time"``:
+how the modes compare, since an overlapped run does more steps per minute).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class PlotError(ValueError):
+    """A run folder without the files a picture is drawn from."""
+
+
+@dataclass
+class RunData:
+    name: str
+    records: list[dict]  # metrics.jsonl, in step order
+    summary: dict = field(default_factory=dict)  # summary.json (empty while the run goes)
+    eval_before: dict | None = None  # held-out evaluation before training (summary.json's, or the live run's)
+
+    def series(self, key: str, x: str) -> tuple[list[float], list[float]]:
+        """(x values, values) over the steps that have ``key``."""
+        pts = [(_x(r, x), r[key]) for r in self.records if isinstance(r.get(key), (int, float))]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    def accuracy(self, key: str, x: str) -> tuple[list[float], list[float]]:
+        """Held-out accuracy in %: before training (at 0), at each evaluation during it, after it."""
+        xs, ys = self.series(f"eval/{key}", x)
+        before, after = self.eval_before or self.summary.get("eval_before"), self.summary.get("eval_after")
+        if before and key in before:
+            xs, ys = [0.0, *xs], [before[key], *ys]
+        if after and key in after and self.records:
+            xs, ys = [*xs, _x(self.records[-1], x)], [*ys, after[key]]
+        return xs, [100 * y for y in ys]
+
+
+def _x(record: dict, x: str) -> float:
+    return record["step"] if x == "step" else record.get("wall_seconds", 0.0) / 60
+
+
+def read_run(run_dir: str | Path) -> RunData:
+    """A run folder's metrics.jsonl and summary.json (PlotError naming what is missing)."""
+    d = Path(run_dir)
+    path = d / "metrics.jsonl"
+    if not path.is_file():
+        what = "no such folder" if not d.is_dir() else "no metrics.jsonl in it"
+        raise PlotError(f"{d}: not a run folder ({what}); a run folder is <run.output_dir>/<run.name>, e.g. runs/demo")
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # (a line a kill cut short)
+        if isinstance(r, dict) and "step" in r:
+            records.append(r)
+    summary = {}
+    if (d / "summary.json").is_file():
+        summary = json.loads((d / "summary.json").read_text())
+    return RunData(d.name, sorted(records, key=lambda r: r["step"]), summary)
+
+
+def _smooth(ys: list[float], n: int) -> list[float]:
+    """Trailing moving average over ``n`` points (as many as there are at the start)."""
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y - (ys[i - n] if i >= n else 0.0)
+        out.append(acc / min(i + 1, n))
+    return out
+
+
+# (title, y label, [(metric key, line label, line style)]), in panel order
+PANELS = [
+    ("Response length", "tokens", [("response_len_mean", "mean", "-"), ("response_len_max", "longest", ":")]),
+    ("Staleness of the trained groups", "policy versions behind", [("staleness_mean", "mean", "-"),
+                                                                  ("staleness_max", "most", ":")]),
+    ("Idle time", "% of the step's wall time", [("engine_idle_frac", "engine (generation)", "-"),
+                                                ("trainer_idle_frac", "trainer", "--")]),
+    ("Generation throughput", "generated tokens / s", [("tokens_per_s", "tokens/s over the step", "-")]),
+]
+
+
+def curves_figure(runs: list[RunData], x: str = "step", title: str = ""):
+    """The figure (matplotlib's object API: no global state, safe beside a running program)."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    fig = Figure(figsize=(16, 9), dpi=100, layout="constrained")
+    axes = fig.subplots(2, 3).flatten()
+    colors = [f"C{i % 10}" for i in range(len(runs))]
+    one = len(runs) == 1
+    xlabel = "training step" if x == "step" else "wall-clock time (minutes)"
+
+    ax = axes[0]  # reward: every step faint, a moving average over a twentieth of the run bold
+    for run, c in zip(runs, colors):
+        xs, ys = run.series("reward_mean", x)
+        n = max(1, len(ys) // 20)
+        ax.plot(xs, ys, color=c, alpha=0.3, lw=1, label="each step" if one else None)
+        ax.plot(xs, _smooth(ys, n), color=c, lw=2.2, label=f"moving average ({n} steps)" if one else run.name)
+    ax.set(title="Training reward", ylabel="mean reward of the sampled responses")
+
+    ax = axes[1]
+    shown = False
+    for run, c in zip(runs, colors):
+        for key, label, ls in (("accuracy", "sampled", "-"), ("accuracy_greedy", "greedy", "--")):
+            xs, ys = run.accuracy(key, x)
+            if xs:
+                shown = True
+                ax.plot(xs, ys, color=c, ls=ls, marker="o", ms=5, lw=1.8,
+                        label=label if one else (run.name if key == "accuracy" else None))
+    ax.set(title="Held-out accuracy (0: before training)", ylabel="accuracy (%)")
+    if shown:
+        ax.set_ylim(-2, 102)
+        if not one:
+            ax.legend(handles=[*ax.get_legend_handles_labels()[0],
+                               Line2D([], [], color="gray", ls="-", marker="o", label="sampled"),
+                               Line2D([], [], color="gray", ls="--", marker="o", label="greedy")], fontsize=9)
+    else:
+        ax.text(0.5, 0.5, "not evaluated\n(no data.eval_path)", ha="center", va="center", transform=ax.transAxes,
+                color="gray", fontsize=12)
+
+    for ax, (ptitle, ylabel, lines) in zip(axes[2:], PANELS):
+        scale = 100 if "%" in ylabel else 1
+        for run, c in zip(runs, colors):
+            for key, label, ls in lines:
+                xs, ys = run.series(key, x)
+                ax.plot(xs, [scale * y for y in ys], color=c if not one else None, ls=ls, lw=1.6,
+                        label=label if one else (run.name if ls == "-" else None))
+        ax.set(title=ptitle, ylabel=ylabel)
+        if scale == 100:
+            ax.set_ylim(-2, 102)
+        if "Staleness" in ptitle:
+            ax.set_ylim(bottom=-0.1, top=max(1.0, ax.get_ylim()[1]))
+        if not one and len(lines) > 1:
+            ax.legend(handles=[*ax.get_legend_handles_labels()[0],
+                               *(Line2D([], [], color="gray", ls=ls, label=label) for _, label, ls in lines)],
+                      fontsize=9)
+
+    for ax in axes:
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        if ax.get_legend() is None and ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=9)
+    fig.suptitle(title or ("relayrl learning curves: " + " vs ".join(r.name for r in runs)), fontsize=15)
+    return fig
+
+
+def _subtitle(run: RunData) -> str:
+    s = run.summary
+    parts = [f"{run.records[-1]['step']} steps" if run.records else "no steps yet"]
+    if run.records:
+        parts.append(f"{run.records[-1].get('samples', 0):,} samples")
+        parts.append(f"{run.records[-1].get('wall_seconds', 0) / 60:.1f} min")
+    before, after = s.get("eval_accuracy_before"), s.get("eval_accuracy_after")
+    if before is not None and after is not None:
+        parts.append(f"held-out accuracy {before:.1%} → {after:.1%}")
+    return ", ".join(parts)
+
+
+def save_curves(run_dir: str | Path, eval_before: dict | None = None, x: str = "step") -> Path:
+    """``<run dir>/curves.png`` of one run (``eval_before``: the live run's, before summary.json exists)."""
+    run = read_run(run_dir)
+    run.eval_before = eval_before
+    path = Path(run_dir) / "curves.png"
+    _save(curves_figure([run], x, f"relayrl learning curves: {run.name} ({_subtitle(run)})"), path)
+    return path
+
+
+def compare(run_dirs: list[str | Path], out: str | Path | None = None, x: str = "step") -> Path:
+    """One picture overlaying the runs; by default ``compare_<a>_<b>....png`` in the first run's parent folder."""
+    runs = [read_run(d) for d in run_dirs]
+    names = [r.name for r in runs]
+    if len(set(names)) < len(names):  # runs of the same name in different folders: tell them apart
+        for r, d in zip(runs, run_dirs):
+            r.name = str(Path(d))
+    if out is None:
+        stem = "compare_" + "_".join(n.replace("/", "-") for n in names)
+        out = Path(run_dirs[0]).resolve().parent / (stem[:120] + ".png")
+    out = Path(out)
+    if out.suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise PlotError(f"-o {out}: the picture's name must end in .png, .pdf or .svg")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _save(curves_figure(runs, x), out)
+    return out
+
+
+def _save(fig, path: Path) -> None:
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")  # (a viewer never sees half a picture)
+    fig.savefig(tmp)
+    tmp.replace(path)
