@@ -1,7 +1,7 @@
 """Run state and atomic checkpoints.
 
 ``runs/<name>/checkpoints/step_NNNNNN/`` holds the policy (``save_pretrained``, safetensors,
-with the tokenizer: loadable by ``from_pretrained``), ``trainer.pt`` (optimiser, scheduler,
+with the tokenizer: loadable by ``from_pretrained``), its model card ``README.md`` (``model_card``), ``trainer.pt`` (optimiser, scheduler,
 RNG: torch, Python, and CUDA's per device when CUDA is in use) and ``state.json`` (step,
 samples, data cursor, policy version). A checkpoint is written to a temporary folder
 (``.tmp-step_N``), renamed into place, then ``latest`` is replaced atomically, so a kill at any
@@ -151,6 +151,8 @@ def write_snapshot(run_dir: Path, snap: dict, model, tokenizer, keep: int) -> Pa
     tmp.mkdir()
     model.save_pretrained(tmp, state_dict=snap["weights"], safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    if snap.get("card"):
+        (tmp / "README.md").write_text(snap["card"])
     torch.save({**snap["trainer"], "rng": snap["rng"]}, tmp / "trainer.pt")
     (tmp / "state.json").write_text(snap["state_json"])
     _fsync_tree(tmp)  # every file on disk, and the folder's entries, before it gets its name
@@ -172,17 +174,19 @@ def write_snapshot(run_dir: Path, snap: dict, model, tokenizer, keep: int) -> Pa
 
 
 class CheckpointWriter:
-    def __init__(self, run_dir: Path, model, tokenizer, keep: int, weights=None):
+    def __init__(self, run_dir: Path, model, tokenizer, keep: int, weights=None, card=None):
         """``weights()``: the policy's whole weights on the CPU (default ``model.state_dict``; a trainer
-        on a GPU or sharded over ranks gives ``Trainer.full_state_dict``)."""
+        on a GPU or sharded over ranks gives ``Trainer.full_state_dict``); ``card(state)``: the text of
+        the checkpoint's model card (``model_card.for_run``; None: none)."""
         self.run_dir, self.model, self.tokenizer, self.keep = run_dir, model, tokenizer, keep
-        self.weights = weights
+        self.weights, self.card = weights, card
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
     def save(self, state: RunState, trainer_state: dict) -> None:
         self.wait()
         snap = snapshot(state, self.model, trainer_state, self.weights)
+        snap["card"] = self.card(state) if self.card else None
         self._thread = threading.Thread(target=self._write, args=(snap,), name="relayrl-checkpoint", daemon=True)
         self._thread.start()
 

@@ -1,4 +1,4 @@
-"""``relayrl train|eval [CONFIG.yaml] [section.key=value ...]``.
+"""``relayrl train|eval [CONFIG.yaml] [section.key=value ...]``, ``relayrl plot RUN [RUN ...]``.
 
 Every error in the input reaches the user as one line on stderr, ``relayrl: <kind> error:
 <message>``, exit status 2; an engine failure, or user code that fails too often at run time
@@ -95,6 +95,17 @@ def _parser() -> argparse.ArgumentParser:
                        epilog=USAGE_NOTE + describe())
     e.add_argument("args", nargs="*", metavar="CONFIG.yaml | section.key=value")
     e.add_argument("--checkpoint", help="a checkpoint folder (default: model.path)")
+    e.add_argument("--samples", type=int, metavar="K", help="sampled responses per prompt (sets eval.samples=K); "
+                   "with K > 1 the report has pass@k (pass_at_1, pass_at_2, ..., pass_at_K)")
+    e.add_argument("-o", "--output", metavar="DIR", help="where eval.json and eval_samples.jsonl go (default: the "
+                   "checkpoint folder with --checkpoint, else <run.output_dir>/<run.name>/eval)")
+    pl = sub.add_parser("plot", help="draw the learning curves of runs: one run's curves.png, or several compared "
+                        "in one picture", formatter_class=fmt)
+    pl.add_argument("runs", nargs="+", metavar="RUN", help="run folders (<run.output_dir>/<run.name>, e.g. runs/demo)")
+    pl.add_argument("-o", "--output", metavar="PATH", help="the picture (.png, .pdf or .svg; default: RUN/curves.png "
+                    "for one run, compare_<names>.png beside the first run for several)")
+    pl.add_argument("--x", choices=["step", "time"], default="step",
+                    help="x axis: training steps, or wall-clock minutes (to compare modes)")
     b = sub.add_parser("build-demo-model", help="(re)build the demo model into a folder")
     b.add_argument("out")
     return p
@@ -127,16 +138,23 @@ def _run(argv: list[str] | None) -> int:
 
         print(build_demo_model(ns.out))
         return 0
+    if ns.cmd == "plot":
+        from relayrl.tracking.pictures import compare
+
+        print(compare(ns.runs, ns.output, ns.x))
+        return 0
     config, overrides = _split(ns.args)
-    if ns.cmd == "eval" and ns.checkpoint:
-        overrides.append(f"model.path={ns.checkpoint}")
+    if ns.cmd == "eval":
+        overrides += [f"model.path={ns.checkpoint}"] if ns.checkpoint else []
+        overrides += [f"eval.samples={ns.samples}"] if ns.samples is not None else []
     cfg = load_config(config, overrides)
     from relayrl.pipeline import evaluate_only, train
 
     if ns.cmd == "train":
         train(cfg, resume=ns.resume)
     else:
-        print(json.dumps(evaluate_only(cfg), indent=1))
+        out = ns.output or ns.checkpoint or cfg.run_dir / "eval"
+        print(json.dumps(evaluate_only(cfg, out), indent=1))
     return 0
 
 

@@ -1,6 +1,11 @@
-"""Held-out evaluation over episodes: sampled accuracy at the training temperature and greedy accuracy."""
+"""Held-out evaluation over episodes: sampled accuracy at the training temperature, pass@k, greedy
+accuracy; and the report ``relayrl eval`` writes (``eval.json``, ``eval_samples.jsonl``)."""
 
 from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
 
 from relayrl import failures
 from relayrl.config import Config
@@ -23,11 +28,37 @@ def episode_stats(trajs: list) -> dict:
     }
 
 
-def evaluate(runner, tokenizer, prompts: list[Prompt], cfg: Config, when: str = "") -> dict:
+def pass_at_k(trajs: list, n: int) -> dict:
+    """``pass_at_k`` for k = 1, 2, 4, ... and n: the unbiased estimate 1 - C(m-c, k) / C(m, k) of
+    Chen et al. (2021, "Evaluating Large Language Models Trained on Code", eq. 1) per prompt, over
+    its m scored samples of which c solved it (reward >= 1, what the built-in verifiers give a right
+    answer), averaged over the prompts with at least k scored samples."""
+    by_prompt: dict[str, list[bool]] = {}
+    for t in trajs:
+        by_prompt.setdefault(t.group_id, []).append(t.reward >= 1)
+    out = {}
+    for k in sorted({2 ** i for i in range(n.bit_length()) if 2 ** i <= n} | {n}):
+        est = [1 - math.comb(len(s) - sum(s), k) / math.comb(len(s), k) for s in by_prompt.values() if len(s) >= k]
+        out[f"pass_at_{k}"] = sum(est) / len(est) if est else None
+    return out
+
+
+def sample_record(t, tokenizer, kind: str) -> dict:
+    """One evaluated episode, for ``eval_samples.jsonl``."""
+    return {"prompt_id": t.prompt.id, "prompt": t.prompt.messages, "answer": t.prompt.answer, "kind": kind,
+            "sample": t.sample_idx, "completion": tokenizer.decode(t.response_ids, skip_special_tokens=True),
+            "reward": t.reward, "finish_reason": t.finish_reason.value if t.finish_reason else None,
+            "response_tokens": len(t.response_ids), "failure": t.failure,
+            **({"turns": t.info.get("turns"), "tool_calls": t.info.get("tool_calls", 0)} if t.info else {})}
+
+
+def evaluate(runner, tokenizer, prompts: list[Prompt], cfg: Config, when: str = "", samples: list | None = None
+             ) -> dict:
     """``accuracy``: mean reward (pass@1) of ``eval.samples`` sampled episodes per prompt at
-    ``rollout.temperature``; ``accuracy_greedy``: mean reward of the greedy one. With an
-    environment, also the tool-call rate (sampled and greedy) and tool errors of the sampled ones.
-    Episodes whose user code failed are left out of the means and counted (``accuracy_failed``).
+    ``rollout.temperature``, and with several, ``pass_at_k``; ``accuracy_greedy``: mean reward of the
+    greedy one. With an environment, also the tool-call rate (sampled and greedy) and tool errors of
+    the sampled ones. Episodes whose user code failed are left out of the means and counted
+    (``accuracy_failed``). ``samples``: a list that gets every episode (``sample_record``).
     Runs through ``runner`` (episodes.EpisodeRunner) while the training episodes are held."""
     import asyncio
 
@@ -48,9 +79,24 @@ def evaluate(runner, tokenizer, prompts: list[Prompt], cfg: Config, when: str = 
         trajs = [t for t in every if not failures.failed(t)]  # failed episodes are not scored 0
         out[key] = sum(t.reward for t in trajs) / max(1, len(trajs))
         out[f"{key}_failed"] = sum(counts.values())
+        if samples is not None:
+            samples += [sample_record(t, tokenizer, which) for t in every]
+        if key == "accuracy" and n > 1:
+            out.update(pass_at_k(trajs, n))
         stats = episode_stats(trajs) if runner.make_env is not None else None
         if key == "accuracy":
             out.update(stats or {}, response_len_mean=sum(len(t.response_ids) for t in trajs) / max(1, len(trajs)))
         elif stats:
             out["tool_call_rate_greedy"] = stats["tool_call_rate"]
     return out
+
+
+def write_report(out_dir: str | Path, result: dict, samples: list[dict], about: dict) -> tuple[Path, Path]:
+    """``eval.json`` (what was evaluated, how, and the result) and ``eval_samples.jsonl`` (one line per
+    episode: prompt, completion, reward, finish reason) in ``out_dir``."""
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    report, lines = d / "eval.json", d / "eval_samples.jsonl"
+    report.write_text(json.dumps({**about, "result": result}, indent=1))
+    lines.write_text("".join(json.dumps(r) + "\n" for r in samples))
+    return report, lines

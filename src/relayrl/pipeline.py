@@ -14,16 +14,16 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from relayrl import distributed, failures
+from relayrl import distributed, failures, model_card
 from relayrl.checkpoint import CheckpointWriter, RunState, restore_rng
-from relayrl.config import Config, dump_config
+from relayrl.config import Config, dump_config, resolved_tree
 from relayrl.data import PromptSampler, load_prompts
 from relayrl.engine import EngineError
 from relayrl.envs import python_tool
 from relayrl.envs.base import make_env_factory
 from relayrl.episode_rollout import EpisodeRollout, flatten, versions_behind
 from relayrl.episodes import EpisodeLimits, EpisodeRunner
-from relayrl.evaluation import episode_stats, evaluate
+from relayrl.evaluation import episode_stats, evaluate, write_report
 from relayrl.models import check_prompt_lengths, load_policy, load_tokenizer, model_context, resolve_model_path
 from relayrl.placement import engine_counters, engine_spec, eos_token_ids, open_engine, start_ray, threads
 from relayrl.records import Group, SamplingParams, group_to_dict
@@ -229,7 +229,8 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
     metrics = RunReport(cfg, state, log)  # metrics.jsonl, the trackers of run.report_to, curves.png
     trained_log = MetricsLog(run_dir / "trained_prompts.jsonl", resume_step=state.step)
     timers, t_start, tl = Timers(), time.perf_counter() - state.wall_seconds, Timeline()
-    writer = CheckpointWriter(run_dir, c.policy, c.tokenizer, cfg.run.keep_checkpoints, c.trainer.full_state_dict)
+    writer = CheckpointWriter(run_dir, c.policy, c.tokenizer, cfg.run.keep_checkpoints, c.trainer.full_state_dict,
+                              card=model_card.for_run(resolved_tree(cfg)))
     source = EpisodeRollout.from_config(cfg, c, state, tl)
     if source.eta + source.slack:
         log(f"staleness bound: {source.eta + source.slack} policy versions (η={source.eta}"
@@ -335,6 +336,7 @@ def finish(cfg: Config, c: Components, state: RunState, log) -> dict:
         summary.update({f"eval_{k}_{when}": e.get(k) if e else None for k in ("tool_call_rate", "tool_call_rate_greedy")
                         for when, e in (("before", before), ("after", after))})
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    model_card.finalize(cfg.run_dir, resolved_tree(cfg), state, after)  # the last checkpoint's card: accuracy after
     log(f"[bold]done[/bold]: {state.step} steps, {state.samples} samples, {state.wall_seconds:.0f}s")
     if before and after:
         log(f"held-out accuracy: {before['accuracy']:.1%} → {after['accuracy']:.1%} "
@@ -351,7 +353,8 @@ def finish(cfg: Config, c: Components, state: RunState, log) -> dict:
     return summary
 
 
-def evaluate_only(cfg: Config) -> dict:
+def evaluate_only(cfg: Config, out_dir: str | Path | None = None) -> dict:
+    """Evaluate model.path on data.eval_path; with ``out_dir``, write eval.json and eval_samples.jsonl there."""
     log = Console(stderr=True).print
     d = cfg.data
     if not d.eval_path:
@@ -368,9 +371,19 @@ def evaluate_only(cfg: Config) -> dict:
                              make_env_factory(cfg.env.name, cfg.env.args) if cfg.env.name else None,
                              eos_token_ids(path, tokenizer))
         try:
-            return evaluate(runner, tokenizer, prompts, cfg)
+            samples: list[dict] = []
+            result = evaluate(runner, tokenizer, prompts, cfg, samples=samples)
         finally:
             runner.close()
             engine.close()
+        if out_dir is not None:
+            from relayrl import __version__
+
+            about = {"model": cfg.model.path, "data": d.eval_path, "prompts": len(prompts), "samples": cfg.eval.samples,
+                     "temperature": cfg.rollout.temperature, "max_new_tokens": cfg.rollout.max_new_tokens,
+                     "reward": cfg.reward.fn, "env": cfg.env.name, "relayrl": __version__}
+            report, lines = write_report(out_dir, result, samples, about)
+            log(f"eval report: {report}; every response: {lines}")
+        return result
     finally:
         reward.close()

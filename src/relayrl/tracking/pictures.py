@@ -30,15 +30,16 @@ class RunData:
         pts = [(_x(r, x), r[key]) for r in self.records if isinstance(r.get(key), (int, float))]
         return [p[0] for p in pts], [p[1] for p in pts]
 
-    def accuracy(self, key: str, x: str) -> tuple[list[float], list[float]]:
-        """Held-out accuracy in %: before training (at 0), at each evaluation during it, after it."""
+    def accuracy(self, key: str, x: str) -> tuple[list[float], list[float], tuple[float, float] | None]:
+        """Held-out accuracy in %: before training (at 0) and at each evaluation during it; and the
+        evaluation after it (summary.json), a point of its own: when the last step was evaluated
+        during training too, the two are separate samples of the same policy."""
         xs, ys = self.series(f"eval/{key}", x)
         before, after = self.eval_before or self.summary.get("eval_before"), self.summary.get("eval_after")
         if before and key in before:
             xs, ys = [0.0, *xs], [before[key], *ys]
-        if after and key in after and self.records:
-            xs, ys = [*xs, _x(self.records[-1], x)], [*ys, after[key]]
-        return xs, [100 * y for y in ys]
+        last = (_x(self.records[-1], x), 100 * after[key]) if after and key in after and self.records else None
+        return xs, [100 * y for y in ys], last
 
 
 def _x(record: dict, x: str) -> float:
@@ -90,6 +91,7 @@ def curves_figure(runs: list[RunData], x: str = "step", title: str = ""):
     """The figure (matplotlib's object API: no global state, safe beside a running program)."""
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(16, 9), dpi=100, layout="constrained")
     axes = fig.subplots(2, 3).flatten()
@@ -101,26 +103,34 @@ def curves_figure(runs: list[RunData], x: str = "step", title: str = ""):
     for run, c in zip(runs, colors):
         xs, ys = run.series("reward_mean", x)
         n = max(1, len(ys) // 20)
-        ax.plot(xs, ys, color=c, alpha=0.3, lw=1, label="each step" if one else None)
-        ax.plot(xs, _smooth(ys, n), color=c, lw=2.2, label=f"moving average ({n} steps)" if one else run.name)
+        if n > 1:
+            ax.plot(xs, ys, color=c, alpha=0.3, lw=1, label="each step" if one else None)
+        ax.plot(xs, _smooth(ys, n), color=c, lw=2.2,
+                label=run.name if not one else f"moving average over {n} steps" if n > 1 else "each step")
     ax.set(title="Training reward", ylabel="mean reward of the sampled responses")
 
     ax = axes[1]
     shown = False
-    for run, c in zip(runs, colors):
-        for key, label, ls in (("accuracy", "sampled", "-"), ("accuracy_greedy", "greedy", "--")):
-            xs, ys = run.accuracy(key, x)
+    for i, (run, c) in enumerate(zip(runs, colors)):
+        for k, (key, label, ls) in enumerate((("accuracy", "sampled", "-"), ("accuracy_greedy", "greedy", "--"))):
+            xs, ys, last = run.accuracy(key, x)
+            color = f"C{k}" if one else c
             if xs:
-                shown = True
-                ax.plot(xs, ys, color=c, ls=ls, marker="o", ms=5, lw=1.8,
+                ax.plot(xs, ys, color=color, ls=ls, marker="o", ms=5, lw=1.8,
                         label=label if one else (run.name if key == "accuracy" else None))
+            if last:
+                ax.plot(*last, color=color, marker="*", ms=14, ls="none",
+                        label="after training" if one and k == 0 else None)
+            shown = shown or bool(xs or last)
     ax.set(title="Held-out accuracy (0: before training)", ylabel="accuracy (%)")
     if shown:
         ax.set_ylim(-2, 102)
         if not one:
             ax.legend(handles=[*ax.get_legend_handles_labels()[0],
                                Line2D([], [], color="gray", ls="-", marker="o", label="sampled"),
-                               Line2D([], [], color="gray", ls="--", marker="o", label="greedy")], fontsize=9)
+                               Line2D([], [], color="gray", ls="--", marker="o", label="greedy"),
+                               Line2D([], [], color="gray", ls="none", marker="*", ms=12, label="after training")],
+                      fontsize=9)
     else:
         ax.text(0.5, 0.5, "not evaluated\n(no data.eval_path)", ha="center", va="center", transform=ax.transAxes,
                 color="gray", fontsize=12)
@@ -144,6 +154,8 @@ def curves_figure(runs: list[RunData], x: str = "step", title: str = ""):
 
     for ax in axes:
         ax.set_xlabel(xlabel)
+        if x == "step":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         if ax.get_legend() is None and ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=9)
@@ -172,21 +184,27 @@ def save_curves(run_dir: str | Path, eval_before: dict | None = None, x: str = "
     return path
 
 
+def default_output(run_dirs: list[str | Path]) -> Path:
+    """One run: its ``curves.png``; several: ``compare_<a>_<b>....png`` in the first run's parent folder."""
+    if len(run_dirs) == 1:
+        return Path(run_dirs[0]) / "curves.png"
+    stem = "compare_" + "_".join(Path(d).resolve().name for d in run_dirs)
+    return Path(run_dirs[0]).resolve().parent / (stem[:120] + ".png")
+
+
 def compare(run_dirs: list[str | Path], out: str | Path | None = None, x: str = "step") -> Path:
-    """One picture overlaying the runs; by default ``compare_<a>_<b>....png`` in the first run's parent folder."""
+    """One picture of the runs overlaid (``relayrl plot``); returns its path (``default_output`` unless ``out``)."""
+    out = Path(out) if out is not None else default_output(run_dirs)
+    if out.suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise PlotError(f"-o {out}: the picture's name must end in .png, .pdf or .svg")
     runs = [read_run(d) for d in run_dirs]
     names = [r.name for r in runs]
     if len(set(names)) < len(names):  # runs of the same name in different folders: tell them apart
         for r, d in zip(runs, run_dirs):
             r.name = str(Path(d))
-    if out is None:
-        stem = "compare_" + "_".join(n.replace("/", "-") for n in names)
-        out = Path(run_dirs[0]).resolve().parent / (stem[:120] + ".png")
-    out = Path(out)
-    if out.suffix.lower() not in (".png", ".pdf", ".svg"):
-        raise PlotError(f"-o {out}: the picture's name must end in .png, .pdf or .svg")
+    title = f"relayrl learning curves: {runs[0].name} ({_subtitle(runs[0])})" if len(runs) == 1 else ""
     out.parent.mkdir(parents=True, exist_ok=True)
-    _save(curves_figure(runs, x), out)
+    _save(curves_figure(runs, x, title), out)
     return out
 
 

@@ -1,9 +1,11 @@
 """``RunReport``: every step's metrics to ``metrics.jsonl`` and to the trackers of ``run.report_to``,
-``curves.png`` redrawn at every checkpoint and at the end, and the pictures and summary sent to the
-trackers when the run finishes. The loop sees one object with ``write`` and ``close``."""
+``curves.png`` redrawn while the run goes (every ``REDRAW_S`` seconds: drawing takes about a second
+of CPU) and at the end, and the pictures and summary sent to the trackers when the run finishes. The
+loop sees one object with ``write`` and ``close``."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from relayrl.tracking.metrics import MetricsLog
@@ -12,6 +14,8 @@ from relayrl.tracking.trackers import TrackerContext, Trackers
 
 
 class RunReport:
+    REDRAW_S = 120.0
+
     def __init__(self, cfg, state, log):
         """Opened once the run directory is ready and the held-out evaluation before training is done
         (``state.eval_before``: the trackers get it at step 0). ``state.step`` > 0: resuming from that
@@ -23,17 +27,18 @@ class RunReport:
         self.trackers = Trackers.open(cfg.run.report_to, TrackerContext(
             self.run_dir, cfg.run.name, cfg.run.project, resolved_tree(cfg), resume), log)
         self.jsonl = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=state.step)
-        self.eval_before, self.redraw_every = state.eval_before, cfg.run.save_every
+        self.eval_before, self.drawn = state.eval_before, time.monotonic()
         if resume is None and state.eval_before:
             self.trackers.log({"step": 0, **{f"eval/{k}": v for k, v in state.eval_before.items()}})
 
     def write(self, record: dict) -> None:
         self.jsonl.write(record)
         self.trackers.log(record)
-        if self.redraw_every and record["step"] % self.redraw_every == 0:
+        if time.monotonic() - self.drawn > self.REDRAW_S:
             self.curves()
 
     def curves(self) -> Path:
+        self.drawn = time.monotonic()
         return save_curves(self.run_dir, self.eval_before)
 
     def finish(self, summary: dict, timeline: Path) -> None:
