@@ -57,6 +57,7 @@ class TensorBoard(Tracker):
     def log(self, scalars: dict[str, float], step: int) -> None:
         for k, v in scalars.items():  # doubles, so the read-back equals metrics.jsonl exactly
             self.w.add_scalar(k, v, step, new_style=True, double_precision=True)
+        self.w.flush()  # on disk with metrics.jsonl's line: a live view is current, a kill loses nothing
 
     def images(self, paths: dict[str, Path], step: int) -> None:
         import numpy as np
@@ -97,7 +98,11 @@ class WandB(Tracker):
         super().__init__(ctx)
         import wandb
 
-        settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, save_code=False, disable_git=True)
+        # W&B writes its run file every 15 s by default; a killed run would lose up to that much
+        flush = {"x_transaction_log_flush_interval": 0.5} if "x_transaction_log_flush_interval" in \
+            wandb.Settings.model_fields else {}
+        settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, save_code=False, disable_git=True,
+                                  **flush)
         with quietly():
             self.run = wandb.init(project=ctx.project, name=ctx.run_name, id=ctx.saved.get("id"),
                                   dir=str(ctx.run_dir), config=ctx.config, mode=self.mode(), reinit="create_new",
@@ -235,8 +240,13 @@ class Trackio(Tracker):
         self.run.log({f"pictures/{k}": trackio.Image(str(p)) for k, p in paths.items()}, step=step)
 
     def close(self, ok: bool) -> None:
+        import trackio
+
         with quietly():
-            self.run.finish()
+            try:
+                trackio.finish()  # (ours is the current run; this also clears it, so exiting does not finish it again)
+            except RuntimeError:
+                self.run.finish()
 
 
 class SwanLab(Tracker):
