@@ -129,6 +129,7 @@ IGNORED = {
     "eval.size": (4, [["data.eval_path=null"]]),
     "eval.every": (1, [["data.eval_path=null"]]),
     "eval.samples": (2, [["data.eval_path=null"]]),
+    "run.project": ("mine", [[], ["run.report_to=[tensorboard]"], ["run.report_to=jsonl"]]),
 }
 NOISE = ["trainer.lr=1e-5", "run.steps=5", "rollout.group_size=4", "run.seed=3", "rollout.top_p=0.9",
          "algo.clip_high=0.3", "trainer.warmup_steps=0", "run.progress=false"]
@@ -197,6 +198,12 @@ def config_cases(g: Gen) -> list[Case]:
                                   f"trainer.updates_per_step={ups}"),
                           ["trainer.updates_per_step", "rollout.prompts_per_step", "rollout.group_size"],
                           f"updates_per_step={ups} > {pps}×{gs}"))
+    # trackers that are none (the error lists the valid names); project names a tracker refuses
+    for bad in ["tensorbord", "wandb,mlfow", "[jsonl, tb]", "WandB", "[tensorboard, null]", "[[wandb]]"]:
+        cases.append(Case(g.train(f"run.report_to={bad}"), ["run.report_to", "'tensorboard'"], f"run.report_to={bad}"))
+    for name in ["a/b", "x:y", "100%", "a#b", "q?", "''"]:
+        cases.append(Case(g.train("run.report_to=[wandb]", f"run.project={name}"), ["run.project"],
+                          f"run.project={name}"))
     # run.name that is not a plain folder name
     for name in ["a/b", "..", ".", "", "../escape", "x/../../y", "/abs", "a\\b", "nul\x00byte"]:
         cases.append(Case(g.train(f"run.name={name}"), ["run.name"], f"run.name={name!r}"))

@@ -1,0 +1,50 @@
+"""``relayrl eval`` writes eval.json and every response (eval_samples.jsonl) beside the checkpoint,
+with pass@k for --samples K; pass@k is Chen et al.'s unbiased estimator."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from relayrl.cli import main
+from relayrl.evaluation import pass_at_k
+from relayrl.records import Prompt, Trajectory
+
+
+def test_pass_at_k_by_hand():
+    def group(gid: str, rewards: list[float]) -> list[Trajectory]:
+        p = Prompt(gid, [{"role": "user", "content": "x"}])
+        return [Trajectory(p, gid, i, [1], reward=r) for i, r in enumerate(rewards)]
+
+    # prompt a: 1 of 4 right; b: 2 of 4; c: 0.5 is partial credit, not a pass
+    got = pass_at_k(group("a", [1, 0, 0, 0]) + group("b", [0, 1, 1, 0]) + group("c", [0.5] * 4), 4)
+    assert got == pytest.approx({"pass_at_1": (1 / 4 + 2 / 4 + 0) / 3,
+                                 "pass_at_2": ((1 - 3 / 6) + (1 - 1 / 6) + 0) / 3,  # 1 - C(n-c,2)/C(4,2)
+                                 "pass_at_4": (1 + 1 + 0) / 3})
+    assert set(pass_at_k(group("a", [1, 0, 1, 0, 0]), 5)) == {"pass_at_1", "pass_at_2", "pass_at_4", "pass_at_5"}
+
+
+@pytest.mark.slow
+def test_relayrl_eval_writes_its_report_beside_the_checkpoint(tiny_path, tmp_path, capsys):
+    ckpt = tmp_path / "step_000010"
+    shutil.copytree(tiny_path, ckpt)
+    args = ["data.eval_path=builtin:demo-eval", "eval.size=4", "reward.fn=tests.rewards_for_tests:digit_fraction",
+            "rollout.max_new_tokens=8", f"run.output_dir={tmp_path / 'runs'}"]
+    assert main(["eval", "--checkpoint", str(ckpt), "--samples", "3", *args]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    report = json.loads((ckpt / "eval.json").read_text())
+    assert report["result"] == printed and report["model"] == str(ckpt) and report["samples"] == 3
+    assert {"pass_at_1", "pass_at_2", "pass_at_3"} <= set(printed)
+    lines = [json.loads(x) for x in (ckpt / "eval_samples.jsonl").read_text().splitlines()]
+    sampled = [x for x in lines if x["kind"] == "sampled"]
+    assert len(sampled) == 4 * 3 and len(lines) == 4 * 3 + 4  # and one greedy response a prompt
+    assert sum(x["reward"] for x in sampled) / 12 == pytest.approx(printed["accuracy"])
+    for x in lines:
+        assert x["prompt"][0]["role"] == "user" and isinstance(x["completion"], str)
+        assert x["finish_reason"] in ("stop", "length") and x["response_tokens"] <= 8
+    assert not (tmp_path / "runs").exists()
+    out = tmp_path / "elsewhere"
+    assert main(["eval", "--checkpoint", str(ckpt), "-o", str(out), *args]) == 0
+    assert json.loads((out / "eval.json").read_text())["samples"] == 1 and (out / "eval_samples.jsonl").is_file()
