@@ -250,3 +250,17 @@ def test_a_fresh_start_removes_what_an_earlier_attempt_of_the_run_left(tmp_path)
     trackers.close(ok=True)
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "tensorboard" / "events.out.tfevents.old").exists()
     assert json.loads((tmp_path / "trackers.json").read_text()) == {"tensorboard": {"log_dir": str(tmp_path / "tensorboard")}}
+
+
+def test_trackers_leave_the_random_state_as_it_was(tmp_path, offline):
+    """SwanLab draws from Python's global random state when it starts a run; what relayrl and user
+    code seeded must draw the same with or without run.report_to."""
+    import random
+
+    random.seed(7)
+    want = random.getstate()
+    ctx = TrackerContext(tmp_path, "r", "p", {"run": {"steps": 1}}, None)
+    trackers = Trackers.open(["jsonl", "swanlab", "tensorboard"], ctx, lambda *a: None)
+    trackers.log({"step": 1, "reward_mean": 0.5})
+    trackers.finish({"steps": 1}, {}, 1)
+    assert random.getstate() == want

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import random
 import shutil
 import socket
 from dataclasses import dataclass, field
@@ -105,6 +106,17 @@ def check_reachable(name: str, url: str, why: str) -> None:
 
 
 @contextlib.contextmanager
+def rng_kept():
+    """Python's global random state as it was: a tracker that draws from it (SwanLab picks a run's
+    colour so) must not change what a user's code seeded in this process goes on to draw."""
+    state = random.getstate()
+    try:
+        yield
+    finally:
+        random.setstate(state)
+
+
+@contextlib.contextmanager
 def quietly():
     """The trackers' libraries print banners while they start and stop; relayrl prints its own line."""
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -168,7 +180,8 @@ class Trackers:
                     continue
                 one = TrackerContext(**{**ctx.__dict__, "saved": saved.get(n, {})})
                 try:
-                    t = BACKENDS[n](one)
+                    with rng_kept():
+                        t = BACKENDS[n](one)
                 except TrackerError:
                     raise
                 except Exception as e:
@@ -188,7 +201,8 @@ class Trackers:
     def _each(self, what: str, call) -> None:
         for t in list(self.trackers):
             try:
-                call(t)
+                with rng_kept():
+                    call(t)
             except Exception as e:  # a tracker never stops the run once it is going
                 self.trackers.remove(t)
                 self.warn(f"[yellow]{t.name} failed ({what}): {type(e).__name__}: {e} — it is turned off for the "
