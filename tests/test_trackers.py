@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -148,7 +147,8 @@ def test_resume_continues_the_same_tracker_runs(tiny_path, tmp_path, trackio_dir
     want = _metrics(run)
     assert sorted(want) == [1, 2, 3, 4, 5] and want[3] != killed[3]  # step 3 was logged again
     saved = json.loads((run / "trackers.json").read_text())
-    assert {k: saved[k] for k in ("wandb", "mlflow", "swanlab")} == {k: first[k] for k in ("wandb", "mlflow", "swanlab")}
+    same_ids = ("wandb", "mlflow", "swanlab")
+    assert {k: saved[k] for k in same_ids} == {k: first[k] for k in same_ids}
     assert saved["trackio"]["id"] == first["trackio"]["id"]
 
     tb, _ = read.tensorboard(run / "tensorboard")  # the same folder; purge_step hid the killed attempt's step 3
@@ -249,7 +249,8 @@ def test_a_fresh_start_removes_what_an_earlier_attempt_of_the_run_left(tmp_path)
     trackers = Trackers.open(["jsonl", "tensorboard"], TrackerContext(tmp_path, "r", "p", {}, None), print)
     trackers.close(ok=True)
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "tensorboard" / "events.out.tfevents.old").exists()
-    assert json.loads((tmp_path / "trackers.json").read_text()) == {"tensorboard": {"log_dir": str(tmp_path / "tensorboard")}}
+    saved = json.loads((tmp_path / "trackers.json").read_text())
+    assert saved == {"tensorboard": {"log_dir": str(tmp_path / "tensorboard")}}
 
 
 def test_trackers_leave_the_random_state_as_it_was(tmp_path, offline):

@@ -28,8 +28,9 @@ def tensorboard(log_dir: Path) -> tuple[dict, dict]:
 def tensorboard_hparams(ea) -> dict:
     from tensorboard.plugins.hparams import plugin_data_pb2
 
-    data = plugin_data_pb2.HParamsPluginData.FromString(ea.PluginTagToContent("hparams")["_hparams_/session_start_info"])
-    return {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in data.session_start_info.hparams.items()}
+    content = ea.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+    return {k: getattr(v, v.WhichOneof("kind")) for k, v in hparams.items()}
 
 
 def wandb_records(run_file: Path) -> list[dict]:

@@ -1,9 +1,9 @@
 """Run state and atomic checkpoints.
 
 ``runs/<name>/checkpoints/step_NNNNNN/`` holds the policy (``save_pretrained``, safetensors,
-with the tokenizer: loadable by ``from_pretrained``), its model card ``README.md`` (``model_card``), ``trainer.pt`` (optimiser, scheduler,
-RNG: torch, Python, and CUDA's per device when CUDA is in use) and ``state.json`` (step,
-samples, data cursor, policy version). A checkpoint is written to a temporary folder
+with the tokenizer: loadable by ``from_pretrained``), ``trainer.pt`` (optimiser, scheduler,
+RNG: torch, Python, and CUDA's per device when CUDA is in use), ``state.json`` (step,
+samples, data cursor, policy version) and the model card ``README.md`` (``model_card``). A checkpoint is written to a temporary folder
 (``.tmp-step_N``), renamed into place, then ``latest`` is replaced atomically, so a kill at any
 moment leaves the previous checkpoint intact. Every file is fsynced, then the folder, before
 the rename, and the parent folder after it, so a power loss cannot leave a ``step_N`` folder

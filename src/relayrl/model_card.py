@@ -47,7 +47,8 @@ def render(config: dict, step: int, samples: int, before: dict | None, after: di
                                         metric_value=e[key], metric_name=f"held-out accuracy {when} ({how})"))
     meta = ModelCardData(library_name="transformers", base_model=_hub_id(model["path"]),
                          datasets=[d for d in (_hub_id(data["path"]),) if d] or None, model_name=run["name"],
-                         tags=["relayrl", "reinforcement-learning", str(algo.get("advantage"))], eval_results=evals or None)
+                         tags=["relayrl", "reinforcement-learning", str(algo.get("advantage"))],
+                         eval_results=evals or None)
 
     def pct(e: dict | None, key: str) -> str:
         return f"{e[key]:.1%}" if e and e.get(key) is not None else "—"

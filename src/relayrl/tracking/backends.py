@@ -41,7 +41,8 @@ class TensorBoard(Tracker):
         if not resume:
             from torch.utils.tensorboard.summary import hparams
 
-            for s in hparams({k: _plain(v) for k, v in ctx.params.items()}, dict.fromkeys(["reward_mean", "eval/accuracy"])):
+            params = {k: _plain(v) for k, v in ctx.params.items()}
+            for s in hparams(params, dict.fromkeys(["reward_mean", "eval/accuracy"])):
                 self.w.file_writer.add_summary(s)
             import yaml
 
