@@ -100,14 +100,18 @@ def curves_figure(runs: list[RunData], x: str = "step", title: str = ""):
     xlabel = "training step" if x == "step" else "wall-clock time (minutes)"
 
     ax = axes[0]  # reward: every step faint, a moving average over a twentieth of the run bold
+    n = max(1, max(len(r.records) for r in runs) // 20)
     for run, c in zip(runs, colors):
         xs, ys = run.series("reward_mean", x)
-        n = max(1, len(ys) // 20)
         if n > 1:
             ax.plot(xs, ys, color=c, alpha=0.3, lw=1, label="each step" if one else None)
         ax.plot(xs, _smooth(ys, n), color=c, lw=2.2,
                 label=run.name if not one else f"moving average over {n} steps" if n > 1 else "each step")
     ax.set(title="Training reward", ylabel="mean reward of the sampled responses")
+    if not one and n > 1:
+        ax.legend(handles=[*ax.get_legend_handles_labels()[0],
+                           Line2D([], [], color="gray", alpha=0.4, lw=1, label="each step"),
+                           Line2D([], [], color="gray", lw=2.2, label=f"moving average over {n} steps")], fontsize=9)
 
     ax = axes[1]
     shown = False
