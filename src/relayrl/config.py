@@ -605,6 +605,8 @@ def describe() -> str:
             default = f.default_factory() if f.default_factory else f.default
             if get_origin(f.annotation) is Literal:
                 typ = "one of " + "|".join(map(str, get_args(f.annotation)))
+            elif get_origin(f.annotation) is list and get_origin(get_args(f.annotation)[0]) is Literal:
+                typ = "a list of " + "|".join(map(str, get_args(get_args(f.annotation)[0])))
             else:
                 typ = getattr(f.annotation, "__name__", None) or str(f.annotation).replace("typing.", "")
             out.append(f"  {sec}.{name} ({typ}, default {default!r})\n      {f.description}")
