@@ -56,7 +56,7 @@ def render(config: dict, step: int, samples: int, before: dict | None, after: di
     done = step >= run["steps"]
     lines = [
         f"# {run['name']}", "",
-        f"A policy trained by reinforcement learning with [relayrl](https://pypi.org/project/relayrl/) "
+        f"A policy trained by reinforcement learning with relayrl "
         f"{__version__}: {algo.get('advantage')} advantages, {algo.get('loss')} loss, `run.mode={run['mode']}`. "
         f"Checkpoint of step {step} of {run['steps']}{'' if done else ' (an intermediate checkpoint)'}, "
         f"after {samples:,} trained responses.", "",
