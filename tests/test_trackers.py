@@ -134,6 +134,9 @@ def test_resume_continues_the_same_tracker_runs(tiny_path, tmp_path, trackio_dir
     root = str(Path(__file__).parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
            "TRACKIO_DIR": str(trackio_dir)}
+    # (an in-process W&B run earlier in this session left its service in WANDB_SERVICE: a child would share
+    # it, and the service would keep the killed child's run open; a run on its own has its own service)
+    env.pop("WANDB_SERVICE", None)
     cmd = [sys.executable, "-m", "relayrl.cli", "train", *args]
     killed = subprocess.run(cmd, env={**env, "RELAYRL_KILL_AT": "checkpoint:2"}, capture_output=True, text=True,
                             timeout=300)

@@ -104,10 +104,17 @@ class WandB(Tracker):
             wandb.Settings.model_fields else {}
         settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, save_code=False, disable_git=True,
                                   **flush)
-        with quietly():
-            self.run = wandb.init(project=ctx.project, name=ctx.run_name, id=ctx.saved.get("id"),
-                                  dir=str(ctx.run_dir), config=ctx.config, mode=self.mode(), reinit="create_new",
-                                  resume="allow" if ctx.resume_step is not None else None, settings=settings)
+        try:
+            with quietly():
+                self.run = wandb.init(project=ctx.project, name=ctx.run_name, id=ctx.saved.get("id"),
+                                      dir=str(ctx.run_dir), config=ctx.config, mode=self.mode(), reinit="create_new",
+                                      resume="allow" if ctx.resume_step is not None else None, settings=settings)
+        except Exception as e:
+            if "is in use" not in str(e) or not os.environ.get("WANDB_SERVICE"):
+                raise
+            raise TrackerError(f"--resume: W&B run {ctx.saved.get('id')} is still open in the wandb service this "
+                               "process shares (WANDB_SERVICE), which kept the killed run's stream: unset "
+                               "WANDB_SERVICE, or restart that service") from None
 
     def where(self) -> str:
         folder = Path(self.run.dir).parent
