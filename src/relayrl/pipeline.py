@@ -116,6 +116,9 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
     torch.set_num_threads(trainer_threads)
     torch.manual_seed(cfg.run.seed)
     prompts, eval_prompts = data
+    d = cfg.data  # (first: a selection_key the prompts lack fails before anything starts)
+    sampler = PromptSampler(prompts, cfg.run.seed, d.shuffle, state.sampler, d.selection, d.selection_pool,
+                            d.selection_forget, d.selection_key, d.selection_prior)
     with contextlib.ExitStack() as undo:
         reward = make_reward_runner(cfg)  # first: a bad reward.fn fails before the model loads
         undo.callback(reward.close)
@@ -141,7 +144,6 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         undo.pop_all()
     r = cfg.rollout
     trainer = make_trainer(cfg, policy, ref)
-    sampler = PromptSampler(prompts, cfg.run.seed, cfg.data.shuffle, state.sampler)
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
     return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params, runner)
 
@@ -174,6 +176,7 @@ def step_metrics(groups: list[Group], generated: int, step_seconds: float, state
     return {
         "reward_mean": rewards.mean().item(),
         "reward_std": rewards.std().item() if len(trajs) > 1 else 0.0,
+        "responses_per_group": len(trajs) / len(groups),
         "response_len_mean": sum(lens) / len(lens),
         "response_len_max": max(lens),
         "generated_tokens": generated,
@@ -192,7 +195,7 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
     """The loop, the same for every mode (``run.mode`` decides how the rollout overlaps training:
     ``episode_rollout``).
     Returns the run summary."""
-    distributed.check_launch(cfg.trainer)  # a device this machine lacks; torchrun and trainer.fsdp not together
+    distributed.check_launch(cfg.trainer, cfg.rollout.device)  # a device this machine lacks; torchrun without fsdp
     if distributed.is_follower(cfg.trainer):  # torchrun rank > 0: trains its share of rank 0's batches
         return distributed.run_follower(lambda policy, ref: make_trainer(cfg, policy, ref), cfg)
     console = console or Console()
@@ -253,6 +256,7 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                         for ln in ("engine", "trainer")}
                 filtered, dynamic = source.take_filtered()
                 m = record_step(cfg, c, state, groups, generated, {**train_metrics, **idle, **source.metrics(), **dynamic,
+                                **c.sampler.metrics(),
                                 **engine_counters(c.engine), **failures.metrics(failed, state.failures)},
                                 timers.pop(), metrics, source)
                 trained_log.write({"step": state.step, "prompt_ids": [g.prompt.id for g in groups],
@@ -260,7 +264,7 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                 bar.update(m)
                 if (cfg.run.save_every and state.step % cfg.run.save_every == 0) or state.step == cfg.run.steps:
                     state.partial_buffer = [group_to_dict(g) for g in source.held()]  # generation stops here...
-                    state.staleness = source.counters()
+                    state.staleness, state.sampler = source.checkpoint_state()
                     writer.save(state, c.trainer.state_dict())  # ...while an in-memory copy is taken
                     source.release()
         source.close()
