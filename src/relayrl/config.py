@@ -288,6 +288,9 @@ class EvalCfg(_Section):
     size: int = Field(256, ge=1, description="Held-out prompts evaluated.")
     every: int = Field(0, ge=0, description="Evaluate every N steps (0: only before and after training).")
     samples: int = Field(1, ge=1, le=1024, description="Sampled responses per prompt for sampled accuracy.")
+    stop_at: float | None = Field(
+        None, gt=0, le=1, description="Stop training at the first evaluation (every eval.every steps) whose sampled "
+        "accuracy reaches this; that step's checkpoint is the final one (null: run all run.steps).")
 
 
 class EnvCfg(_Section):
@@ -361,6 +364,8 @@ class Config(BaseModel):
             if not lo <= r.group_size <= hi:
                 raise ValueError(f"rollout.budget=adaptive needs rollout.budget_min ≤ rollout.group_size ≤ "
                                  f"rollout.budget_max, got {lo} ≤ {r.group_size} ≤ {hi}")
+        if self.eval.stop_at is not None and not self.eval.every:
+            raise ValueError("eval.stop_at needs eval.every ≥ 1: it is checked at the evaluations during training")
         if self.algo.advantage == "gigpo" and self.env.name is None:
             raise ValueError("algo.advantage='gigpo' needs an environment (env.name): its step-level credit is "
                              "over the turns of an episode")
@@ -448,6 +453,7 @@ APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] =
     "eval.size": _EVAL,
     "eval.every": _EVAL,
     "eval.samples": _EVAL,
+    "eval.stop_at": _EVAL,
 }
 
 

@@ -200,6 +200,7 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
         return distributed.run_follower(lambda policy, ref: make_trainer(cfg, policy, ref), cfg)
     console = console or Console()
     log = console.print
+    entered = time.perf_counter()
     # everything that can be wrong with the input is found before the run directory is touched
     state, trainer_state, ckpt = start_state(cfg, resume, log)
     data = load_data(cfg)
@@ -210,14 +211,14 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
         state.config, state.data_fingerprint = cfg.model_dump(mode="json"), fingerprint
     c = build(cfg, state, ckpt, data, log)
     try:
-        summary = _train(cfg, c, state, trainer_state, ckpt, log, console)
+        summary = _train(cfg, c, state, trainer_state, ckpt, log, console, entered)
         c.trainer.close()  # (trainer.fsdp: the other ranks stop)
         return summary
     finally:
         c.close()
 
 
-def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log, console) -> dict:
+def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log, console, entered: float) -> dict:
     run_dir = cfg.run_dir
     prepare_run_dir(run_dir, fresh=ckpt is None)
     dump_config(cfg, run_dir / "config.yaml")
@@ -227,10 +228,12 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
         log(f"resumed from {ckpt} (step {state.step}, {state.samples} samples)")
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=state.step)
     trained_log = MetricsLog(run_dir / "trained_prompts.jsonl", resume_step=state.step)
+    evaluating = time.perf_counter()
     if state.eval_before is None and c.eval_prompts:
         state.eval_before = c.evaluate(cfg, "before training")
         log(f"eval before: {fmt_eval(state.eval_before)}")
     timers, t_start, tl = Timers(), time.perf_counter() - state.wall_seconds, Timeline()
+    startup = evaluating - entered  # loading, engines, workers (not the evaluation before training)
     writer = CheckpointWriter(run_dir, c.policy, c.tokenizer, cfg.run.keep_checkpoints, c.trainer.full_state_dict)
     source = EpisodeRollout.from_config(cfg, c, state, tl)
     if source.eta + source.slack:
@@ -262,15 +265,18 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                 trained_log.write({"step": state.step, "prompt_ids": [g.prompt.id for g in groups],
                                    **({"filtered_prompt_ids": filtered} if filtered else {})})
                 bar.update(m)
-                if (cfg.run.save_every and state.step % cfg.run.save_every == 0) or state.step == cfg.run.steps:
+                last = state.step == cfg.run.steps or reached(cfg, m, log)
+                if (cfg.run.save_every and state.step % cfg.run.save_every == 0) or last:
                     state.partial_buffer = [group_to_dict(g) for g in source.held()]  # generation stops here...
                     state.staleness, state.sampler = source.checkpoint_state()
                     writer.save(state, c.trainer.state_dict())  # ...while an in-memory copy is taken
                     source.release()
+                if last:
+                    break
         source.close()
         writer.wait()
         log(f"timeline: {tl.save(run_dir)}")
-        return finish(cfg, c, state, log)
+        return finish(cfg, c, state, log, startup)
     finally:
         source.close()
         writer.wait()
@@ -300,26 +306,38 @@ def record_step(cfg: Config, c: Components, state: RunState, groups, generated: 
     m = {"step": state.step, "samples": state.samples, **step_metrics(groups, generated, times["time/step"], state),
          **train_metrics, **times, "step_time": times["time/step"], "wall_seconds": round(state.wall_seconds, 2)}
     if cfg.eval.every and state.step % cfg.eval.every == 0 and c.eval_prompts:
+        t0 = time.perf_counter()
         source.held()  # the rollout stops using the engine while it evaluates
         try:
             m.update({f"eval/{k}": v for k, v in c.evaluate(cfg, f"at step {state.step}").items()})
         finally:
             source.release()
+        m["time/eval"] = round(time.perf_counter() - t0, 4)  # (in the next steps' wall_seconds)
     metrics.write(m)
     return m
+
+
+def reached(cfg: Config, m: dict, log) -> bool:
+    """``eval.stop_at``: this step's evaluation reached the target accuracy."""
+    if cfg.eval.stop_at is None or m.get("eval/accuracy") is None or m["eval/accuracy"] < cfg.eval.stop_at:
+        return False
+    log(f"eval.stop_at: held-out accuracy {m['eval/accuracy']:.1%} ≥ {cfg.eval.stop_at:.1%} at step {m['step']}: "
+        "training stops here")
+    return True
 
 
 def fmt_eval(e: dict) -> str:
     return f"accuracy {e['accuracy']:.1%} (sampled, T={e['temperature']}), greedy {e['accuracy_greedy']:.1%}"
 
 
-def finish(cfg: Config, c: Components, state: RunState, log) -> dict:
+def finish(cfg: Config, c: Components, state: RunState, log, startup: float | None = None) -> dict:
     after = c.evaluate(cfg, "after training") if c.eval_prompts else None
     before = state.eval_before
     summary = {
         "steps": state.step,
         "samples": state.samples,
         "wall_seconds": round(state.wall_seconds, 1),
+        "startup_seconds": None if startup is None else round(startup, 2),  # this attempt's, to its first step
         "eval_accuracy_before": before["accuracy"] if before else None,
         "eval_accuracy_after": after["accuracy"] if after else None,
         "eval_greedy_accuracy_before": before["accuracy_greedy"] if before else None,
