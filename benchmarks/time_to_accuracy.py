@@ -39,6 +39,7 @@ from common import machine_info, write_results  # noqa: E402
 from vs_trl import G, LR, MAX_NEW, PROMPTS, TEMP, WARMUP, peak_rss_gib, shared_overrides, warm_imports  # noqa: E402
 
 FAST = ["run.mode=async", "rollout.max_staleness=4"]
+# (shared_overrides turns all three off: TRL's work)
 DS, SELECT, BUDGET = ["rollout.dynamic_sampling=true"], ["data.selection=vade", "data.selection_key=terms"], \
     ["rollout.budget=adaptive"]
 SYSTEMS = {

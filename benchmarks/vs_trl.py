@@ -64,6 +64,8 @@ def shared_overrides(model: str, steps: int, out: str, name: str) -> list[str]:
         f"rollout.temperature={TEMP}", f"trainer.lr={LR}", f"trainer.warmup_steps={WARMUP}",
         "trainer.schedule=constant", "algo.advantage=grpo", "algo.agg=token_mean", "algo.clip_low=0.2",
         "algo.clip_high=0.28", "algo.dual_clip=null", "algo.kl_coef=0",
+        # the work TRL does: every prompt its G responses, every group trained (whatever relayrl's defaults)
+        "rollout.budget=fixed", "rollout.dynamic_sampling=false", "data.selection=uniform",
     ]
 
 
