@@ -36,7 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine_info, write_results  # noqa: E402
-from vs_trl import G, LR, MAX_NEW, PROMPTS, TEMP, WARMUP, peak_rss_gib, shared_overrides, warm_imports  # noqa: E402
+from vs_trl import (G, LR, MAX_NEW, PROMPTS, TEMP, WARMUP, peak_rss_gib, shared_overrides, trl_config,  # noqa: E402
+                    warm_imports)
 
 FAST = ["run.mode=async", "rollout.max_staleness=4"]
 # (shared_overrides turns all three off: TRL's work)
@@ -106,7 +107,7 @@ class Evaluator:
 def child_trl(model: str, a, workdir: str) -> dict:
     import datasets
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from relayrl.data import load_prompts
     from relayrl.rewards import math_reward
@@ -134,15 +135,7 @@ def child_trl(model: str, a, workdir: str) -> dict:
             excluded[0] += time.perf_counter() - t
             control.should_training_stop = acc >= a.target
 
-    args = GRPOConfig(
-        output_dir=workdir, use_cpu=True, bf16=False, use_vllm=False, use_transformers_paged=False,
-        per_device_train_batch_size=PROMPTS * G, num_generations=G, steps_per_generation=1,
-        gradient_accumulation_steps=1, max_completion_length=MAX_NEW, temperature=TEMP, top_k=0, top_p=1.0,
-        learning_rate=LR, lr_scheduler_type="constant_with_warmup", warmup_steps=WARMUP, adam_beta2=0.99,
-        weight_decay=0.0, max_grad_norm=1.0, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.0,
-        scale_rewards="group", num_iterations=1, max_steps=a.max_steps, logging_steps=1, report_to="none",
-        save_strategy="no", seed=a.seed, data_seed=a.seed, disable_dropout=True, gradient_checkpointing=False,
-    )
+    args = trl_config(workdir, a.max_steps, a.seed)
     t0 = time.perf_counter()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, callbacks=[EvalEvery()])
     startup = time.perf_counter() - t0
