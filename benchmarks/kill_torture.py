@@ -56,6 +56,8 @@ of a resumed attempt counts from that attempt's start.
     python benchmarks/kill_torture.py --cases 3       # the first 3 (what tests/test_kill_torture.py runs)
     python benchmarks/kill_torture.py --only 4 19 --keep   # chosen cases (1-based), keep their run dirs
     python benchmarks/kill_torture.py --seed 7        # other random kill moments
+    python benchmarks/kill_torture.py --name kill_torture_adaptive -- data.selection=vade \
+        data.selection_key=terms rollout.budget=adaptive rollout.dynamic_sampling=true   # every case with these
 
 Writes a Markdown table (one row per case) and JSON with every attempt's details to
 ``benchmarks/results/kill_torture.{md,json}``; prints ``N/M passed`` (followed by the number of
@@ -491,9 +493,10 @@ def attempt_with_replans(i: int, kill: Kill | None, n_kills: int, cmd: list[str]
 
 
 def run_case(index: int, workdir: Path, seed: int = 0, src: Path | None = None, timeout: float = 300.0,
-             grace: float = 20.0, keep: bool = False) -> dict:
-    """Run case ``index`` (0-based into CASES) in its own run directory under ``workdir``; returns the
-    result: ``passed``, ``checks`` (name -> bool), ``notes`` (why a check failed) and every attempt."""
+             grace: float = 20.0, keep: bool = False, extra: list[str] = ()) -> dict:
+    """Run case ``index`` (0-based into CASES) in its own run directory under ``workdir``, with the
+    overrides ``extra`` on top of its own; returns the result: ``passed``, ``checks`` (name -> bool),
+    ``notes`` (why a check failed) and every attempt."""
     case = CASES[index]
     rng = random.Random(f"{seed}:{index}")  # the same case draws the same moments whatever --cases is
     name = f"case{index + 1:02d}"
@@ -506,7 +509,7 @@ def run_case(index: int, workdir: Path, seed: int = 0, src: Path | None = None, 
            "PYTHONPATH": os.pathsep.join(p for p in (str(src), os.environ.get("PYTHONPATH", "")) if p)}
     cmd = [sys.executable, "-m", "relayrl.cli", "train", f"run.output_dir={workdir}", f"run.name={name}",
            f"run.mode={case.mode}", f"rollout.partial={str(case.partial).lower()}", *BASE,
-           *(WITH_EVAL if case.eval else NO_EVAL)]
+           *(WITH_EVAL if case.eval else NO_EVAL), *extra]
     logs = workdir / f"{name}-logs"
     logs.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -612,6 +615,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds before an attempt counts as hung")
     ap.add_argument("--grace", type=float, default=20.0, help="seconds children get to exit after a kill")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--name", default="kill_torture", help="results file name (kill_torture.{md,json})")
+    ap.add_argument("extra", nargs="*", help="overrides added to every case, e.g. after --: rollout.budget=adaptive")
     args = ap.parse_args()
     indices = [i - 1 for i in args.only] if args.only else list(range(min(args.cases, len(CASES))))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kill_torture-"))
@@ -619,7 +624,8 @@ def main() -> int:
     results = []
     for i in indices:
         print(f"case {i + 1}: {case_label(CASES[i])} ...", flush=True)
-        r = run_case(i, workdir, args.seed, Path(args.src) if args.src else None, args.timeout, args.grace, args.keep)
+        r = run_case(i, workdir, args.seed, Path(args.src) if args.src else None, args.timeout, args.grace, args.keep,
+                     args.extra)
         results.append(r)
         print(f"  {'passed' if r['passed'] else 'FAILED'} in {r['seconds']:.0f}s: {r['where']}"
               + "".join(f"\n  - {n}" for n in r["notes"]), flush=True)
@@ -629,13 +635,13 @@ def main() -> int:
                                                      if replans else "")
                + (f"; a planned kill never landed in case(s) {untested}: untested past it" if untested else ""))
     out = Path(args.out)
-    write_results(out, "kill_torture", HEADER, [row(r) for r in results],
-                  {"machine": machine_info(), "seed": args.seed, "steps": STEPS, "base_config": BASE,
+    write_results(out, args.name, HEADER, [row(r) for r in results],
+                  {"machine": machine_info(), "seed": args.seed, "steps": STEPS, "base_config": BASE, "extra": args.extra,
                    "summary": summary, "results": results})
     failures = [f"- case {r['case']} ({case_label(CASES[r['case'] - 1])}): " + "; ".join(r["notes"] or ["failed"])
                 for r in results if not r["passed"]]
-    with (out / "kill_torture.md").open("a") as f:
-        f.write(f"\n{summary} (seed {args.seed}).\n" + ("\nFailures:\n\n" + "\n".join(failures) + "\n" if failures else ""))
+    with (out / f"{args.name}.md").open("a") as f:
+        f.write(f"\n{summary} (seed {args.seed}{'; every case with ' + ' '.join(args.extra) if args.extra else ''}).\n" + ("\nFailures:\n\n" + "\n".join(failures) + "\n" if failures else ""))
     if failures:
         print("\n".join(failures))
     if args.keep:

@@ -38,6 +38,13 @@ def cpu() -> str:
     return platform.processor() or platform.machine()
 
 
+def versions() -> str:
+    import torch
+    import transformers
+
+    return f"torch {torch.__version__}, transformers {transformers.__version__}"
+
+
 def run_seed(seed: int, args: list[str], out: Path) -> dict:
     cmd = [sys.executable, "-m", "relayrl.cli", "train", *args, f"run.seed={seed}", f"run.output_dir={out}",
            f"run.name=seed{seed}", "run.progress=false"]
@@ -85,11 +92,11 @@ def main() -> int:
     after = [r["eval_accuracy_after"] for r in rows]
     greedy = [r["eval_greedy_accuracy_after"] for r in rows]
     lines.append(f"\nsampled after: {spread(after)}; greedy after: {spread(greedy)}; {passed}/{len(rows)} seeds pass "
-                 f"(gain ≥ {a.min_gain:.0%} points, greedy not below its start); machine: {cpu()}, args: "
-                 f"{' '.join(a.train_args) or '(defaults)'}")
+                 f"(gain ≥ {a.min_gain:.0%} points, greedy not below its start); machine: {cpu()}, {versions()}; "
+                 f"args: {' '.join(a.train_args) or '(defaults)'}")
     print("\n".join(lines))
     out = ROOT / "benchmarks" / "results" / f"seeds_{a.name}.json"
-    out.write_text(json.dumps({"machine": cpu(), "args": a.train_args, "rows": rows, "table": "\n".join(lines)},
+    out.write_text(json.dumps({"machine": cpu(), "versions": versions(), "args": a.train_args, "rows": rows, "table": "\n".join(lines)},
                               indent=1))
     print(f"wrote {out}")
     return 0 if passed == len(rows) else 1

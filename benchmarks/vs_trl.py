@@ -64,6 +64,8 @@ def shared_overrides(model: str, steps: int, out: str, name: str) -> list[str]:
         f"rollout.temperature={TEMP}", f"trainer.lr={LR}", f"trainer.warmup_steps={WARMUP}",
         "trainer.schedule=constant", "algo.advantage=grpo", "algo.agg=token_mean", "algo.clip_low=0.2",
         "algo.clip_high=0.28", "algo.dual_clip=null", "algo.kl_coef=0",
+        # the work TRL does: every prompt its G responses, every group trained (whatever relayrl's defaults)
+        "rollout.budget=fixed", "rollout.dynamic_sampling=false", "data.selection=uniform",
     ]
 
 
@@ -82,9 +84,24 @@ def child_relayrl(mode: str, model: str, steps: int, workdir: str) -> dict:
             "gen_seconds": sum(r["time/generate"] for r in rows)}
 
 
+def trl_config(workdir: str, steps: int, seed: int = 0):
+    """TRL's settings (the module docstring says why each)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=workdir, use_cpu=True, bf16=False, use_vllm=False, use_transformers_paged=False,
+        per_device_train_batch_size=PROMPTS * G, num_generations=G, steps_per_generation=1,
+        gradient_accumulation_steps=1, max_completion_length=MAX_NEW, temperature=TEMP, top_k=0, top_p=1.0,
+        learning_rate=LR, lr_scheduler_type="constant_with_warmup", warmup_steps=WARMUP, adam_beta2=0.99,
+        weight_decay=0.0, max_grad_norm=1.0, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.0,
+        scale_rewards="group", num_iterations=1, max_steps=steps, logging_steps=1, report_to="none",
+        save_strategy="no", seed=seed, data_seed=seed, disable_dropout=True, gradient_checkpointing=False,
+    )
+
+
 def child_trl(model: str, steps: int, workdir: str) -> dict:
     import datasets
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from relayrl.data import load_prompts
     from relayrl.rewards import math_reward
@@ -100,15 +117,7 @@ def child_trl(model: str, steps: int, workdir: str) -> dict:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [math_reward(t, a, {}) for t, a in zip(texts, answer)]
 
-    args = GRPOConfig(
-        output_dir=workdir, use_cpu=True, bf16=False, use_vllm=False, use_transformers_paged=False,
-        per_device_train_batch_size=PROMPTS * G, num_generations=G, steps_per_generation=1,
-        gradient_accumulation_steps=1, max_completion_length=MAX_NEW, temperature=TEMP, top_k=0, top_p=1.0,
-        learning_rate=LR, lr_scheduler_type="constant_with_warmup", warmup_steps=WARMUP, adam_beta2=0.99,
-        weight_decay=0.0, max_grad_norm=1.0, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.0,
-        scale_rewards="group", num_iterations=1, max_steps=steps, logging_steps=1, report_to="none",
-        save_strategy="no", seed=0, disable_dropout=True, gradient_checkpointing=False,
-    )
+    args = trl_config(workdir, steps)
     t0 = time.perf_counter()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds)
     generate, gen_time = trainer.model.generate, [0.0]

@@ -51,3 +51,7 @@ def allocate_10gb(completion: str, answer, metadata) -> float:
 
 def not_a_number(completion: str, answer, metadata):
     return {"nan": float("nan"), "str": "high", "inf": float("inf")}[completion]
+
+
+def half(completion: str, answer, metadata) -> float:
+    return 0.5

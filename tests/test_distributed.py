@@ -192,7 +192,9 @@ def test_trainer_device_cuda_without_a_gpu_is_an_input_error(tiny_path, tmp_path
         _trainer(tiny_path, {}, {}, device="cuda")
     no_cuda = "relayrl: input error: trainer.device='cuda', but CUDA is not available here"
     no_torchrun = "relayrl: input error: trainer.fsdp=true needs a torchrun launch (torchrun --nproc-per-node N"
-    for override, message in (("trainer.device=cuda", no_cuda), ("trainer.fsdp=true", no_torchrun)):
+    no_cuda_engine = "relayrl: input error: rollout.device='cuda', but CUDA is not available here"
+    for override, message in (("trainer.device=cuda", no_cuda), ("trainer.fsdp=true", no_torchrun),
+                              ("rollout.device=cuda", no_cuda_engine)):
         capsys.readouterr()
         assert main(["train", f"model.path={tiny_path}", f"run.output_dir={tmp_path}", override]) == 2
         assert capsys.readouterr().err.startswith(message)

@@ -1,5 +1,6 @@
 import time
 
+import pytest
 import torch
 
 from relayrl.engine.hf import HFEngine
@@ -213,5 +214,50 @@ def test_a_driven_engine_decodes_on_the_waiting_thread_and_stops_between_tokens(
         assert a.finish_reason == FinishReason.LENGTH and len(a.token_ids) == 20
         assert a.versions[0] == 0 and a.versions[-1] == 7 and a.versions == sorted(a.versions)
         assert seen_threads == {threading.get_ident()}  # decoded here, on the test's own thread
+    finally:
+        eng.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_hf_engine_decodes_on_a_gpu_with_the_trainers_log_probs(tiny_path):
+    """rollout.device=cuda: the engine's model, batches and KV cache on the GPU; tokens, log-probs and
+    versions come back as Python lists, and match a forward pass; new weights (CPU tensors from the
+    trainer) are copied onto the GPU."""
+    from relayrl.config import load_config
+    from relayrl.models import load_policy, load_tokenizer
+    from relayrl.placement import build_local_engine, engine_spec
+
+    cfg = load_config(None, [f"model.path={tiny_path}", "rollout.device=cuda"])
+    tok = load_tokenizer(tiny_path)
+    eng = build_local_engine(engine_spec(cfg, tiny_path, tiny_path, 0, 0, 0), tokenizer=tok)
+    try:
+        assert eng.device.type == "cuda"
+        reqs = [_req(tok, f"r{i}", 24, temp=0.7) for i in range(6)]
+        outs = eng.generate(reqs)
+        model = load_policy(tiny_path)
+        for r, c in zip(reqs, outs):
+            ids = torch.tensor([r.prompt_ids + c.token_ids])
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[:, len(r.prompt_ids) - 1 : -1]
+            lp = token_logprobs(logits, ids[:, len(r.prompt_ids) :], 0.7)[0]
+            assert torch.allclose(lp, torch.tensor(c.logprobs), atol=1e-3)
+        sd = {k: v * 0 for k, v in model.state_dict().items()}
+        eng.load_weights(sd, 1)
+        assert all(float(p.abs().sum()) == 0 for p in eng.model.parameters())
+        assert set(eng.generate([_req(tok, "after", 4)])[0].versions) == {1}
+    finally:
+        eng.close()
+
+
+def test_rollout_device_cpu_keeps_the_engine_on_the_cpu(tiny_path):
+    from relayrl.config import load_config
+    from relayrl.models import load_tokenizer
+    from relayrl.placement import build_local_engine, engine_spec
+
+    cfg = load_config(None, [f"model.path={tiny_path}", "rollout.device=cpu"])
+    eng = build_local_engine(engine_spec(cfg, tiny_path, tiny_path, 0, 0, 0), tokenizer=load_tokenizer(tiny_path))
+    try:
+        assert eng.device.type == "cpu" and len(eng.generate([_req(load_tokenizer(tiny_path), "r", 4)])[0].token_ids)
     finally:
         eng.close()

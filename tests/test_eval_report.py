@@ -48,3 +48,20 @@ def test_relayrl_eval_writes_its_report_beside_the_checkpoint(tiny_path, tmp_pat
     out = tmp_path / "elsewhere"
     assert main(["eval", "--checkpoint", str(ckpt), "-o", str(out), *args]) == 0
     assert json.loads((out / "eval.json").read_text())["samples"] == 1 and (out / "eval_samples.jsonl").is_file()
+
+
+def test_model_card_names_a_hub_base_model_and_says_which_checkpoint_it_is(tmp_path):
+    from huggingface_hub import ModelCard
+
+    from relayrl.config import load_config, resolved_tree
+    from relayrl.model_card import render
+
+    tree = resolved_tree(load_config(None, ["model.path=Qwen/Qwen2.5-0.5B-Instruct", "run.steps=10"]))
+    before = {"accuracy": 0.25, "accuracy_greedy": 0.5, "temperature": 1.0}
+    early = ModelCard(render(tree, 4, 256, before, None))
+    assert early.data.base_model == "Qwen/Qwen2.5-0.5B-Instruct" and "step 4 of 10 (an intermediate" in early.text
+    assert [r.metric_value for r in early.data.eval_results] == [0.25, 0.5]
+    stopped = ModelCard(render(tree, 4, 256, before, {**before, "accuracy": 0.75}, final=True))  # (eval.stop_at)
+    assert "intermediate" not in stopped.text and "25.0% before → 75.0% after" in stopped.text
+    local = ModelCard(render(resolved_tree(load_config(None, [f"model.path={tmp_path}"])), 1, 8, None, None))
+    assert local.data.base_model is None and local.data.eval_results is None and f"`{tmp_path}`" in local.text

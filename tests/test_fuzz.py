@@ -130,6 +130,13 @@ IGNORED = {
     "eval.every": (1, [["data.eval_path=null"]]),
     "eval.samples": (2, [["data.eval_path=null"]]),
     "run.project": ("mine", [[], ["run.report_to=[tensorboard]"], ["run.report_to=jsonl"]]),
+    "rollout.budget_min": (2, [[], ["rollout.budget=fixed"]]),
+    "rollout.budget_max": (12, [[]]),
+    "data.selection_pool": (3, [[], ["data.selection=uniform"]]),
+    "data.selection_forget": (0.5, [[]]),
+    "data.selection_key": ("terms", [[]]),
+    "data.selection_prior": (4.0, [[]]),
+    "rollout.device": ("cpu", [["rollout.engine=vllm"]]),
 }
 NOISE = ["trainer.lr=1e-5", "run.steps=5", "rollout.group_size=4", "run.seed=3", "rollout.top_p=0.9",
          "algo.clip_high=0.3", "trainer.warmup_steps=0", "run.progress=false"]

@@ -32,6 +32,20 @@ def test_killed_run_resumes_exactly(tmp_path, index):
         f"attempt {i} log tail:\n{a['log_tail']}" for i, a in enumerate(r["attempts"]) if a["log_tail"])
 
 
+ADAPTIVE = ["data.selection=vade", "data.selection_key=terms", "rollout.budget=adaptive", "rollout.dynamic_sampling=true"]
+
+
+@pytest.mark.slow
+def test_killed_run_with_selection_and_budgets_resumes_exactly(tmp_path):
+    """Case 6 (async + partial, killed in a training micro-batch) with prompt selection, adaptive budgets and
+    dynamic sampling: posteriors, the epoch's passed-over prompts, budget windows and filtered prompts
+    travel with the checkpoint; every prompt drawn is trained, carried or filtered once."""
+    r = kill_torture.run_case(5, tmp_path, seed=0, extra=ADAPTIVE)
+    assert r["kills"] == 1, r["notes"]
+    assert r["passed"], json.dumps({k: r[k] for k in ("where", "checks", "notes", "resumed_from")}, indent=1,
+                                   ensure_ascii=False)
+
+
 # ---------------------------------------------------------------- re-planning a kill that cannot land (fast)
 
 

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from relayrl.data import PromptSampler
 from relayrl.episode_rollout import EpisodeRollout, oldest_version
 from relayrl.episodes import EpisodeRunner
-from relayrl.records import Completion, FinishReason, Group, Prompt, SamplingParams, Trajectory
+from relayrl.records import (Completion, FinishReason, Group, Prompt, SamplingParams, Trajectory, group_from_dict,
+                             group_to_dict)
 from tests.fake_engine import FakeEngine
 
 B, G = 3, 2
@@ -33,7 +34,8 @@ def score(text, prompt):
 
 
 def rollout(eng, eta, *, partial=False, extra=0, park=False, drain=False, n_prompts=5, seed=0, version=0,
-            carried=(), drawn=None, max_groups=None, params=SamplingParams(10), scorer=score, **kw):
+            carried=(), drawn=None, max_groups=None, params=SamplingParams(10), scorer=score, size=G, created=None,
+            **kw):
     prompts = [Prompt(f"p{i}", [{"role": "user", "content": str(i)}]) for i in range(n_prompts)]
     sampler = PromptSampler(prompts, seed)
     drawn = [] if drawn is None else drawn
@@ -47,7 +49,10 @@ def rollout(eng, eta, *, partial=False, extra=0, park=False, drain=False, n_prom
     def new_groups(ps):
         tag = next(tags)
         gids = [f"t{version}.{tag}.{k}/{p.id}" for k, p in enumerate(ps)]
-        return [Group(p, gid, [Trajectory(p, gid, i, [1, 2]) for i in range(G)]) for p, gid in zip(ps, gids)]
+        out = [Group(p, gid, [Trajectory(p, gid, i, [1, 2]) for i in range(size)]) for p, gid in zip(ps, gids)]
+        if created is not None:
+            created.extend(out)
+        return out
 
     runner = EpisodeRunner(eng, Tok(), None, None, scorer)
     ro = EpisodeRollout(runner, take, new_groups, params, B, eta, partial=partial, extra=extra,
@@ -279,3 +284,88 @@ def test_dynamic_sampling_gives_up_past_its_cap_rather_than_generate_forever():
     filtered, m = ro.take_filtered()
     assert [len(gs) for _, gs in batches] == [B, B]
     assert len(filtered) == 2 * B and m["dynamic/accepted_unfiltered_total"] == 2 * B  # B filtered per step
+
+
+def check_budgets(created, first, size, most):
+    """Every group sized by the rule: the first stage, then none without variance, up to ``most``; each
+    window of B groups admitted together generates at most B × size episodes."""
+    windows = Counter()
+    for g in created:
+        if not g.sized:  # still in its first stage (held)
+            assert len(g.trajectories) == first
+            continue
+        stage1 = [t.reward for t in g.trajectories[:first]]
+        assert first <= len(g.trajectories) <= most
+        # solved or hopeless: stopped; with variance: more (its own reserve at least)
+        assert (len(g.trajectories) == first) == (len(set(stage1)) == 1)
+        windows[g.window] += len(g.trajectories)
+    assert all(n <= B * size for n in windows.values()), windows
+
+
+@settings(max_examples=24, deadline=None)
+@given(mode=st.sampled_from(["sync", "periodic", "async"]), partial=st.booleans(), dynamic=st.booleans(),
+       seed=st.integers(0, 10**6))
+def test_adaptive_budgets_size_groups_within_their_window_in_every_mode(mode, partial, dynamic, seed):
+    """rollout.budget=adaptive: groups start with 2 episodes, stop there without variance, else grow up
+    to 8 from a window budget of B × 4; with dynamic sampling the stopped ones are filtered. The
+    staleness bound holds and every prompt is trained, held or filtered."""
+    eta = {"sync": 0, "periodic": 1, "async": 2}[mode]
+    eng = FakeEngine(seed, max_len=12, width=3)
+    created = []
+    ro, drawn = rollout(eng, eta, partial=partial, park=mode == "sync", drain=mode == "periodic", seed=seed,
+                        max_groups=5 * B if mode != "async" else None, size=4, created=created,
+                        budget=(2, 4, 8), filter_groups=dynamic, filter_max=10)
+    batches, held = drive(ro, eng, steps=5)
+    trained = check_trained(batches, eta)
+    check_budgets(created, 2, 4, 8)
+    filtered, _ = ro.take_filtered()
+    assert Counter([g.prompt.id for g in trained + held] + filtered) == Counter(drawn)
+    if dynamic:
+        assert all(len(set(g.rewards)) > 1 for g in trained)
+    sizes = [len(g.trajectories) for g in trained]
+    m = ro.metrics()
+    assert m["budget/extra_total"] == sum(len(g.trajectories) - 2 for g in created if g.sized)
+    assert m["budget/stopped_total"] == sum(g.sized and len(g.trajectories) == 2 for g in created)
+    assert max(sizes) > 2 or m["budget/stopped_total"] == len(created)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10**6), eta=st.integers(0, 2), partial=st.booleans())
+def test_groups_held_in_either_budget_stage_resume_and_keep_their_window(seed, eta, partial):
+    """A checkpoint in the middle of first and second stages: the resumed driver finishes each group's
+    stage (a group held with its first stage done but not sized is sized then), and draws from the
+    saved window surplus; nothing is lost or trained twice."""
+    eng = FakeEngine(seed, max_len=20, width=2, delay=0.0005)
+    created = []
+    ro, drawn = rollout(eng, eta, partial=partial, park=eta == 0, seed=seed, n_prompts=6, size=4, created=created,
+                        budget=(2, 4, 8))
+    first, held = drive(ro, eng, steps=3, train_s=0.001)
+    counters, _ = ro.checkpoint_state()
+    held = [group_from_dict(group_to_dict(g)) for g in held]  # through the checkpoint's JSON
+    eng2 = FakeEngine(seed + 1, max_len=20, width=2, delay=0.0005)
+    eng2.load_weights({}, 3)
+    created2 = []
+    ro2, drawn2 = rollout(eng2, eta, partial=partial, park=eta == 0, seed=seed + 7, n_prompts=6, version=3,
+                          carried=held, size=4, created=created2, budget=(2, 4, 8), counters=counters)
+    second, held2 = drive(ro2, eng2, steps=3, train_s=0.001)
+    trained = check_trained(first + second, eta)
+    check_accounted(trained, held2, drawn + drawn2)
+    resumed = {g.group_id: g for g in trained + held2}
+    check_budgets([resumed.get(g.group_id, g) for g in created] + created2, 2, 4, 8)
+
+
+def test_a_carried_group_whose_first_stage_is_done_is_sized_on_resume():
+    """Held between its first stage and its sizing (a checkpoint can land there): the resumed run sizes
+    it, drawing on the saved surplus of its window, instead of training it as it is."""
+    p = Prompt("c", [{"role": "user", "content": "c"}])
+    done = [Trajectory(p, "old.0/c", i, [1, 2], [5, 2], [-0.1, -0.1], [0, 0], FinishReason.STOP, reward=float(i),
+                       complete=True) for i in range(2)]
+    carried = Group(p, "old.0/c", done, window=0, sized=False)
+    eng = FakeEngine(0, max_len=6, width=2)
+    eng.load_weights({}, 1)
+    ro, _ = rollout(eng, 1, version=1, carried=[carried], size=4, budget=(2, 4, 8),
+                    counters={"budget_banks": {"0": 3}, "budget_admitted": B})
+    batches, _ = drive(ro, eng, steps=1)
+    (g,) = [g for _, gs in batches for g in gs if g.group_id == "old.0/c"]
+    assert len(g.trajectories) == 2 + 5  # rewards 0, 1: p = 1/2 wants 6; its reserve 2 and 3 of the surplus
+    assert [t.response_ids for t in g.trajectories[:2]] == [[5, 2], [5, 2]]  # the first stage kept as it was

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from relayrl.data import SamplerState
+from relayrl.sampler import SamplerState
 from relayrl.faults import fault_point
 
 

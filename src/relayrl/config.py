@@ -128,6 +128,22 @@ class DataCfg(_Section):
     prompt_format: Literal["chat", "raw"] = Field(
         "chat", description="'chat': the tokenizer's chat template is applied to the prompt (a string or a list of "
         "messages). 'raw': the prompt string is tokenized as is (base models without a chat template).")
+    selection: Literal["uniform", "vade", "cures"] = Field(
+        "uniform", description="Which prompts a step trains on. 'uniform': the epoch's order. 'vade': Thompson "
+        "sampling from per-prompt Beta posteriors of success, preferring prompts whose reward variance p(1-p) is "
+        "high (neither solved nor hopeless). 'cures': drawn with probability ∝ sqrt(p(1-p)) of the posterior mean. "
+        "Selection reorders each epoch (every prompt still comes once per epoch); its posteriors are checkpointed.")
+    selection_pool: int = Field(
+        4, ge=2, le=64, description="Selection: candidates considered per prompt drawn (the next pool × n of the "
+        "epoch's order; those passed over go to the epoch's end).")
+    selection_forget: float = Field(
+        0.9, gt=0, le=1, description="Selection: weight kept by a prompt's evidence per policy version since it was "
+        "gathered (1: never forget).")
+    selection_key: str | None = Field(
+        None, description="Selection: a metadata field grouping prompts (a difficulty level, a task name): a prompt "
+        "not seen yet starts from its group's pooled success rate (null: from all prompts').")
+    selection_prior: float = Field(
+        2.0, gt=0, description="Selection: strength of a prompt's prior, in pseudo-observations of its group's rate.")
 
 
 class RolloutCfg(_Section):
@@ -186,6 +202,18 @@ class RolloutCfg(_Section):
         4, ge=1, description="dynamic_sampling: at most this many × prompts_per_step groups filtered per step; past it "
         "zero-variance groups are accepted as they are (a model that solves everything would otherwise generate "
         "forever).")
+    budget: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="Responses per prompt. 'fixed': group_size each. 'adaptive': budget_min first; a group "
+        "whose rewards have no variance (solved or hopeless) stops there, one with variance gets up to budget_max, "
+        "most near a 50% success rate, from its own reserve and what stopped groups left: at most "
+        "prompts_per_step × group_size responses per window of prompts_per_step groups.")
+    budget_min: int | None = Field(
+        None, ge=2, description="budget=adaptive: responses a group gets first (null: half of group_size, at least 2).")
+    budget_max: int | None = Field(
+        None, ge=2, description="budget=adaptive: most responses one group gets (null: twice group_size).")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the hf/hf-cb engine decodes: 'auto' is CUDA when available, else the CPU; 'cuda' "
+        "fails at start where there is no GPU (vllm places itself).")
     schedule: Literal["fifo", "partial_first", "longest_first", "srpt", "gittins"] = Field(
         "fifo", description="Order requests are handed to the engine: arrival, continued responses first, longest "
         "expected first (for a step barrier), shortest expected remaining, or Gittins index (for streaming).")
@@ -294,6 +322,9 @@ class EvalCfg(_Section):
     size: int = Field(256, ge=1, description="Held-out prompts evaluated.")
     every: int = Field(0, ge=0, description="Evaluate every N steps (0: only before and after training).")
     samples: int = Field(1, ge=1, le=1024, description="Sampled responses per prompt for sampled accuracy.")
+    stop_at: float | None = Field(
+        None, gt=0, le=1, description="Stop training at the first evaluation (every eval.every steps) whose sampled "
+        "accuracy reaches this; that step's checkpoint is the final one (null: run all run.steps).")
 
 
 class EnvCfg(_Section):
@@ -362,6 +393,13 @@ class Config(BaseModel):
         if self.eval.every > self.run.steps:
             raise ValueError(f"eval.every={self.eval.every} is more than run.steps={self.run.steps}: it would never "
                              "evaluate during training (0: only before and after)")
+        if r.budget == "adaptive":
+            lo, hi = budget_bounds(r)
+            if not lo <= r.group_size <= hi:
+                raise ValueError(f"rollout.budget=adaptive needs rollout.budget_min ≤ rollout.group_size ≤ "
+                                 f"rollout.budget_max, got {lo} ≤ {r.group_size} ≤ {hi}")
+        if self.eval.stop_at is not None and not self.eval.every:
+            raise ValueError("eval.stop_at needs eval.every ≥ 1: it is checked at the evaluations during training")
         if self.algo.advantage == "gigpo" and self.env.name is None:
             raise ValueError("algo.advantage='gigpo' needs an environment (env.name): its step-level credit is "
                              "over the turns of an episode")
@@ -370,6 +408,12 @@ class Config(BaseModel):
             now = ", ".join(f"{d}={_show(self.get(d))}" for d in deciding)
             raise ValueError(f"{field} is set, but it only applies {when} (here {now}): remove it")
         return self
+
+
+def budget_bounds(r: RolloutCfg) -> tuple[int, int]:
+    """(responses a group gets first, most it gets) with rollout.budget=adaptive."""
+    return (r.budget_min if r.budget_min is not None else max(2, r.group_size // 2),
+            r.budget_max if r.budget_max is not None else 2 * r.group_size)
 
 
 def _show(value: Any) -> str:
@@ -392,6 +436,8 @@ _ENV = (lambda c: c.env.name is not None, "with an environment (env.name set)", 
 _VLLM = (lambda c: c.rollout.engine == "vllm", "with rollout.engine=vllm", ("rollout.engine",))
 _RAY = (lambda c: c.run.backend == "ray", "with run.backend=ray", ("run.backend",))
 _PROJECT_TRACKERS = ("wandb", "mlflow", "trackio", "swanlab")
+_BUDGET = (lambda c: c.rollout.budget == "adaptive", "with rollout.budget=adaptive", ("rollout.budget",))
+_SELECT = (lambda c: c.data.selection != "uniform", "with data.selection=vade or cures", ("data.selection",))
 
 # Fields that the chosen mode/options ignore: field -> (does it apply?, when it applies, the fields
 # that decide). Setting one where it does not apply would silently do nothing, so it is an error
@@ -407,6 +453,14 @@ APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] =
                                ("rollout.engine_process", "run.mode", "rollout.engines", "run.backend")),
     "rollout.dynamic_sampling_max": (lambda c: c.rollout.dynamic_sampling, "with rollout.dynamic_sampling=true",
                                      ("rollout.dynamic_sampling",)),
+    "rollout.budget_min": _BUDGET,
+    "rollout.budget_max": _BUDGET,
+    "data.selection_pool": _SELECT,
+    "data.selection_forget": _SELECT,
+    "data.selection_key": _SELECT,
+    "data.selection_prior": _SELECT,
+    "rollout.device": (lambda c: c.rollout.engine != "vllm", "with rollout.engine=hf or hf-cb (vLLM places "
+                       "itself)", ("rollout.engine",)),
     "rollout.vllm_max_model_len": _VLLM,
     "rollout.vllm_gpu_memory_utilization": _VLLM,
     "rollout.vllm_sleep": _VLLM,
@@ -437,6 +491,7 @@ APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] =
     "eval.size": _EVAL,
     "eval.every": _EVAL,
     "eval.samples": _EVAL,
+    "eval.stop_at": _EVAL,
 }
 
 

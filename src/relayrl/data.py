@@ -3,8 +3,8 @@
 Rows are mapped to ``Prompt`` records through the configured field names. Bad input of any
 kind (encoding, syntax, a corrupt file, a field of the wrong type) fails with a ``DataError``
 naming the file, the row (1-based in every format; the line for JSONL) and the field. The
-sampler walks seeded per-epoch permutations and its cursor is part of the checkpoint, so a
-resumed run neither repeats nor skips a prompt.
+sampler (``sampler.py``) walks seeded per-epoch permutations, and its state is part of the
+checkpoint, so a resumed run neither repeats nor skips a prompt.
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ import codecs
 import decimal
 import json
 import math
-import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 from relayrl.config import one_line
 from relayrl.records import Prompt
+from relayrl.sampler import PromptSampler, SamplerState  # noqa: F401 (the sampler of these prompts)
 
 
 class DataError(ValueError):
@@ -259,37 +258,3 @@ def load_prompts(
     if not out:
         raise DataError(f"{path}: no rows")
     return out
-
-
-@dataclass
-class SamplerState:
-    epoch: int = 0
-    position: int = 0
-    consumed: int = 0
-
-
-class PromptSampler:
-    """Seeded per-epoch shuffles; ``state`` is checkpointed so resume continues exactly."""
-
-    def __init__(self, prompts: list[Prompt], seed: int, shuffle: bool = True, state: SamplerState | None = None):
-        self.prompts, self.seed, self.shuffle = prompts, seed, shuffle
-        self.state = state or SamplerState()
-        self._order = self._permutation(self.state.epoch)
-
-    def _permutation(self, epoch: int) -> list[int]:
-        idx = list(range(len(self.prompts)))
-        if self.shuffle:
-            random.Random(self.seed * 100003 + epoch).shuffle(idx)
-        return idx
-
-    def take(self, n: int) -> list[Prompt]:
-        out = []
-        for _ in range(n):
-            if self.state.position >= len(self._order):
-                self.state.epoch += 1
-                self.state.position = 0
-                self._order = self._permutation(self.state.epoch)
-            out.append(self.prompts[self._order[self.state.position]])
-            self.state.position += 1
-            self.state.consumed += 1
-        return out

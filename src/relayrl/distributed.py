@@ -28,25 +28,26 @@ import torch.distributed as dist
 LAUNCH = "torchrun --nproc-per-node N -m relayrl.cli train ... trainer.fsdp=true"
 
 
-def resolve_device(name: str) -> torch.device:
-    """``trainer.device``: 'auto' is CUDA when available, else the CPU. Under torchrun each rank
-    takes the GPU of its LOCAL_RANK."""
+def resolve_device(name: str, field: str = "trainer.device") -> torch.device:
+    """``trainer.device`` (or ``rollout.device``): 'auto' is CUDA when available, else the CPU. Under
+    torchrun each rank takes the GPU of its LOCAL_RANK."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError(f"trainer.device={name!r}, but CUDA is not available here (torch {torch.__version__}, "
+        raise ValueError(f"{field}={name!r}, but CUDA is not available here (torch {torch.__version__}, "
                          f"{'a CPU-only build' if torch.version.cuda is None else 'no GPU visible'}): use "
-                         "trainer.device=auto or cpu")
+                         f"{field}=auto or cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def check_launch(tcfg) -> None:
-    """Input errors in the trainer's placement, before any work: a device this machine lacks,
-    ``trainer.fsdp=true`` outside torchrun, or several torchrun processes without it (each would
-    run the whole pipeline into the same run directory)."""
+def check_launch(tcfg, rollout_device: str = "auto") -> None:
+    """Input errors in the trainer's placement, before any work: a device this machine lacks (the
+    trainer's or the engine's), ``trainer.fsdp=true`` outside torchrun, or several torchrun processes
+    without it (each would run the whole pipeline into the same run directory)."""
     resolve_device(tcfg.device)
+    resolve_device(rollout_device, "rollout.device")
     if tcfg.fsdp and "WORLD_SIZE" not in os.environ:
         raise ValueError(f"trainer.fsdp=true needs a torchrun launch ({LAUNCH}): RANK and WORLD_SIZE are not set")
     if not tcfg.fsdp and int(os.environ.get("WORLD_SIZE", "1")) > 1:

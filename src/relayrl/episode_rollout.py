@@ -38,6 +38,18 @@ two batches taken (DAPO's max_num_gen_batches); past that a zero-variance group 
 is (a model that solves everything, or nothing, would otherwise generate forever). The prompts filtered are written beside the ones
 trained (``trained_prompts.jsonl``), so every consumed prompt is accounted for across resumes.
 
+Adaptive budgets (``rollout.budget=adaptive``, math in ``selection``): a group starts with
+``budget_min`` episodes; when they are done, one whose rewards have no variance stops there (and is
+filtered, with dynamic sampling: a cheaper filter than a whole group), one with variance gets more,
+up to ``budget_max``, from its own reserve (``group_size − budget_min``) and the surplus that the
+stopped groups of its *window* left — the ``prompts_per_step`` groups admitted together — so a
+window never generates more than ``prompts_per_step × group_size`` episodes. The surplus goes to
+whichever group of the window asks first; the reserve is every group's whatever its timing.
+Advantages are computed per group whatever its size.
+
+Prompt selection (``sampler.py``) sees every finished group's rewards (``observe``), filtered
+ones too, before its next draw.
+
 Checkpoints: ``held`` stops the episodes at a token boundary and returns every group not yet
 trained: complete ones, running ones with what their episodes generated so far (an episode past
 its first tool call restarts from its prompt: ``episodes``), and those not yet started. A
@@ -54,7 +66,8 @@ import threading
 from collections import deque
 from typing import Callable
 
-from relayrl.config import Config
+from relayrl import selection
+from relayrl.config import Config, budget_bounds
 from relayrl.engine.base import EngineError
 from relayrl.failures import UserCodeError, failed
 from relayrl.records import Group, SamplingParams, Trajectory, group_from_dict
@@ -97,7 +110,9 @@ class EpisodeRollout:
                  params: SamplingParams, batch: int, eta: int, *, partial: bool = False, extra: int = 0,
                  park_while_training: bool = False, drain_before_publish: bool = False, version: int = 0,
                  carried: list[Group] = (), timeline: Timeline | None = None, counters: dict | None = None,
-                 max_groups: int | None = None, filter_groups: bool = False, filter_max: int = 4):
+                 max_groups: int | None = None, filter_groups: bool = False, filter_max: int = 4,
+                 budget: tuple[int, int, int] | None = None, observe: Callable[[Group, int], None] | None = None,
+                 sampler_state: Callable[[], object] | None = None):
         if extra and not partial:
             raise ValueError("over-provisioning needs partial rollouts (the extra groups are cut and carried)")
         self.runner, self.take_prompts, self.new_groups, self.params = runner, take_prompts, new_groups, params
@@ -113,6 +128,14 @@ class EpisodeRollout:
         self.filtered_tokens = 0  # generated for filtered groups since the last step
         self.filtered_total = counters.get("filtered_total", 0)
         self.filtered_since_batch = self.filter_exhausted = 0
+        # adaptive budgets: (first stage, group_size, most); the surplus per window; groups admitted so far
+        self.budget = budget
+        self.banks: dict[int, int] = {int(k): v for k, v in counters.get("budget_banks", {}).items()}
+        self.admitted = counters.get("budget_admitted", 0)
+        self.budget_extra = counters.get("budget_extra_total", 0)
+        self.budget_stopped = counters.get("budget_stopped_total", 0)
+        self.observe, self.sampler_state = observe, sampler_state
+        self.saved: tuple[dict, object] | None = None  # (counters, sampler state) as of the last ``held``
         self.cv = threading.Condition()
         self.waiting: deque[Group] = deque(carried)
         self.ready: list[Group] = []
@@ -141,7 +164,11 @@ class EpisodeRollout:
                    park_while_training=mode == "sync", drain_before_publish=mode == "periodic",
                    version=state.version, carried=[group_from_dict(d) for d in state.partial_buffer], timeline=tl,
                    counters=state.staleness, max_groups=(cfg.run.steps - state.step) * r.prompts_per_step,
-                   filter_groups=r.dynamic_sampling, filter_max=r.dynamic_sampling_max)
+                   filter_groups=r.dynamic_sampling, filter_max=r.dynamic_sampling_max,
+                   budget=(*budget_bounds(r), r.group_size) if r.budget == "adaptive" else None,
+                   observe=lambda g, v: c.sampler.observe(g.prompt, [t.reward for t in g.trajectories
+                                                                     if not failed(t)], v),
+                   sampler_state=c.sampler.snapshot)
 
     # -- trainer side --------------------------------------------------------------------------
     def next_batch(self) -> tuple[list[Group], int]:
@@ -224,15 +251,31 @@ class EpisodeRollout:
                      "dynamic/filtered_total": self.filtered_total, "dynamic/accepted_unfiltered_total": self.filter_exhausted}
 
     def metrics(self) -> dict:
-        return {"partial_resumed_total": self.runner.continued, "groups_in_flight": len(self.running),
+        budget = {"budget/extra_total": self.budget_extra, "budget/stopped_total": self.budget_stopped} \
+            if self.budget else {}
+        return {**budget, "partial_resumed_total": self.runner.continued, "groups_in_flight": len(self.running),
                 "episode_errors_total": self.runner.error_count,
                 **{f"episodes_{k}_{c}_total": v[c] for k, v in (("finished", self.finished), ("trained", self.trained))
                    for c in v}}
 
     def counters(self) -> dict:
         with self.cv:
-            return {"partial_resumed": self.runner.continued, "filtered_pending": list(self.filtered_ids),
-                    "filtered_total": self.filtered_total}
+            out = {"partial_resumed": self.runner.continued, "filtered_pending": list(self.filtered_ids),
+                   "filtered_total": self.filtered_total}
+            if self.budget:
+                live = [g.window for g in (*self.ready, *self.running.values(), *self.waiting) if g.window is not None]
+                first = min(live + [self.admitted // self.batch])  # older windows have no group left to draw
+                out.update(budget_banks={str(w): n for w, n in self.banks.items() if w >= first},
+                           budget_admitted=self.admitted, budget_extra_total=self.budget_extra,
+                           budget_stopped_total=self.budget_stopped)
+            return out
+
+    def checkpoint_state(self) -> tuple[dict, object]:
+        """(counters, the sampler's state) as of the last ``held``: taken on the loop in the same instant
+        as the groups it returned, so a group finishing meanwhile is counted in neither or in both."""
+        if self.saved is None:
+            raise RuntimeError("checkpoint_state() before held()")
+        return self.saved
 
     def close(self) -> None:
         if self.closed:
@@ -278,12 +321,15 @@ class EpisodeRollout:
         if len(groups) < n:
             groups += self.new_groups(self.take_prompts(n - len(groups)))
         for g in groups:
+            if self.budget and g.window is None:  # a new group: its first stage
+                g.trajectories, g.sized = g.trajectories[:self.budget[0]], False
+                g.window, self.admitted = self.admitted // self.batch, self.admitted + 1
             with self.cv:
                 oldest = oldest_version(g)  # a carried group counts from its oldest token
                 at = self.mgr.version if oldest is None else min(oldest, self.mgr.version)
                 self.seq[id(g)], self.admitted_at[id(g)] = self.next_seq, at
                 self.next_seq += 1
-                if all(t.complete for t in g.trajectories):  # complete, carried by a checkpoint
+                if g.sized and all(t.complete for t in g.trajectories):  # complete, carried by a checkpoint
                     self.mgr.finish(accepted=True)
                     self.ready.append(g)
                     self.changes += 1
@@ -299,11 +345,16 @@ class EpisodeRollout:
     async def _run_group(self, g: Group) -> None:
         try:
             await self.runner.group(g, self.params)
+            if not g.sized:
+                self._size(g)
+                await self.runner.group(g, self.params)  # its extra episodes (none: at once)
         except asyncio.CancelledError:
             return
         except BaseException as e:  # noqa: BLE001 - an engine failure ends the run, with its reason
             self._fail(e)
             return
+        if self.observe is not None:
+            self.observe(g, max((v for t in g.trajectories for v in t.versions), default=self.version))
         with self.cv:
             del self.running[id(g)]
             for t in g.trajectories:
@@ -317,6 +368,18 @@ class EpisodeRollout:
             self.ready.append(g)
             self.changes += 1
             self.cv.notify_all()
+
+    def _size(self, g: Group) -> None:
+        """(On the loop.) ``g``'s first stage is done: how many more episodes it gets (module doc)."""
+        first, size, most = self.budget
+        want = selection.wanted_extra([t.reward for t in g.trajectories if not failed(t)], most)
+        with self.cv:
+            extra, self.banks[g.window] = selection.grant(want, size - first, self.banks.get(g.window, 0))
+            self.budget_extra += extra
+            self.budget_stopped += extra == 0
+        n, ids = len(g.trajectories), g.trajectories[0].prompt_ids
+        g.trajectories += [Trajectory(g.prompt, g.group_id, n + i, list(ids)) for i in range(extra)]
+        g.sized = True
 
     def _filtered(self, g: Group) -> None:
         """(With ``cv`` held, on the loop.) ``g`` teaches nothing: its slot goes to a new group."""
@@ -339,6 +402,7 @@ class EpisodeRollout:
         with self.cv:
             order = sorted([*self.ready, *self.running.values()], key=lambda g: self.seq[id(g)])
             out = [g if id(g) not in self.running else _carry(g) for g in order]
+        self.saved = (self.counters(), self.sampler_state() if self.sampler_state else None)
         return out + list(self.waiting)
 
     async def _cancel(self) -> None:
@@ -376,4 +440,4 @@ def _carry(g: Group) -> Group:
         return dataclasses.replace(t, prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids),
                                    behav_logprobs=list(t.behav_logprobs), versions=list(t.versions),
                                    mask=list(t.mask), turns=list(t.turns), info={})
-    return Group(g.prompt, g.group_id, [one(t) for t in g.trajectories])
+    return Group(g.prompt, g.group_id, [one(t) for t in g.trajectories], g.window, g.sized)

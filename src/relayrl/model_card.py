@@ -16,8 +16,9 @@ import yaml
 ALGORITHM = ("algo", ("advantage", "loss", "agg", "clip_low", "clip_high", "dual_clip", "kl_coef", "entropy_coef",
                       "offpolicy"))
 PIPELINE = [("run", ("mode", "backend", "seed")),
+            ("data", ("selection",)),
             ("rollout", ("engine", "engines", "prompts_per_step", "group_size", "max_new_tokens", "temperature",
-                         "top_p", "top_k", "partial", "max_staleness", "dynamic_sampling")),
+                         "top_p", "top_k", "partial", "max_staleness", "dynamic_sampling", "budget")),
             ("trainer", ("lr", "schedule", "warmup_steps", "updates_per_step", "grad_clip")),
             ("env", ("name", "max_turns"))]
 
@@ -30,9 +31,11 @@ def _hub_id(path: str | None) -> str | None:
     return path if len(parts) == 2 and all(parts) and "." not in parts[1][-8:] else None
 
 
-def render(config: dict, step: int, samples: int, before: dict | None, after: dict | None) -> str:
+def render(config: dict, step: int, samples: int, before: dict | None, after: dict | None, final: bool = False
+           ) -> str:
     """The card's text for a checkpoint at ``step`` of a run with the resolved ``config`` (section ->
-    field -> value); ``before``/``after``: held-out evaluations (``evaluation.evaluate``), or None."""
+    field -> value); ``before``/``after``: held-out evaluations (``evaluation.evaluate``), or None;
+    ``final``: the run's last checkpoint (also before run.steps, when eval.stop_at stopped it)."""
     from huggingface_hub import EvalResult, ModelCardData
 
     from relayrl import __version__
@@ -53,7 +56,7 @@ def render(config: dict, step: int, samples: int, before: dict | None, after: di
     def pct(e: dict | None, key: str) -> str:
         return f"{e[key]:.1%}" if e and e.get(key) is not None else "—"
 
-    done = step >= run["steps"]
+    done = final or step >= run["steps"]
     lines = [
         f"# {run['name']}", "",
         f"A policy trained by reinforcement learning with relayrl "
@@ -99,6 +102,6 @@ def finalize(run_dir: Path, config: dict, state, after: dict | None) -> Path | N
     if not folder.is_dir():
         return None
     tmp = folder / ".README.md.tmp"
-    tmp.write_text(render(config, state.step, state.samples, state.eval_before, after))
+    tmp.write_text(render(config, state.step, state.samples, state.eval_before, after, final=True))
     tmp.replace(folder / "README.md")
     return folder / "README.md"

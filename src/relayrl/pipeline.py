@@ -116,6 +116,9 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
     torch.set_num_threads(trainer_threads)
     torch.manual_seed(cfg.run.seed)
     prompts, eval_prompts = data
+    d = cfg.data  # (first: a selection_key the prompts lack fails before anything starts)
+    sampler = PromptSampler(prompts, cfg.run.seed, d.shuffle, state.sampler, d.selection, d.selection_pool,
+                            d.selection_forget, d.selection_key, d.selection_prior)
     with contextlib.ExitStack() as undo:
         reward = make_reward_runner(cfg)  # first: a bad reward.fn fails before the model loads
         undo.callback(reward.close)
@@ -141,7 +144,6 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         undo.pop_all()
     r = cfg.rollout
     trainer = make_trainer(cfg, policy, ref)
-    sampler = PromptSampler(prompts, cfg.run.seed, cfg.data.shuffle, state.sampler)
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
     return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params, runner)
 
@@ -174,6 +176,7 @@ def step_metrics(groups: list[Group], generated: int, step_seconds: float, state
     return {
         "reward_mean": rewards.mean().item(),
         "reward_std": rewards.std().item() if len(trajs) > 1 else 0.0,
+        "responses_per_group": len(trajs) / len(groups),
         "response_len_mean": sum(lens) / len(lens),
         "response_len_max": max(lens),
         "generated_tokens": generated,
@@ -192,11 +195,12 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
     """The loop, the same for every mode (``run.mode`` decides how the rollout overlaps training:
     ``episode_rollout``).
     Returns the run summary."""
-    distributed.check_launch(cfg.trainer)  # a device this machine lacks; torchrun and trainer.fsdp not together
+    distributed.check_launch(cfg.trainer, cfg.rollout.device)  # a device this machine lacks; torchrun without fsdp
     if distributed.is_follower(cfg.trainer):  # torchrun rank > 0: trains its share of rank 0's batches
         return distributed.run_follower(lambda policy, ref: make_trainer(cfg, policy, ref), cfg)
     console = console or Console()
     log = console.print
+    entered = time.perf_counter()
     # everything that can be wrong with the input is found before the run directory is touched
     state, trainer_state, ckpt = start_state(cfg, resume, log)
     Trackers.check(cfg.run.report_to, cfg.run_dir)  # a tracker's library missing, its server unreachable
@@ -208,14 +212,14 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
         state.config, state.data_fingerprint = cfg.model_dump(mode="json"), fingerprint
     c = build(cfg, state, ckpt, data, log)
     try:
-        summary = _train(cfg, c, state, trainer_state, ckpt, log, console)
+        summary = _train(cfg, c, state, trainer_state, ckpt, log, console, entered)
         c.trainer.close()  # (trainer.fsdp: the other ranks stop)
         return summary
     finally:
         c.close()
 
 
-def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log, console) -> dict:
+def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log, console, entered: float) -> dict:
     run_dir = cfg.run_dir
     prepare_run_dir(run_dir, fresh=ckpt is None)
     dump_config(cfg, run_dir / "config.yaml")
@@ -223,12 +227,14 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
         c.trainer.load_state_dict(trainer_state)
         restore_rng(trainer_state)
         log(f"resumed from {ckpt} (step {state.step}, {state.samples} samples)")
+    evaluating = time.perf_counter()
     if state.eval_before is None and c.eval_prompts:
         state.eval_before = c.evaluate(cfg, "before training")
         log(f"eval before: {fmt_eval(state.eval_before)}")
     metrics = RunReport(cfg, state, log)  # metrics.jsonl, the trackers of run.report_to, curves.png
     trained_log = MetricsLog(run_dir / "trained_prompts.jsonl", resume_step=state.step)
     timers, t_start, tl = Timers(), time.perf_counter() - state.wall_seconds, Timeline()
+    startup = evaluating - entered  # loading, engines, workers (not the evaluation before training)
     writer = CheckpointWriter(run_dir, c.policy, c.tokenizer, cfg.run.keep_checkpoints, c.trainer.full_state_dict,
                               card=model_card.for_run(resolved_tree(cfg)))
     source = EpisodeRollout.from_config(cfg, c, state, tl)
@@ -255,20 +261,24 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                         for ln in ("engine", "trainer")}
                 filtered, dynamic = source.take_filtered()
                 m = record_step(cfg, c, state, groups, generated, {**train_metrics, **idle, **source.metrics(), **dynamic,
+                                **c.sampler.metrics(),
                                 **engine_counters(c.engine), **failures.metrics(failed, state.failures)},
                                 timers.pop(), metrics, source)
                 trained_log.write({"step": state.step, "prompt_ids": [g.prompt.id for g in groups],
                                    **({"filtered_prompt_ids": filtered} if filtered else {})})
                 bar.update(m)
-                if (cfg.run.save_every and state.step % cfg.run.save_every == 0) or state.step == cfg.run.steps:
+                last = state.step == cfg.run.steps or reached(cfg, m, log)
+                if (cfg.run.save_every and state.step % cfg.run.save_every == 0) or last:
                     state.partial_buffer = [group_to_dict(g) for g in source.held()]  # generation stops here...
-                    state.staleness = source.counters()
+                    state.staleness, state.sampler = source.checkpoint_state()
                     writer.save(state, c.trainer.state_dict())  # ...while an in-memory copy is taken
                     source.release()
+                if last:
+                    break
         source.close()
         writer.wait()
         log(f"timeline: {(timeline := tl.save(run_dir))}")
-        summary = finish(cfg, c, state, log)
+        summary = finish(cfg, c, state, log, startup)
         metrics.finish(summary, timeline)  # curves.png; the pictures and the summary to the trackers
         return summary
     finally:
@@ -300,26 +310,38 @@ def record_step(cfg: Config, c: Components, state: RunState, groups, generated: 
     m = {"step": state.step, "samples": state.samples, **step_metrics(groups, generated, times["time/step"], state),
          **train_metrics, **times, "step_time": times["time/step"], "wall_seconds": round(state.wall_seconds, 2)}
     if cfg.eval.every and state.step % cfg.eval.every == 0 and c.eval_prompts:
+        t0 = time.perf_counter()
         source.held()  # the rollout stops using the engine while it evaluates
         try:
             m.update({f"eval/{k}": v for k, v in c.evaluate(cfg, f"at step {state.step}").items()})
         finally:
             source.release()
+        m["time/eval"] = round(time.perf_counter() - t0, 4)  # (in the next steps' wall_seconds)
     metrics.write(m)
     return m
+
+
+def reached(cfg: Config, m: dict, log) -> bool:
+    """``eval.stop_at``: this step's evaluation reached the target accuracy."""
+    if cfg.eval.stop_at is None or m.get("eval/accuracy") is None or m["eval/accuracy"] < cfg.eval.stop_at:
+        return False
+    log(f"eval.stop_at: held-out accuracy {m['eval/accuracy']:.1%} ≥ {cfg.eval.stop_at:.1%} at step {m['step']}: "
+        "training stops here")
+    return True
 
 
 def fmt_eval(e: dict) -> str:
     return f"accuracy {e['accuracy']:.1%} (sampled, T={e['temperature']}), greedy {e['accuracy_greedy']:.1%}"
 
 
-def finish(cfg: Config, c: Components, state: RunState, log) -> dict:
+def finish(cfg: Config, c: Components, state: RunState, log, startup: float | None = None) -> dict:
     after = c.evaluate(cfg, "after training") if c.eval_prompts else None
     before = state.eval_before
     summary = {
         "steps": state.step,
         "samples": state.samples,
         "wall_seconds": round(state.wall_seconds, 1),
+        "startup_seconds": None if startup is None else round(startup, 2),  # this attempt's, to its first step
         "eval_accuracy_before": before["accuracy"] if before else None,
         "eval_accuracy_after": after["accuracy"] if after else None,
         "eval_greedy_accuracy_before": before["accuracy_greedy"] if before else None,

@@ -66,7 +66,10 @@ def build_local_engine(spec: dict, driven: bool = False, model=None, tokenizer=N
                           version=spec["version"], max_model_len=spec["max_model_len"], seed=spec["seed"],
                           gpu_memory_utilization=r.vllm_gpu_memory_utilization, max_num_seqs=r.max_batch,
                           sleep=r.vllm_sleep)
+    from relayrl.distributed import resolve_device
+
     model = model if model is not None else load_policy(spec["weights"], spec["dtype"])
+    model = model.to(resolve_device(r.device, "rollout.device"))
     return make_engine(r, model, tokenizer, version=spec["version"], driven=driven)
 
 

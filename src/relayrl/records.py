@@ -105,6 +105,9 @@ class Group:
     prompt: Prompt
     group_id: str
     trajectories: list[Trajectory]
+    # rollout.budget=adaptive: the budget window it draws extra responses from, and whether its size is decided
+    window: int | None = None
+    sized: bool = True
 
     @property
     def rewards(self) -> list[float]:
@@ -116,6 +119,8 @@ def group_to_dict(g: Group) -> dict:
     return {
         "prompt": dataclasses.asdict(g.prompt),
         "group_id": g.group_id,
+        "window": g.window,
+        "sized": g.sized,
         "trajectories": [
             {k: (v.value if isinstance(v, FinishReason) else v) for k, v in dataclasses.asdict(t).items() if k != "prompt"}
             for t in g.trajectories
@@ -131,4 +136,4 @@ def group_from_dict(d: dict) -> Group:
         t.pop("reward_failed", None)  # (checkpoints before the failure policy)
         t["finish_reason"] = FinishReason(t["finish_reason"]) if t["finish_reason"] is not None else None
         trajs.append(Trajectory(prompt=prompt, **t))
-    return Group(prompt, d["group_id"], trajs)
+    return Group(prompt, d["group_id"], trajs, d.get("window"), d.get("sized", True))

@@ -50,6 +50,7 @@ class HFEngine(Engine):
     def __init__(self, model, tokenizer, max_batch: int = 256, version: int = 0, batch_guard=None,
                  eos_token_ids: list[int] | None = None, driven: bool = False):
         self.model = model.eval()
+        self.device = next(model.parameters()).device  # rollout.device: where it decodes (the CPU, or a GPU)
         # entered around each generate call (the continuous-batching engine pauses its own loop with it)
         self._guard = batch_guard or contextlib.nullcontext
         self.pad_id = tokenizer.pad_token_id
@@ -329,8 +330,8 @@ class HFEngine(Engine):
             return
         ctx = [r.context for r in live]
         n = max(len(c) for c in ctx)
-        ids = torch.tensor([[self.pad_id] * (n - len(c)) + c for c in ctx])
-        att = torch.tensor([[0] * (n - len(c)) + [1] * len(c) for c in ctx])
+        ids = torch.tensor([[self.pad_id] * (n - len(c)) + c for c in ctx], device=self.device)
+        att = torch.tensor([[0] * (n - len(c)) + [1] * len(c) for c in ctx], device=self.device)
         pos = (att.cumsum(-1) - 1).clamp(min=0)
         p = live[0].req.params
         cache = DynamicCache(config=self.model.config)
@@ -358,7 +359,7 @@ class HFEngine(Engine):
             if not keep:
                 return
             if len(keep) < len(live):  # finished rows leave the batch and the KV cache
-                idx = torch.tensor(keep)
+                idx = torch.tensor(keep, device=self.device)
                 cache.batch_select_indices(idx)
                 live, tok, att, pos = [live[i] for i in keep], tok[idx], att[idx], pos[idx]
             att = torch.cat([att, att.new_ones(len(live), 1)], dim=1)
