@@ -141,7 +141,7 @@ class DataCfg(_Section):
         "gathered (1: never forget).")
     selection_key: str | None = Field(
         None, description="Selection: a metadata field grouping prompts (a difficulty level, a task name): a prompt "
-        "not seen yet starts from its group's pooled success rate (null: from all prompts').")
+        "not seen yet starts from its group's pooled success rate (null: all prompts' pooled rate).")
     selection_prior: float = Field(
         2.0, gt=0, description="Selection: strength of a prompt's prior, in pseudo-observations of its group's rate.")
 
