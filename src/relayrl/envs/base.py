@@ -175,9 +175,33 @@ def load_env_class(spec: str) -> type:
     return cls
 
 
-def make_env_factory(spec: str, args: dict) -> Callable[[], Env]:
+# env.name=<prefix>:<name>: environments of other libraries (``relayrl.envs.adapters``), made with the
+# name as their first argument; and agent programs (``relayrl.serve.agent``): one's own, or an adapter's
+ADAPTERS = {
+    "textarena": "relayrl.envs.adapters.textarena:TextArenaEnv",
+    "skyrl": "relayrl.envs.adapters.skyrl:SkyRLEnv",
+}
+PROGRAMS = {"verifiers": "relayrl.envs.adapters.verifiers:run"}
+
+
+def make_env_factory(spec: str, args: dict):
     """A function making one environment per episode; fails now (naming the field) when the class
-    cannot be imported or does not take ``env.args``."""
+    cannot be imported or does not take ``env.args``. ``agent:...`` (and ``verifiers:ENV``) give an
+    ``AgentProgram`` instead: episodes that are sessions of the endpoint."""
+    kind, _, name = spec.partition(":")
+    if kind in ("agent", *PROGRAMS):
+        from relayrl.serve.agent import AgentProgram
+
+        if kind == "agent":
+            return AgentProgram.load(spec, name, args)
+        return AgentProgram.load(spec, PROGRAMS[kind], {"name": name, **args})
+    if kind in ADAPTERS and name:
+        cls = import_object(ADAPTERS[kind])
+        try:
+            inspect.signature(cls).bind(name, **args)
+        except TypeError as e:
+            raise ValueError(f"env.args do not fit {cls.__name__}: {e}") from e
+        return lambda: cls(name, **args)
     cls = load_env_class(spec)
     try:
         inspect.signature(cls).bind(**args)
