@@ -117,10 +117,19 @@ def _arguments(raw: Any, where: str) -> dict:
     return value
 
 
+def same(a: list[dict], b: list[dict]) -> bool:
+    """Two canonical conversations say the same thing, however the client spelled them (ids, None or
+    "", JSON spacing of arguments, whitespace around a streamed text)."""
+    return len(a) == len(b) and all(_key(x) == _key(y) for x, y in zip(a, b))
+
+
+def _key(m: dict) -> tuple:
+    return m["role"], m["content"].strip(), m.get("tool_calls"), m.get("name")
+
+
 def canonical(messages: list[dict]) -> list[dict]:
-    """The conversation as comparable data: roles, stripped texts, tool calls as (name, arguments).
-    Two requests whose canonical prefixes are equal say the same thing to the model, however the
-    client spelled them (ids, None or "", argument JSON spacing, streamed whitespace)."""
+    """The conversation as data: roles, texts, tool calls as (name, arguments), tool results with the
+    name of the tool called (by ``tool_call_id``); ``same`` compares them."""
     out, names = [], {}
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -131,7 +140,7 @@ def canonical(messages: list[dict]) -> list[dict]:
             role = "system"
         if role not in ("system", "user", "assistant", "tool"):
             raise ApiError(400, f"{where}: unknown role {role!r:.40}", param=f"{where}.role")
-        item: dict = {"role": role, "content": _text(m.get("content"), f"{where}.content").strip()}
+        item: dict = {"role": role, "content": _text(m.get("content"), f"{where}.content")}
         if role == "assistant" and m.get("tool_calls"):
             calls = []
             for j, c in enumerate(m["tool_calls"]):

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from relayrl.envs.chat import next_turn_suffix, render_ids
 from relayrl.records import FinishReason, SamplingParams, Trajectory
-from relayrl.serve.openai_format import ApiError, canonical, split_tool_calls, template_message
+from relayrl.serve.openai_format import ApiError, canonical, same, split_tool_calls, template_message
 
 
 @dataclass
@@ -88,7 +88,7 @@ class Session:
         """The branch a chat request extends, or a new one; and how to undo that if no reply comes."""
         for b in reversed(self.branches):
             n = len(b.view)
-            if b.kind == "chat" and not b.busy and b.tools == tools and len(conv) > n and conv[:n] == b.view:
+            if b.kind == "chat" and not b.busy and b.tools == tools and len(conv) > n and same(conv[:n], b.view):
                 new = [template_message(m) for m in conv[n:]]
                 t = b.traj
                 suffix = next_turn_suffix(self.tok, b.messages, new, tools)  # (TemplateMismatch: fails closed)
@@ -177,10 +177,12 @@ class Session:
                 return True
             if not (stops or on_text):
                 return False
+            if ids and ids[-1] in self.runner.eos_ids:  # (the end of the turn is not its text)
+                ids = ids[:-1]
             text = self.tok.decode(ids, skip_special_tokens=False)
-            at = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            at, end = min(((i, i + len(s)) for s in stops if (i := text.find(s)) >= 0), default=(-1, -1))
             if at >= 0:
-                _truncate(t, start + _tokens_to_cover(self.tok, ids, at + 1))
+                _truncate(t, start + _tokens_to_cover(self.tok, ids, end))  # up to the stop string's end
                 cut.append(at)
                 text = text[:at]
             if on_text is not None:
