@@ -80,7 +80,6 @@ class AgentEpisodes:
         self.host, self.port, self.max_requests, self.max_connections = host, port, max_requests, max_connections
         self.table = SessionTable()
         self.endpoint = None  # a relayrl.serve.server.Endpoint, once started
-        self.http = None
 
     @property
     def url(self) -> str:
@@ -94,20 +93,21 @@ class AgentEpisodes:
         app = build_app(self.table, self.model_name, self.context, self.max_requests)
         self.endpoint = Endpoint(app, self.host, self.port, self.max_connections)
         await self.endpoint.start()
-        self.http = _SharedClient(timeout=None, limits=httpx.Limits(max_connections=self.max_requests,
-                                                                      max_keepalive_connections=self.max_requests))
 
     async def stop(self) -> None:
-        if self.http is not None:
-            await self.http.really_close()
         if self.endpoint is not None:
             await self.endpoint.stop()
 
     def client(self, s: Session):
+        """The session's own client and connection pool: one pool shared by every episode costs each
+        request a scan of all its connections (httpcore), most of the loop's time at 64 episodes."""
+        import httpx
         import openai
 
+        transport = httpx.AsyncHTTPTransport(verify=False, retries=0)  # (plain HTTP on loopback: no TLS)
+        http = httpx.AsyncClient(transport=transport, timeout=None)
         return openai.AsyncOpenAI(base_url=f"{self.url}/sessions/{s.key}/v1", api_key=s.key, max_retries=0,
-                                  timeout=None, http_client=self.http)
+                                  timeout=None, http_client=http), http
 
     async def episode(self, runner, t: Trajectory, params: SamplingParams, train: bool) -> None:
         """Run the program for ``t`` from its prompt; ``t`` gets the latest reply's branch, the other
@@ -119,7 +119,8 @@ class AgentEpisodes:
         t.response_ids, t.behav_logprobs, t.versions, t.mask, t.turns = [], [], [], [], []
         t.finish_reason, t.info = None, {}
         s = self.table.new(runner, t, params, train, lim.max_turns, lim.max_tokens, self.context)
-        task = asyncio.get_running_loop().create_task(self.program(self.client(s), t.prompt))
+        client, http = self.client(s)
+        task = asyncio.get_running_loop().create_task(self.program(client, t.prompt))
         try:
             try:
                 result = await _watch(task, s, lim, source)
@@ -138,6 +139,7 @@ class AgentEpisodes:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
             self.table.close(s)
+            await http.aclose()
         if s.fatal is not None:
             raise s.fatal
         branches = s.trained()
@@ -203,23 +205,3 @@ async def _first(task: asyncio.Task, event: asyncio.Event, timeout: float | None
 def _describe(e: BaseException) -> str:
     text = str(e)
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def _shared_client_class():
-    import httpx
-
-    class Shared(httpx.AsyncClient):
-        """One connection pool for every episode's client; a program closing its client (``async
-        with client``) leaves it open for the others."""
-
-        async def aclose(self) -> None:
-            pass
-
-        async def really_close(self) -> None:
-            await super().aclose()
-
-    return Shared
-
-
-def _SharedClient(**kw):
-    return _shared_client_class()(**kw)

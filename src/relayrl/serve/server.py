@@ -40,18 +40,7 @@ log = logging.getLogger("relayrl.serve")
 
 def build_app(table: SessionTable, model: str, max_model_len: int | None, max_requests: int) -> FastAPI:
     app = FastAPI(title="relayrl endpoint", openapi_url=None, docs_url=None, redoc_url=None)
-    busy = [0]
-
-    @app.middleware("http")
-    async def bounded(request: Request, call_next):
-        if busy[0] >= max_requests:
-            return _error(ApiError(429, f"more than serve.max_requests={max_requests} requests at once; retry",
-                                   type="rate_limit_error", code="rate_limit_exceeded"))
-        busy[0] += 1
-        try:
-            return await call_next(request)
-        finally:
-            busy[0] -= 1
+    app.add_middleware(Bounded, limit=max_requests)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -86,13 +75,13 @@ def build_app(table: SessionTable, model: str, max_model_len: int | None, max_re
     for prefix in ("", "/sessions/{key}"):
         @app.get(prefix + "/v1/models")
         async def models():
-            return {"object": "list", "data": [card]}
+            return JSONResponse({"object": "list", "data": [card]})
 
         @app.get(prefix + "/v1/models/{name}")
         async def one_model(name: str):
             if name != model:
                 raise ApiError(404, f"The model `{name}` does not exist", code="model_not_found")
-            return card
+            return JSONResponse(card)
 
         @app.post(prefix + "/v1/chat/completions")
         async def chat(body: ChatRequest, request: Request):
@@ -107,6 +96,27 @@ def build_app(table: SessionTable, model: str, max_model_len: int | None, max_re
             return await _generate(session(request, body.model), body)
 
     return app
+
+
+class Bounded:
+    """At most ``limit`` requests handled at once; more are answered 429 at once (a plain ASGI
+    middleware: starlette's ``BaseHTTPMiddleware`` costs a task group per request)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit, self.busy = app, limit, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.busy >= self.limit:
+            e = ApiError(429, f"more than serve.max_requests={self.limit} requests at once; retry",
+                         type="rate_limit_error", code="rate_limit_exceeded")
+            return await _error(e)(scope, receive, send)
+        self.busy += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.busy -= 1
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -168,7 +178,7 @@ async def _chat(s: Session, body: ChatRequest, model: str):
     if not body.stream:
         try:
             turn = await _run(s, undo, lambda: s.generate(b, body.limit(), _client_sampling(body), stops))
-            return done(turn)[1]
+            return JSONResponse(done(turn)[1])
         finally:
             s.leave()
 
@@ -217,8 +227,8 @@ async def _completion(s: Session, body: CompletionRequest, model: str):
         try:
             turn = await _run(s, undo, lambda: s.generate(b, body.limit() or 16, _client_sampling(body), stops))
             s.replied(b, turn, None, None)
-            return oa.completion_response(rid, model, turn.text, turn.finish,
-                                          oa.usage(turn.prompt_tokens, len(turn.token_ids)))
+            return JSONResponse(oa.completion_response(rid, model, turn.text, turn.finish,
+                                                       oa.usage(turn.prompt_tokens, len(turn.token_ids))))
         finally:
             s.leave()
     queue: asyncio.Queue = asyncio.Queue()
@@ -263,11 +273,11 @@ async def _generate(s: Session, body: GenerateRequest):
         s.replied(b, turn, None, None)
     finally:
         s.leave()
-    return {"request_id": f"gen-{uuid.uuid4().hex}", "prompt_token_ids": prompt_ids,
-            "choices": [{"index": 0, "token_ids": turn.token_ids, "finish_reason": turn.finish,
-                         "logprobs": {"content": [{"token": f"token_id:{i}", "logprob": p}
-                                                  for i, p in zip(turn.token_ids, turn.logprobs)]}}],
-            "usage": oa.usage(len(prompt_ids), len(turn.token_ids))}
+    return JSONResponse({"request_id": f"gen-{uuid.uuid4().hex}", "prompt_token_ids": prompt_ids,
+                         "choices": [{"index": 0, "token_ids": turn.token_ids, "finish_reason": turn.finish,
+                                      "logprobs": {"content": [{"token": f"token_id:{i}", "logprob": p}
+                                                               for i, p in zip(turn.token_ids, turn.logprobs)]}}],
+                         "usage": oa.usage(len(prompt_ids), len(turn.token_ids))})
 
 
 def _check_ids(ids: list[int], tok, param: str) -> None:

@@ -70,8 +70,10 @@ class Session:
     parameters (the trainer's, or the evaluation's); ``context``: the model's context length."""
 
     def __init__(self, key: str, runner, t: Trajectory, params: SamplingParams, train: bool, max_turns: int,
-                 max_tokens: int, context: int | None):
+                 max_tokens: int, context: int | None, table: SessionTable):
         self.key, self.runner, self.episode, self.params, self.train = key, runner, t, params, train
+        self.table = table
+        self.generating = 0  # its requests the engine is generating
         self.max_turns, self.max_tokens, self.context = max_turns, max_tokens, context
         self.branches: list[Branch] = []
         self.counts: Counter = Counter()
@@ -192,8 +194,13 @@ class Session:
         t.finish_reason = None
         b.busy = True
         try:
-            text = await self.runner._turn(t, b.turn, start, int(limit), params, self.train,
-                                           watch=watch if (stops or stop_ids or on_text) else None)
+            await self.table.batcher.wait()
+            self.generating += 1
+            try:
+                text = await self.runner._turn(t, b.turn, start, int(limit), params, self.train,
+                                               watch=watch if (stops or stop_ids or on_text) else None)
+            finally:
+                self.generating -= 1
         finally:
             b.busy = False
         if t.finish_reason == FinishReason.FAILED:
@@ -276,6 +283,43 @@ def _tokens_to_cover(tok, ids: list[int], chars: int) -> int:
     return lo
 
 
+class Batcher:
+    """Requests reach the engine together, as an environment's turns do. HTTP requests arrive over
+    several iterations of the loop, one by one; handed over one at a time, each would start or wait
+    for its own engine batch (an agent demo step made ~500 engine submissions of one request instead of
+    ~25). So a request waits until every open session that is not generating has one waiting too, or
+    ``WINDOW_S`` after the first of them (a session whose program is busy between requests: a tool)."""
+
+    WINDOW_S = 0.02
+
+    def __init__(self, table: SessionTable):
+        self.table, self.waiters, self.timer = table, [], None
+
+    async def wait(self) -> None:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self.waiters.append(fut)
+        idle = sum(1 for s in self.table.open.values() if not s.generating)
+        if len(self.waiters) >= idle:
+            self._go()
+        elif self.timer is None:
+            self.timer = loop.call_later(self.WINDOW_S, self._go)
+        try:
+            await fut
+        finally:
+            if fut in self.waiters:  # (cancelled while waiting)
+                self.waiters.remove(fut)
+
+    def _go(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        waiters, self.waiters = self.waiters, []
+        for f in waiters:
+            if not f.done():
+                f.set_result(None)
+
+
 class SessionTable:
     """Keys → open sessions; a key whose episode ended is told apart from one never issued."""
 
@@ -284,11 +328,12 @@ class SessionTable:
     def __init__(self):
         self.open: dict[str, Session] = {}
         self.expired: OrderedDict[str, None] = OrderedDict()
+        self.batcher = Batcher(self)
 
     def new(self, runner, t: Trajectory, params: SamplingParams, train: bool, max_turns: int, max_tokens: int,
             context: int | None) -> Session:
         key = "rl-" + secrets.token_urlsafe(18)
-        s = self.open[key] = Session(key, runner, t, params, train, max_turns, max_tokens, context)
+        s = self.open[key] = Session(key, runner, t, params, train, max_turns, max_tokens, context, self)
         return s
 
     def get(self, key: str | None) -> Session:
