@@ -81,7 +81,9 @@ class DataCfg(_Section):
 
     path: str = Field(
         "builtin:demo",
-        description="Prompts: a .jsonl/.json/.parquet file, a datasets load_from_disk folder, or 'builtin:demo'.",
+        description="Prompts: a .jsonl/.json/.parquet file, a datasets load_from_disk folder, 'builtin:demo', or "
+        "generated: 'reasoning_gym:TASK?size=N&seed=S' (reasoning-gym; other keys: the task's config), "
+        "'textarena:GAME-v0?size=N&seed=S' (one seeded game per row).",
     )
     eval_path: str | None = Field(
         "builtin:demo-eval", description="Held-out prompts (same formats), or null to skip evaluation."
@@ -192,8 +194,9 @@ class RewardCfg(_Section):
     """The verifier."""
 
     fn: str = Field(
-        "math", description="Verifier: 'math', 'exact', a user function 'module:function' (importable from the "
-        "current directory) or 'path/to/file.py:function'.")
+        "math", description="Verifier: 'math', 'exact', 'reasoning_gym' (reasoning-gym's own scorer, for "
+        "data.path=reasoning_gym:...), a user function 'module:function' (importable from the current directory) or "
+        "'path/to/file.py:function'.")
     timeout_s: float = Field(
         5.0, gt=0, description="Per-call time limit; a call past it (or one that raises) fails its episode, which is "
         "left out of training (run.max_failure_frac).")
@@ -301,7 +304,7 @@ class EnvCfg(_Section):
         "(single_turn, calculator, python), 'module:Class' / 'path/file.py:Class' (see relayrl.envs.base.Env), "
         "an agent program 'agent:path/to/agent.py:run' / 'agent:module:run' (async run(client, prompt) -> "
         "float | None, client an openai.AsyncOpenAI on the episode's session of the endpoint: relayrl.serve), or an "
-        "ecosystem environment: 'textarena:GAME-v0', 'skyrl:NAME', 'verifiers:ENV_ID' (relayrl.envs.adapters).")
+        "ecosystem environment: 'textarena:GAME-v0', 'skyrl:NAME' (relayrl.envs.adapters).")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the environment's constructor.")
     max_turns: int = Field(4, ge=1, description="Most assistant turns in one episode.")
     max_tokens: int = Field(
@@ -316,7 +319,7 @@ class EnvCfg(_Section):
 
 
 class ServeCfg(_Section):
-    """The OpenAI-compatible endpoint that agent programs talk to (env.name=agent:... or verifiers:...)."""
+    """The OpenAI-compatible endpoint that agent programs (env.name=agent:...) talk to."""
 
     host: str = Field("127.0.0.1", description="Address the endpoint listens on (loopback: only this machine).")
     port: int = Field(0, ge=0, le=65535, description="Port the endpoint listens on (0: a free one).")
@@ -416,8 +419,8 @@ _CB = (lambda c: c.rollout.engine == "hf-cb", "with rollout.engine=hf-cb", ("rol
 _TIS = (lambda c: c.algo.offpolicy == "tis", "with algo.offpolicy=tis", ("algo.offpolicy",))
 _EVAL = (lambda c: c.data.eval_path is not None, "when data.eval_path is set", ("data.eval_path",))
 _ENV = (lambda c: c.env.name is not None, "with an environment (env.name set)", ("env.name",))
-_SERVE = (lambda c: (c.env.name or "").partition(":")[0] in ("agent", "verifiers"),
-          "with an agent program (env.name=agent:... or verifiers:...)", ("env.name",))
+_SERVE = (lambda c: (c.env.name or "").startswith("agent:"), "with an agent program (env.name=agent:...)",
+          ("env.name",))
 _VLLM = (lambda c: c.rollout.engine == "vllm", "with rollout.engine=vllm", ("rollout.engine",))
 _RAY = (lambda c: c.run.backend == "ray", "with run.backend=ray", ("run.backend",))
 _BUDGET = (lambda c: c.rollout.budget == "adaptive", "with rollout.budget=adaptive", ("rollout.budget",))

@@ -176,25 +176,22 @@ def load_env_class(spec: str) -> type:
 
 
 # env.name=<prefix>:<name>: environments of other libraries (``relayrl.envs.adapters``), made with the
-# name as their first argument; and agent programs (``relayrl.serve.agent``): one's own, or an adapter's
+# name as their first argument
 ADAPTERS = {
     "textarena": "relayrl.envs.adapters.textarena:TextArenaEnv",
     "skyrl": "relayrl.envs.adapters.skyrl:SkyRLEnv",
 }
-PROGRAMS = {"verifiers": "relayrl.envs.adapters.verifiers:run"}
 
 
 def make_env_factory(spec: str, args: dict):
     """A function making one environment per episode; fails now (naming the field) when the class
-    cannot be imported or does not take ``env.args``. ``agent:...`` (and ``verifiers:ENV``) give an
-    ``AgentProgram`` instead: episodes that are sessions of the endpoint."""
+    cannot be imported or does not take ``env.args``. ``agent:...`` gives an ``AgentProgram`` instead:
+    episodes that are sessions of the endpoint (``relayrl.serve``)."""
     kind, _, name = spec.partition(":")
-    if kind in ("agent", *PROGRAMS):
+    if kind == "agent":
         from relayrl.serve.agent import AgentProgram
 
-        if kind == "agent":
-            return AgentProgram.load(spec, name, args)
-        return AgentProgram.load(spec, PROGRAMS[kind], {"name": name, **args})
+        return AgentProgram.load(spec, name, args)
     if kind in ADAPTERS and name:
         cls = import_object(ADAPTERS[kind])
         try:
