@@ -449,3 +449,73 @@ def test_agent_programs_load_by_file_or_module_with_clear_errors(tmp_path, monke
         make_env_factory("agent:prog.py:run", {"nope": 1})
     with pytest.raises(ValueError, match="no such file"):
         make_env_factory("agent:missing.py:run", {})
+
+
+QWENISH = (  # CHATML, with assistant tool calls rendered as Qwen's templates render them
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'tool' -%}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + m['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{%- else -%}{{ '<|im_start|>' + m['role'] + '\n' + (m['content'] or '') }}"
+    "{%- for tc in m.get('tool_calls') or [] -%}"
+    "{{ '<tool_call>\n{\"name\": \"' + tc['function']['name'] + '\", \"arguments\": ' "
+    "+ (tc['function']['arguments'] | tojson) + '}\n</tool_call>' }}"
+    "{%- endfor -%}{{ '<|im_end|>\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
+
+def test_verifiers_training_client_speaks_the_token_route(tok, tmp_path, monkeypatch):
+    """verifiers' own training client (``TrainClient``: its renderer renders the chat to token ids,
+    ``POST /inference/v1/generate``, reads ``max_model_len`` from ``GET /v1/models``) against a session:
+    a tool call parsed by its renderer, then the next turn, which extends the same branch token for token."""
+    from renderers.configs import DefaultRendererConfig
+    from verifiers.v1.clients.train import TrainClient
+    from verifiers.v1.configs.client import TrainClientConfig
+    from verifiers.v1.dialects.chat import ChatDialect
+    from verifiers.v1.types import SamplingConfig
+
+    tok.add_tokens(["<tool_call>", "</tool_call>"], special_tokens=True)  # (Qwen's: the parser looks for them)
+    tok.chat_template = QWENISH  # (verifiers renders the conversation itself: a template that renders tool calls)
+    tok.save_pretrained(tmp_path / "tok")  # (the renderer loads the tokenizer by path)
+    runner = served(tok, lambda c: calc_reply(c).replace("<tool_call>", "<tool_call>\n").replace(
+        "</tool_call>", "\n</tool_call>"))  # (Qwen3's tool-call layout, as its parser reads it)
+    try:
+        s, _ = session(runner)
+        monkeypatch.setenv("RELAYRL_KEY", s.key)
+        config = TrainClientConfig(base_url=f"{runner.agent.url}/sessions/{s.key}/v1", api_key_var="RELAYRL_KEY",
+                                   renderer_model_name=str(tmp_path / "tok"),
+                                   renderer=DefaultRendererConfig(tool_parser="qwen3"))
+        tools = [{"type": "function", "function": TOOLS[0]["function"]}]
+
+        async def talk():
+            client = TrainClient(config)
+            try:
+                body = {"model": "policy", "messages": PROMPT.messages, "tools": tools}
+                first = await client.get_response(ChatDialect(), body, SamplingConfig(max_tokens=200))
+                call = first.message.tool_calls[0]
+                history = PROMPT.messages + [
+                    {"role": "assistant", "content": first.message.content or "",
+                     "tool_calls": [{"id": call.id, "type": "function",
+                                     "function": {"name": call.name, "arguments": call.arguments}}]},
+                    {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+                second = await client.get_response(ChatDialect(), {**body, "messages": history},
+                                                   SamplingConfig(max_tokens=200))
+                return first, second
+            finally:
+                await client.close()
+
+        first, second = asyncio.run(talk())
+    finally:
+        runner.close()
+    assert first.message.tool_calls[0].name == "add" and json.loads(first.message.tool_calls[0].arguments) == \
+        {"a": 2, "b": 3}
+    assert "\\boxed{5}" in second.message.content
+    (b,) = s.branches  # one branch: the second prompt extended the first's tokens
+    t = b.traj
+    n1 = len(first.tokens.completion_ids)
+    assert t.prompt_ids == first.tokens.prompt_ids and t.response_ids[:n1] == first.tokens.completion_ids
+    assert t.behav_logprobs[:n1] == pytest.approx(first.tokens.completion_logprobs)
+    assert t.prompt_ids + t.response_ids[:-len(second.tokens.completion_ids)] == second.tokens.prompt_ids
+    assert [x for x, m in zip(t.response_ids, t.mask) if m] == first.tokens.completion_ids + \
+        second.tokens.completion_ids

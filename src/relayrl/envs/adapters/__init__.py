@@ -6,8 +6,9 @@ environments you have"):
     env.name=skyrl:NAME                          skyrl-gym environments (init / step / close)
 
 Each needs its package (an optional extra of relayrl); without it the run stops at start naming the
-extra to install. verifiers' training client speaks the endpoint's token route
-(``relayrl.serve``; see ``verifiers.py``).
+extra to install. verifiers' training client (``verifiers.v1.clients.train.TrainClient``) speaks the
+endpoint's token route (``relayrl.serve``: ``POST /inference/v1/generate``); verifiers v1
+environments themselves do not run here (README: what did not run, and why).
 """
 
 from __future__ import annotations
