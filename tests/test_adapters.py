@@ -96,8 +96,28 @@ def test_a_skyrl_gym_environment_runs_multi_turn(chatml_tokenizer):
         runner.close()
     assert t.failure is None and t.info["turns"] == 2 and t.info["step_rewards"][-1] == 1.0
     assert t.reward == pytest.approx(1.0 + 0.2 / 3)  # skyrl's per-turn rewards: a well-formatted miss, then right
+
+
+@pytest.mark.parametrize("module,extra,what", [
+    ("textarena", "textarena", lambda: make_env_factory("textarena:GuessTheNumber-v0", {})),
+    ("textarena", "textarena", lambda: load_prompts("textarena:GuessTheNumber-v0?size=2")),
+    ("skyrl_gym", "skyrl", lambda: make_env_factory("skyrl:gsm8k", {})),
+    ("reasoning_gym", "reasoning-gym", lambda: load_prompts("reasoning_gym:leg_counting?size=2")),
+    ("reasoning_gym", "reasoning-gym", lambda: RewardRunner("reasoning_gym", workers=1)),
+    ("openai", "serve", lambda: make_env_factory(f"agent:{ROOT / 'examples' / 'openai_agent.py'}:run", {})),
+    ("fastapi", "serve", lambda: make_env_factory(f"agent:{ROOT / 'examples' / 'openai_agent.py'}:run", {})),
+])
+def test_a_missing_package_stops_the_run_at_start_naming_its_extra(monkeypatch, module, extra, what):
+    monkeypatch.setitem(sys.modules, module, None)  # (importing it raises ImportError)
+    with pytest.raises(ValueError, match=re.escape(f"pip install 'relayrl[{extra}]'")):
+        what()
+
+
+def test_unknown_games_and_environments_fail_at_start():
+    with pytest.raises(ValueError, match="not a TextArena game"):
+        make_env_factory("textarena:NoSuchGame-v0", {})
     with pytest.raises(ValueError, match="not a skyrl-gym environment"):
-        make_env_factory("skyrl:no_such_env", {})()
+        make_env_factory("skyrl:no_such_env", {})
 
 
 @pytest.mark.slow

@@ -306,16 +306,18 @@ class EnvCfg(_Section):
         "float | None, client an openai.AsyncOpenAI on the episode's session of the endpoint: relayrl.serve), or an "
         "ecosystem environment: 'textarena:GAME-v0', 'skyrl:NAME' (relayrl.envs.adapters).")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the environment's constructor.")
-    max_turns: int = Field(4, ge=1, description="Most assistant turns in one episode.")
+    max_turns: int = Field(4, ge=1, description="Most assistant turns in one episode (an agent program: requests).")
     max_tokens: int = Field(
         256, ge=1, description="Token budget of one episode after its prompt: the policy's turns and the tool "
-        "results and template tokens between them (rollout.max_new_tokens bounds each turn).")
+        "results and template tokens between them (rollout.max_new_tokens bounds each turn; an agent program: "
+        "each branch of its session).")
     step_timeout_s: float = Field(
-        60.0, gt=0, description="Deadline of each environment call (reset, step, close); past it the episode fails "
-        "and is left out of training (run.max_failure_frac).")
+        60.0, gt=0, description="Deadline of each environment call (reset, step, close; an agent program: each "
+        "stretch it runs between its requests); past it the episode fails and is left out of training "
+        "(run.max_failure_frac).")
     episode_timeout_s: float = Field(
-        600.0, gt=0, description="Deadline of all of one episode's environment calls together (generation, bounded "
-        "by its token budget, is not counted).")
+        600.0, gt=0, description="Deadline of all of one episode's environment calls together (an agent program: "
+        "all its time between requests; generation, bounded by its token budget, is not counted).")
 
 
 class ServeCfg(_Section):

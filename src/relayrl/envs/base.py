@@ -194,6 +194,7 @@ def make_env_factory(spec: str, args: dict):
         return AgentProgram.load(spec, name, args)
     if kind in ADAPTERS and name:
         cls = import_object(ADAPTERS[kind])
+        cls.check(name)  # its package is there and knows the name: fails now, naming the extra to install
         try:
             inspect.signature(cls).bind(name, **args)
         except TypeError as e:

@@ -51,6 +51,8 @@ class AgentProgram:
     def load(cls, spec: str, target: str, args: dict) -> AgentProgram:
         """The coroutine function ``target`` (``module:run`` or ``file.py:run``) that ``env.name=spec``
         names; a ``ValueError`` naming the field when it cannot be one."""
+        for module in ("fastapi", "uvicorn", "openai"):
+            _need(module)
         fn = import_object(target, "env.name")
         if not inspect.iscoroutinefunction(fn):
             raise ValueError(f"env.name={spec!r}: {getattr(fn, '__name__', fn)!r} must be an async function "
@@ -63,11 +65,10 @@ class AgentProgram:
         return cls(spec, fn, dict(args))
 
 
-def _need(module: str):
-    try:
-        return __import__(module)
-    except ImportError:
-        raise ValueError(f"env.name=agent:... needs the {module!r} package: pip install 'relayrl[serve]'") from None
+def _need(module: str) -> None:
+    from relayrl.envs.adapters import require
+
+    require(module, "serve", "env.name=agent:...")
 
 
 class AgentEpisodes:
@@ -75,7 +76,6 @@ class AgentEpisodes:
 
     def __init__(self, program, name: str, model_name: str, context: int | None, host: str = "127.0.0.1",
                  port: int = 0, max_requests: int = 256, max_connections: int = 1024):
-        _need("fastapi"), _need("uvicorn"), _need("openai")
         self.program, self.name, self.model_name, self.context = program, name, model_name, context
         self.host, self.port, self.max_requests, self.max_connections = host, port, max_requests, max_connections
         self.table = SessionTable()

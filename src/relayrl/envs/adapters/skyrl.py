@@ -21,12 +21,17 @@ from relayrl.records import Prompt
 
 class SkyRLEnv(Env):
     def __init__(self, name: str, env_config: dict | None = None, extras: dict | None = None):
-        self.gym = require("skyrl_gym", "skyrl", "env.name=skyrl:...")
-        if name not in self.gym.registry:
-            raise ValueError(f"env.name=skyrl:{name}: not a skyrl-gym environment; registered: "
-                             f"{', '.join(sorted(self.gym.registry))}")
+        self.gym = self.check(name)
         self.name, self.env_config, self.extras = name, env_config, dict(extras or {})
         self.env = None
+
+    @staticmethod
+    def check(name: str):
+        gym = require("skyrl_gym", "skyrl", "env.name=skyrl:...")
+        if name not in gym.registry:
+            raise ValueError(f"env.name=skyrl:{name}: not a skyrl-gym environment; registered: "
+                             f"{', '.join(sorted(gym.registry))}")
+        return gym
 
     async def reset(self, prompt: Prompt) -> list[dict]:
         meta = dict(prompt.metadata)

@@ -86,9 +86,16 @@ def rows(spec: str) -> list[dict]:
 
 class TextArenaEnv(Env):
     def __init__(self, game: str, system_prompt: str | None = None):
-        require("textarena", "textarena", FIELD)
         self.game, self.system_prompt = game, system_prompt
         self.env, self.seen = None, ""
+
+    @staticmethod
+    def check(game: str) -> None:
+        require("textarena", "textarena", FIELD)
+        from textarena.envs.registration import ENV_REGISTRY
+
+        if game not in ENV_REGISTRY:
+            raise ValueError(f"env.name=textarena:{game}: not a TextArena game (e.g. GuessTheNumber-v0)")
 
     async def reset(self, prompt: Prompt) -> list[dict]:
         self.env, self.seen = await asyncio.to_thread(_start, self.game, _seed(prompt))
