@@ -21,6 +21,7 @@ from relayrl.episodes import EpisodeLimits, EpisodeRunner
 from relayrl.records import FinishReason, Group, Prompt, SamplingParams, Trajectory
 from relayrl.rollout import group_advantages
 from relayrl.serve.agent import AgentEpisodes, AgentProgram
+from relayrl.serve.server import Endpoint
 from tests.test_episodes import PROMPT, ScriptedEngine, _score, add, calc_reply
 from tests.test_chat_template import chatml_tokenizer  # noqa: F401 - a fixture
 
@@ -400,11 +401,13 @@ def test_text_completions_extend_their_prompt(tiny):
         runner.close()
 
 
-def test_a_thousand_connections_are_bounded_and_nothing_crashes(tok):
+def test_a_thousand_connections_are_bounded_and_nothing_crashes(tok, monkeypatch):
     """1,000 clients at once: the endpoint handles ``serve.max_requests`` of them and answers the rest 429
-    (OpenAI clients retry those); the run's loop keeps its heartbeat and the endpoint serves after."""
+    (OpenAI clients retry those); the run's loop keeps its heartbeat and the endpoint serves after. And
+    1,000 connections that never send a request: past ``serve.max_connections`` the endpoint answers 503,
+    until it closes them (``Endpoint.FIRST_REQUEST_S``)."""
     agent = AgentEpisodes(AgentProgram("agent:test", calc_program, {}), "agent:test", "policy", context=None,
-                          max_requests=64)
+                          max_requests=64, max_connections=1100)
     runner = EpisodeRunner(ScriptedEngine(tok, lambda c: "ok", delay=0.002), tok, None, EpisodeLimits(4, 4000),
                            _score, agent=agent)
     fds = len(os.listdir("/proc/self/fd"))
@@ -428,6 +431,25 @@ def test_a_thousand_connections_are_bounded_and_nothing_crashes(tok):
         assert client.chat.completions.create(model="policy", messages=PROMPT.messages).choices[0].message.content \
             == "ok"
         assert client.models.list().data[0].id == "policy"
+
+        monkeypatch.setattr(Endpoint, "FIRST_REQUEST_S", 1.0)
+
+        async def idle_flood():  # connections that never send a request, past serve.max_connections
+            conns = [await asyncio.open_connection("127.0.0.1", agent.endpoint.port) for _ in range(1200)]
+            async with httpx.AsyncClient() as h:
+                try:
+                    blocked = (await h.get(f"{agent.url}/v1/models")).status_code
+                except httpx.TransportError as e:  # its connection was closed at once
+                    blocked = type(e).__name__
+                await asyncio.sleep(Endpoint.FIRST_REQUEST_S + 0.5)  # they are closed: the endpoint serves again
+                after = (await h.get(f"{agent.url}/v1/models")).status_code
+            closed = sum([await r.read(1) == b"" for r, _ in conns])
+            for _, w in conns:
+                w.close()
+            return blocked, after, closed
+
+        blocked, after, closed = asyncio.run(idle_flood())
+        assert blocked != 200 and after == 200 and closed == 1200
     finally:
         runner.close()
     time.sleep(0.5)

@@ -330,7 +330,8 @@ class ServeCfg(_Section):
     max_requests: int = Field(
         256, ge=1, description="Requests handled at once; more are answered 429 (OpenAI clients retry them).")
     max_connections: int = Field(
-        1024, ge=1, description="Open connections the endpoint keeps; past it, new ones are answered 503 and closed.")
+        1024, ge=1, description="Open connections the endpoint keeps; past it, a new one is closed at once (clients "
+        "retry), and one that sends no request within 5 s is closed.")
 
 
 class RayCfg(_Section):

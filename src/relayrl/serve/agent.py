@@ -106,7 +106,8 @@ class AgentEpisodes:
 
         transport = httpx.AsyncHTTPTransport(verify=False, retries=0)  # (plain HTTP on loopback: no TLS)
         http = httpx.AsyncClient(transport=transport, timeout=None)
-        return openai.AsyncOpenAI(base_url=f"{self.url}/sessions/{s.key}/v1", api_key=s.key, max_retries=0,
+        # (retries: the SDK's, for 429/503 answered when the endpoint is at its limits, before any work)
+        return openai.AsyncOpenAI(base_url=f"{self.url}/sessions/{s.key}/v1", api_key=s.key, max_retries=3,
                                   timeout=None, http_client=http), http
 
     async def episode(self, runner, t: Trajectory, params: SamplingParams, train: bool) -> None:

@@ -13,8 +13,8 @@ session is the API key (``Authorization: Bearer <key>``). Errors are OpenAI's ``
 with a 4xx status for whatever the client got wrong (a malformed body, an unknown model, a key
 that expired with its episode); an unexpected exception in a handler is a 500 for that request and
 never reaches the run. Requests handled at once are bounded (``serve.max_requests``: more get 429,
-which OpenAI clients retry), and so are open connections (``serve.max_connections``: uvicorn
-answers 503 past it).
+which OpenAI clients retry), and so are open connections (``serve.max_connections``: one more is
+closed at once; one that sends no request is closed after ``Endpoint.FIRST_REQUEST_S``).
 """
 
 from __future__ import annotations
@@ -315,6 +315,8 @@ def _sse(work, queue: asyncio.Queue, first: str | None = None) -> StreamingRespo
 class Endpoint:
     """The app served by uvicorn on the running loop, at ``host`` on ``port`` (0: a free one)."""
 
+    FIRST_REQUEST_S = 5.0  # a connection that sends no request within this is closed
+
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, max_connections: int = 1024):
         import uvicorn
 
@@ -328,7 +330,7 @@ class Endpoint:
             raise ValueError(f"serve.host={host} serve.port={port}: cannot listen there: {e.strerror or e}") from None
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
-                                limit_concurrency=max_connections, backlog=2048, timeout_keep_alive=30)
+                                backlog=2048, timeout_keep_alive=30, http=_protocol(max_connections))
         self.server = uvicorn.Server(config)
         self.task: asyncio.Task | None = None
 
@@ -353,6 +355,26 @@ class Endpoint:
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 pass
         self.sock.close()
+
+
+def _protocol(most: int):
+    """uvicorn's HTTP protocol, keeping at most ``most`` connections (one more is closed at once: a
+    connection error, which OpenAI clients retry) and closing one that sends no request within
+    ``Endpoint.FIRST_REQUEST_S``: uvicorn times a connection out only after a response, so 1,000 connections
+    that never ask would otherwise hold their places for as long as they stay open. (uvicorn's own
+    ``limit_concurrency`` counts them too, and answers every later request with a plain-text 503.)"""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class Protocol(AutoHTTPProtocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.server_state.connections) > most:
+                transport.close()
+                return
+            self.timeout_keep_alive_task = self.loop.call_later(Endpoint.FIRST_REQUEST_S,
+                                                                self.timeout_keep_alive_handler)
+
+    return Protocol
 
 
 def _raise_fd_limit(connections: int) -> None:
