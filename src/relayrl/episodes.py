@@ -5,6 +5,8 @@ trajectory, scored, token-in-token-out. Every rollout is made of episodes.
     with an environment:           messages = await env.reset(prompt)
         loop: generate a turn (the engine's tokens, mask 1) → env.step(text) → observations
               → the template's suffix for them (mask 0) → the next turn ... until done
+    an agent program:              run(client, prompt) on a session of the OpenAI-compatible
+        endpoint (``relayrl.serve``): each request a turn, generated here (``_turn``), recorded the same way
 
 Every token the policy generated keeps its id, behaviour log-prob and policy version; the
 tokens between turns (tool results, headers, separators) come from the chat template
