@@ -541,3 +541,18 @@ def test_verifiers_training_client_speaks_the_token_route(tok, tmp_path, monkeyp
     assert t.prompt_ids + t.response_ids[:-len(second.tokens.completion_ids)] == second.tokens.prompt_ids
     assert [x for x, m in zip(t.response_ids, t.mask) if m] == first.tokens.completion_ids + \
         second.tokens.completion_ids
+
+
+def test_a_template_that_cannot_extend_a_session_stops_the_run(tok):
+    """Failing closed as an environment episode does: the second request's suffix would not be what the
+    template renders, so the episode is not trained on it and the run stops with the cause."""
+    from relayrl.failures import UserCodeError
+    from tests.test_chat_template import FORGETFUL
+
+    tok.chat_template = FORGETFUL
+    runner = served(tok, calc_reply)
+    try:
+        with pytest.raises(UserCodeError, match="cannot extend a conversation token-in-token-out"):
+            run(runner, Trajectory(PROMPT, "g", 0, []))
+    finally:
+        runner.close()

@@ -20,6 +20,7 @@ closed at once; one that sends no request is closed after ``Endpoint.FIRST_REQUE
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import resource
 import socket
@@ -158,6 +159,10 @@ async def _chat(s: Session, body: ChatRequest, model: str):
     s.enter()
     try:
         b, undo = s.chat_branch(conv, tools)
+    except TemplateMismatch as e:  # the template cannot extend the conversation: the run stops, as with an env
+        s.leave()
+        s.fatal = s.fatal or e
+        raise ApiError(500, f"TemplateMismatch: {e}", type="server_error") from None
     except BaseException:
         s.leave()
         raise
@@ -203,8 +208,8 @@ async def _chat(s: Session, body: ChatRequest, model: str):
             queue.put_nowait(oa.chat_chunk(rid, model, delta, out["choices"][0]["finish_reason"]))
             if (body.stream_options or {}).get("include_usage"):
                 queue.put_nowait(oa.chat_chunk(rid, model, None, usage=out["usage"]))
-        except ApiError as e:
-            queue.put_nowait(f"data: {_json(e.body())}\n\n")
+        except Exception as e:  # noqa: BLE001 - the stream ends with the error, as OpenAI's does
+            queue.put_nowait(_error_event(e))
         finally:
             s.leave()
             queue.put_nowait(None)
@@ -245,8 +250,8 @@ async def _completion(s: Session, body: CompletionRequest, model: str):
                                                           on_text=grew))
             s.replied(b, turn, None, None)
             queue.put_nowait(oa.completion_chunk(rid, model, turn.text[sent[0]:], turn.finish))
-        except ApiError as e:
-            queue.put_nowait(f"data: {_json(e.body())}\n\n")
+        except Exception as e:  # noqa: BLE001 - the stream ends with the error, as OpenAI's does
+            queue.put_nowait(_error_event(e))
         finally:
             s.leave()
             queue.put_nowait(None)
@@ -287,10 +292,11 @@ def _check_ids(ids: list[int], tok, param: str) -> None:
         raise ApiError(400, f"{param}: token id {bad} is outside the vocabulary (0..{n - 1})", param=param)
 
 
-def _json(obj) -> str:
-    import json
-
-    return json.dumps(obj)
+def _error_event(e: Exception) -> str:
+    if not isinstance(e, ApiError):
+        log.exception("relayrl endpoint: a streamed reply failed")
+        e = ApiError(500, f"internal error: {type(e).__name__}", type="server_error")
+    return f"data: {json.dumps(e.body())}\n\n"
 
 
 def _sse(work, queue: asyncio.Queue, first: str | None = None) -> StreamingResponse:
