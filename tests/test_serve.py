@@ -131,15 +131,24 @@ def test_streaming_sends_tokens_as_they_are_sampled(tiny):
     runner = EpisodeRunner(HFEngine(model, tok, eos_token_ids=[]), tok, None, EpisodeLimits(4, 4000), _score,
                            agent=agent)
     try:
-        s, client = session(runner, params=SamplingParams(40, 1.0))
-        pieces = [ch.choices[0].delta.content for ch in client.chat.completions.create(
-            model="policy", messages=PROMPT.messages, max_tokens=30, stream=True) if ch.choices]
-        assert len([p for p in pieces if p]) > 3
-        (b,) = s.branches
-        assert len(b.traj.response_ids) == 30 and b.traj.mask == [1] * 30  # max_tokens: the client's, ≤ the run's
-        assert "".join(p for p in pieces if p) == tok.decode(b.traj.response_ids, skip_special_tokens=False)
+        for seed in range(4):  # (a random tiny model: replies cut multi-byte characters across tokens)
+            torch.manual_seed(seed)
+            s, client = session(runner, params=SamplingParams(40, 1.0))
+            pieces = [ch.choices[0].delta.content for ch in client.chat.completions.create(
+                model="policy", messages=PROMPT.messages, max_tokens=30, stream=True) if ch.choices]
+            assert len([p for p in pieces if p]) > 3
+            (b,) = s.branches
+            assert len(b.traj.response_ids) == 30 and b.traj.mask == [1] * 30  # max_tokens: the client's, ≤ the run's
+            assert "".join(p for p in pieces if p) == tok.decode(b.traj.response_ids, skip_special_tokens=False)
     finally:
         runner.close()
+
+
+def test_a_streamed_character_cut_between_tokens_is_sent_whole():
+    from relayrl.serve.openai_format import visible_prefix
+
+    assert visible_prefix("caf\ufffd") == "caf" and visible_prefix("café") == "café"
+    assert visible_prefix("ok <tool_") == "ok " and visible_prefix('ok <tool_call>{"name"') == "ok "
 
 
 def test_a_rewritten_history_is_a_new_branch_trained_with_the_episodes_reward(tok):

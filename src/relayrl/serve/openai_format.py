@@ -240,9 +240,16 @@ def usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def settled(text: str) -> str:
+    """What of a reply still being generated is final: its text less a trailing incomplete character
+    (a token that ends inside a multi-byte UTF-8 character decodes to U+FFFD until the next arrives)."""
+    return text.rstrip("\ufffd")
+
+
 def visible_prefix(text: str) -> str:
-    """What of a turn still being generated can be streamed as content: the text before a tool call
-    (or before what may be the start of one's tag)."""
+    """What of a turn still being generated can be streamed as content: the settled text before a tool
+    call (or before what may be the start of one's tag)."""
+    text = settled(text)
     cut = text.find("<tool_call>")
     if cut >= 0:
         return text[:cut]

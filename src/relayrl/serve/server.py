@@ -240,6 +240,7 @@ async def _completion(s: Session, body: CompletionRequest, model: str):
     sent = [0]
 
     def grew(text: str) -> None:
+        text = oa.settled(text)
         if len(text) > sent[0]:
             queue.put_nowait(oa.completion_chunk(rid, model, text[sent[0]:]))
             sent[0] = len(text)
