@@ -58,6 +58,9 @@ of a resumed attempt counts from that attempt's start.
     python benchmarks/kill_torture.py --seed 7        # other random kill moments
     python benchmarks/kill_torture.py --name kill_torture_adaptive -- data.selection=vade \
         data.selection_key=terms rollout.budget=adaptive rollout.dynamic_sampling=true   # every case with these
+    python benchmarks/kill_torture.py --name kill_torture_agent -- model.path=builtin:agent-demo \
+        data.path=builtin:agent-demo reward.fn=math env.name=agent:$PWD/examples/openai_agent.py:run \
+        env.max_turns=3 env.max_tokens=128 rollout.max_new_tokens=48   # an OpenAI-SDK agent through the endpoint
 
 Writes a Markdown table (one row per case) and JSON with every attempt's details to
 ``benchmarks/results/kill_torture.{md,json}``; prints ``N/M passed`` (followed by the number of

@@ -54,3 +54,43 @@ def test_the_agent_demo_learns_to_call_its_tool(tmp_path, mode):
     assert s["eval_tool_call_rate_after"] > s["eval_tool_call_rate_before"] + 0.3
     rows = _metrics(cfg.run_dir)
     assert rows[-1]["tool_call_rate"] > rows[0]["tool_call_rate"] and all("tool_errors" in r for r in rows)
+
+
+@pytest.mark.slow
+def test_the_openai_sdk_agent_learns_through_the_endpoint(tmp_path):
+    """examples/openai_agent.py (the agent demo's task as a plain OpenAI-SDK program), trained through the
+    endpoint, learns as the ToolEnv demo does: calling the calculator becomes the greedy choice."""
+    from pathlib import Path
+
+    from relayrl.config import load_config
+    from relayrl.pipeline import train
+
+    root = Path(__file__).parent.parent
+    cfg = load_config(str(root / "examples" / "openai_agent.yaml"),
+                      [f"run.output_dir={tmp_path}", "run.steps=15", "run.progress=false", "eval.size=48",
+                       f"env.name=agent:{root / 'examples' / 'openai_agent.py'}:run"])
+    s = train(cfg)
+    assert s["eval_tool_call_rate_greedy_before"] == 0 and s["eval_greedy_accuracy_before"] < 0.05
+    assert s["eval_tool_call_rate_greedy_after"] > 0.9 and s["eval_greedy_accuracy_after"] > 0.5
+    assert s["eval_tool_call_rate_after"] > s["eval_tool_call_rate_before"] + 0.3
+    assert not s["episodes_left_out"]
+    rows = _metrics(cfg.run_dir)
+    assert rows[-1]["tool_call_rate"] > rows[0]["tool_call_rate"]
+    assert all(r["serve/merged_turns"] > 0 and r["serve/branches"] == 0 for r in rows)  # one trajectory each
+
+
+@pytest.mark.slow
+def test_relayrl_eval_runs_an_agent_program(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    out = subprocess.run([sys.executable, "-m", "relayrl.cli", "eval", str(root / "examples" / "openai_agent.yaml"),
+                          "eval.size=24", f"env.name=agent:{root / 'examples' / 'openai_agent.py'}:run"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    e = json.loads(out.stdout)
+    assert e["prompts"] == 24 and e["accuracy_failed"] == 0 and 0 < e["tool_call_rate"] < 1
+    assert e["accuracy_greedy"] == 0 and e["tool_call_rate_greedy"] == 0  # the warm start answers greedily in its head
+    assert e["serve/sampling_overrides"] == 0 and e["turns_mean"] > 1

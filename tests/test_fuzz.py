@@ -137,6 +137,9 @@ IGNORED = {
     "data.selection_key": ("terms", [[]]),
     "data.selection_prior": (4.0, [[]]),
     "rollout.device": ("cpu", [["rollout.engine=vllm"]]),
+    "serve.port": (8123, [[], ["env.name=calculator"]]),
+    "serve.model_name": ("mine", [[], ["env.name=python"]]),
+    "serve.max_requests": (8, [[]]),
 }
 NOISE = ["trainer.lr=1e-5", "run.steps=5", "rollout.group_size=4", "run.seed=3", "rollout.top_p=0.9",
          "algo.clip_high=0.3", "trainer.warmup_steps=0", "run.progress=false"]

@@ -46,6 +46,24 @@ def test_killed_run_with_selection_and_budgets_resumes_exactly(tmp_path):
                                    ensure_ascii=False)
 
 
+AGENT = ["model.path=builtin:agent-demo", "data.path=builtin:agent-demo", "reward.fn=math",
+         f"env.name=agent:{Path(__file__).resolve().parent.parent / 'examples' / 'openai_agent.py'}:run",
+         "env.max_turns=3", "env.max_tokens=128", "rollout.max_new_tokens=48"]
+
+
+@pytest.mark.slow
+def test_killed_run_of_an_agent_program_resumes_exactly(tmp_path):
+    """Case 6 (async + partial rollouts, SIGKILLed in a training micro-batch while endpoint episodes'
+    requests are in flight) with the OpenAI-SDK agent program (examples/openai_agent.py): the resume starts
+    from a checkpoint, where an episode that was running restarts from its prompt and a finished one is
+    carried with its tokens; every prompt is trained once, every step logged once, no process survives."""
+    r = kill_torture.run_case(5, tmp_path, seed=0, extra=AGENT)
+    assert r["kills"] == 1 and r["resumed_from"][0].isdigit(), r["notes"]
+    assert r["passed"], json.dumps({k: r[k] for k in ("where", "checks", "notes", "resumed_from")}, indent=1,
+                                   ensure_ascii=False) + "\n" + "\n".join(
+        f"attempt {i} log tail:\n{a['log_tail']}" for i, a in enumerate(r["attempts"]) if a["log_tail"])
+
+
 # ---------------------------------------------------------------- re-planning a kill that cannot land (fast)
 
 

@@ -115,7 +115,9 @@ class DataCfg(_Section):
 
     path: str = Field(
         "builtin:demo",
-        description="Prompts: a .jsonl/.json/.parquet file, a datasets load_from_disk folder, or 'builtin:demo'.",
+        description="Prompts: a .jsonl/.json/.parquet file, a datasets load_from_disk folder, 'builtin:demo', or "
+        "generated: 'reasoning_gym:TASK?size=N&seed=S' (reasoning-gym; other keys: the task's config), "
+        "'textarena:GAME-v0?size=N&seed=S' (one seeded game per row).",
     )
     eval_path: str | None = Field(
         "builtin:demo-eval", description="Held-out prompts (same formats), or null to skip evaluation."
@@ -226,8 +228,9 @@ class RewardCfg(_Section):
     """The verifier."""
 
     fn: str = Field(
-        "math", description="Verifier: 'math', 'exact', a user function 'module:function' (importable from the "
-        "current directory) or 'path/to/file.py:function'.")
+        "math", description="Verifier: 'math', 'exact', 'reasoning_gym' (reasoning-gym's own scorer, for "
+        "data.path=reasoning_gym:...), a user function 'module:function' (importable from the current directory) or "
+        "'path/to/file.py:function'.")
     timeout_s: float = Field(
         5.0, gt=0, description="Per-call time limit; a call past it (or one that raises) fails its episode, which is "
         "left out of training (run.max_failure_frac).")
@@ -332,18 +335,37 @@ class EnvCfg(_Section):
 
     name: str | None = Field(
         None, description="Environment: null (one response per prompt, scored by reward.fn), a built-in "
-        "(single_turn, calculator, python) or 'module:Class' / 'path/file.py:Class' (see relayrl.envs.base.Env).")
+        "(single_turn, calculator, python), 'module:Class' / 'path/file.py:Class' (see relayrl.envs.base.Env), "
+        "an agent program 'agent:path/to/agent.py:run' / 'agent:module:run' (async run(client, prompt) -> "
+        "float | None, client an openai.AsyncOpenAI on the episode's session of the endpoint: relayrl.serve), or an "
+        "ecosystem environment: 'textarena:GAME-v0', 'skyrl:NAME' (relayrl.envs.adapters).")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the environment's constructor.")
-    max_turns: int = Field(4, ge=1, description="Most assistant turns in one episode.")
+    max_turns: int = Field(4, ge=1, description="Most assistant turns in one episode (an agent program: requests).")
     max_tokens: int = Field(
         256, ge=1, description="Token budget of one episode after its prompt: the policy's turns and the tool "
-        "results and template tokens between them (rollout.max_new_tokens bounds each turn).")
+        "results and template tokens between them (rollout.max_new_tokens bounds each turn; an agent program: "
+        "each branch of its session).")
     step_timeout_s: float = Field(
-        60.0, gt=0, description="Deadline of each environment call (reset, step, close); past it the episode fails "
-        "and is left out of training (run.max_failure_frac).")
+        60.0, gt=0, description="Deadline of each environment call (reset, step, close; an agent program: each "
+        "stretch it runs between its requests); past it the episode fails and is left out of training "
+        "(run.max_failure_frac).")
     episode_timeout_s: float = Field(
-        600.0, gt=0, description="Deadline of all of one episode's environment calls together (generation, bounded "
-        "by its token budget, is not counted).")
+        600.0, gt=0, description="Deadline of all of one episode's environment calls together (an agent program: "
+        "all its time between requests; generation, bounded by its token budget, is not counted).")
+
+
+class ServeCfg(_Section):
+    """The OpenAI-compatible endpoint that agent programs (env.name=agent:...) talk to."""
+
+    host: str = Field("127.0.0.1", description="Address the endpoint listens on (loopback: only this machine).")
+    port: int = Field(0, ge=0, le=65535, description="Port the endpoint listens on (0: a free one).")
+    model_name: str = Field(
+        "policy", description="The model's id: what GET /v1/models lists and requests must name (others get 404).")
+    max_requests: int = Field(
+        256, ge=1, description="Requests handled at once; more are answered 429 (OpenAI clients retry them).")
+    max_connections: int = Field(
+        1024, ge=1, description="Open connections the endpoint keeps; past it, a new one is closed at once (clients "
+        "retry), and one that sends no request within 5 s is closed.")
 
 
 class RayCfg(_Section):
@@ -368,6 +390,7 @@ class Config(BaseModel):
     trainer: TrainerCfg = Field(default_factory=TrainerCfg)
     eval: EvalCfg = Field(default_factory=EvalCfg)
     env: EnvCfg = Field(default_factory=EnvCfg)
+    serve: ServeCfg = Field(default_factory=ServeCfg)
     ray: RayCfg = Field(default_factory=RayCfg)
 
     @property
@@ -433,6 +456,8 @@ _CB = (lambda c: c.rollout.engine == "hf-cb", "with rollout.engine=hf-cb", ("rol
 _TIS = (lambda c: c.algo.offpolicy == "tis", "with algo.offpolicy=tis", ("algo.offpolicy",))
 _EVAL = (lambda c: c.data.eval_path is not None, "when data.eval_path is set", ("data.eval_path",))
 _ENV = (lambda c: c.env.name is not None, "with an environment (env.name set)", ("env.name",))
+_SERVE = (lambda c: (c.env.name or "").startswith("agent:"), "with an agent program (env.name=agent:...)",
+          ("env.name",))
 _VLLM = (lambda c: c.rollout.engine == "vllm", "with rollout.engine=vllm", ("rollout.engine",))
 _RAY = (lambda c: c.run.backend == "ray", "with run.backend=ray", ("run.backend",))
 _PROJECT_TRACKERS = ("wandb", "mlflow", "trackio", "swanlab")
@@ -483,6 +508,11 @@ APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] =
     "env.max_tokens": _ENV,
     "env.step_timeout_s": _ENV,
     "env.episode_timeout_s": _ENV,
+    "serve.host": _SERVE,
+    "serve.port": _SERVE,
+    "serve.model_name": _SERVE,
+    "serve.max_requests": _SERVE,
+    "serve.max_connections": _SERVE,
     "algo.gamma": (lambda c: c.algo.advantage == "gigpo", "with algo.advantage=gigpo", ("algo.advantage",)),
     "algo.gigpo_omega": (lambda c: c.algo.advantage == "gigpo", "with algo.advantage=gigpo", ("algo.advantage",)),
     "rollout.over_provision": (lambda c: c.rollout.partial and c.run.mode != "async",

@@ -131,6 +131,15 @@ def _iter_rows(path: str) -> Iterator[tuple[int, Any]]:
     if path.startswith("builtin:"):
         yield from enumerate(_builtin_rows(path), start=1)
         return
+    from relayrl.envs import adapters  # data.path=reasoning_gym:... and textarena:... (generated rows)
+
+    try:
+        generated = adapters.rows(path)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    if generated is not None:
+        yield from enumerate(generated, start=1)
+        return
     p = Path(path)
     if not p.exists():
         raise DataError(f"dataset not found: {p}")

@@ -70,7 +70,7 @@ from relayrl import selection
 from relayrl.config import Config, budget_bounds
 from relayrl.engine.base import EngineError
 from relayrl.failures import UserCodeError, failed
-from relayrl.records import Group, SamplingParams, Trajectory, group_from_dict
+from relayrl.records import FinishReason, Group, SamplingParams, Trajectory, group_from_dict
 from relayrl.rollout import make_groups
 from relayrl.staleness import StalenessManager
 from relayrl.timeline import Timeline
@@ -331,6 +331,7 @@ class EpisodeRollout:
                 self.next_seq += 1
                 if g.sized and all(t.complete for t in g.trajectories):  # complete, carried by a checkpoint
                     self.mgr.finish(accepted=True)
+                    expand_branches(g)
                     self.ready.append(g)
                     self.changes += 1
                     self.cv.notify_all()
@@ -365,6 +366,7 @@ class EpisodeRollout:
                     return
                 self.filter_exhausted += 1
             self.mgr.finish(accepted=True)
+            expand_branches(g)
             self.ready.append(g)
             self.changes += 1
             self.cv.notify_all()
@@ -412,6 +414,20 @@ class EpisodeRollout:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self.admission.cancel()
+
+
+def expand_branches(g: Group) -> None:
+    """An agent episode's other branches (``info["branch_tokens"]``: requests that rewrote its history,
+    ``relayrl.serve.sessions``) join its group as trajectories trained with the episode's reward;
+    ``info["branch_of"]`` names the episode, whose advantage they share (``rollout.group_advantages``)."""
+    extra = []
+    for t in g.trajectories:
+        for d in t.info.pop("branch_tokens", []):
+            extra.append(Trajectory(t.prompt, t.group_id, t.sample_idx, d["prompt_ids"], d["response_ids"],
+                                    d["behav_logprobs"], d["versions"], FinishReason(d["finish_reason"]), d["mask"],
+                                    d["turns"], info={"branch_of": t.sample_idx}, text=t.text, reward=t.reward,
+                                    complete=True))
+    g.trajectories += extra
 
 
 def _no_variance(g: Group) -> bool:

@@ -5,6 +5,8 @@ trajectory, scored, token-in-token-out. Every rollout is made of episodes.
     with an environment:           messages = await env.reset(prompt)
         loop: generate a turn (the engine's tokens, mask 1) → env.step(text) → observations
               → the template's suffix for them (mask 0) → the next turn ... until done
+    an agent program:              run(client, prompt) on a session of the OpenAI-compatible
+        endpoint (``relayrl.serve``): each request a turn, generated here (``_turn``), recorded the same way
 
 Every token the policy generated keeps its id, behaviour log-prob and policy version; the
 tokens between turns (tool results, headers, separators) come from the chat template
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import ctypes
 import dataclasses
 import hashlib
@@ -57,7 +60,7 @@ from relayrl.envs.chat import TemplateMismatch, next_turn_suffix, render_ids
 from relayrl.envs.tools import tool_schemas
 from relayrl.failures import UserCodeError, fail
 from relayrl.faults import fault_point
-from relayrl.records import FinishReason, GenRequest, Group, SamplingParams, Trajectory
+from relayrl.records import Completion, FinishReason, GenRequest, Group, SamplingParams, Trajectory
 from relayrl.scheduling import LengthModel, Pending, order
 
 
@@ -99,16 +102,17 @@ class EpisodeRunner:
     def __init__(self, engine: Engine, tokenizer, make_env: Callable[[], Env] | None, limits: EpisodeLimits | None,
                  score: Callable[[str, object], tuple[float, dict | None]] | None = None, schedule: str = "fifo",
                  score_batch: Callable[[list[tuple[str, object]]], list[tuple[float, dict | None]]] | None = None,
-                 eos_ids: list[int] | None = None):
+                 eos_ids: list[int] | None = None, agent=None):
         if (score is None) == (score_batch is None):
             raise ValueError("give the verifier as score or as score_batch")
         self.tokenizer, self.make_env, self.limits = tokenizer, make_env, limits
+        self.agent = agent  # agent programs (``relayrl.serve.agent``): each episode a session of the endpoint
         # every id the engine stops on (a generation config may list several: Qwen2.5's <|im_end|> and
         # <|endoftext|>); the template's end of turn is tokenizer.eos_token_id
         self.eos_ids = set(eos_ids or []) | {tokenizer.eos_token_id}
         self.score_batch = score_batch or (lambda items: [score(text, prompt) for text, prompt in items])
         self._to_score: list[tuple[str, object, asyncio.Future]] = []
-        if make_env is not None and limits is None:
+        if (make_env is not None or agent is not None) and limits is None:
             raise ValueError("episodes with an environment need limits (env.max_turns, env.max_tokens)")
         self.schedule, self.lengths = schedule, LengthModel()
         self.driven = getattr(engine, "driven", False)  # decoded by the thread that waits (``serve``)
@@ -132,6 +136,17 @@ class EpisodeRunner:
         self._verify = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="relayrl-verify")
         self.timeline = None  # a Timeline: the engine lane is busy while a request is in flight
         self._busy_since: float | None = None
+        if agent is not None:  # the endpoint, served on this loop
+            try:
+                self.submit(agent.start()).result(timeout=60)
+            except BaseException:
+                self.close()
+                raise
+
+    @property
+    def multi_turn(self) -> bool:
+        """Episodes talk to an environment or are agent programs (tool-call statistics apply)."""
+        return self.make_env is not None or self.agent is not None
 
     # -- called from other threads -------------------------------------------------------------
     def submit(self, coro) -> concurrent.futures.Future:
@@ -238,6 +253,8 @@ class EpisodeRunner:
 
         if self.loop.is_running() and self.blocked_for() < 5:  # (a blocked loop cannot cancel anything)
             try:
+                if self.agent is not None:
+                    self.submit(self.agent.stop()).result(timeout=30)
                 self.submit(cancel_all()).result(timeout=30)
             except concurrent.futures.TimeoutError:
                 pass
@@ -260,7 +277,9 @@ class EpisodeRunner:
         of training (``relayrl.failures``); a template that cannot extend the conversation stops the run."""
         t.failure = None
         try:
-            if self.make_env is None:
+            if self.agent is not None:
+                await self.agent.episode(self, t, params, train)
+            elif self.make_env is None:
                 await self._single(t, params, train)
             else:
                 await self._episode(t, params, train)
@@ -384,9 +403,12 @@ class EpisodeRunner:
                   **{k: int(v) for k, v in counts.items()}, **({"tool_raised_example": raised} if raised else {})}
 
     async def _turn(self, t: Trajectory, turn: int, start: int, limit: int, params: SamplingParams,
-                    train: bool) -> str:
+                    train: bool, watch: Callable[[], bool] | None = None) -> str:
         """Generate turn ``turn`` (its tokens from index ``start``) onto ``t`` until it stops,
-        continued across cuts; its text. A turn already finished (carried) is not generated."""
+        continued across cuts; its text. A turn already finished (carried) is not generated.
+        ``watch`` (the endpoint's stop strings and streaming): tokens are streamed onto ``t`` and
+        ``watch()`` called after each piece; True stops the turn there (``FinishReason.STOP``; it may
+        have cut ``t`` back to where the turn should end)."""
         while t.finish_reason in (None, FinishReason.ABORTED):
             left = limit - (len(t.response_ids) - start)
             if left <= 0:
@@ -401,20 +423,18 @@ class EpisodeRunner:
                 self._turn_of[rid] = (len(t.response_ids) - start, t.finish_reason is not None, train)
                 self._mark()
             try:
-                c = await self.engine.generate(req)
+                if watch is None:
+                    c = await self.engine.generate(req)
+                    self._take(t, c, turn, train)
+                else:
+                    c = await self._streamed(req, t, turn, train, watch)
             finally:
                 with self._lock:
                     self.inflight.pop(rid, None)
                     self._turn_of.pop(rid, None)
                     self._mark()
-            if not len(c.token_ids) == len(c.logprobs) == len(c.versions):
-                raise EngineError(f"the engine returned a ragged completion for {rid}")
             if train:
                 fault_point("generate")  # crash tests: a kill as completions arrive
-            self._append(t, c.token_ids, c.logprobs, c.versions, 1, turn)
-            if train:
-                with self._lock:
-                    self.generated += len(c.token_ids)
             t.finish_reason = c.finish_reason
             self.continued += c.finish_reason == FinishReason.ABORTED
         if t.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
@@ -423,6 +443,27 @@ class EpisodeRunner:
         if ids and ids[-1] in self.eos_ids:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _take(self, t: Trajectory, c: Completion, turn: int, train: bool) -> None:
+        if not len(c.token_ids) == len(c.logprobs) == len(c.versions):
+            raise EngineError(f"the engine returned a ragged completion for {c.request_id}")
+        self._append(t, c.token_ids, c.logprobs, c.versions, 1, turn)
+        if train:
+            with self._lock:
+                self.generated += len(c.token_ids)
+
+    async def _streamed(self, req: GenRequest, t: Trajectory, turn: int, train: bool,
+                        watch: Callable[[], bool]) -> Completion:
+        """``req`` streamed onto ``t`` piece by piece; stopped (aborted in the engine) when ``watch()``
+        says so. The completion's finish reason (its tokens are on ``t`` already)."""
+        async with contextlib.aclosing(self.engine.stream(req)) as pieces:
+            async for c in pieces:
+                self._take(t, c, turn, train)
+                if watch():
+                    return Completion(req.request_id, [], [], [], FinishReason.STOP)
+                if c.finish_reason is not None:
+                    return c
+        raise EngineError(f"the engine's stream of {req.request_id} ended without a finish reason")
 
     async def _verified(self, text: str, prompt) -> tuple[float, dict | None]:
         """The verifier's (reward, failure or None) for a final turn, off the loop; the calls made in one loop

@@ -15,10 +15,14 @@ from relayrl.rollout import make_groups
 
 
 def episode_stats(trajs: list) -> dict:
-    """What agents do, over episodes: how many call a tool, errors, turns."""
-    n = max(1, len(trajs))
-    info = [t.info for t in trajs]
-    return {
+    """What agents do, over episodes: how many call a tool, errors, turns (an agent program's: its
+    requests; the branches its sessions started and the sampling parameters the trainer's overrode)."""
+    info = [t.info for t in trajs if "branch_of" not in t.info]  # (an agent episode's extra branches)
+    n = max(1, len(info))
+    served = {f"serve/{k}": sum(i.get(k, 0) for i in info) for k in ("branches", "sampling_overrides",
+                                                                      "merged_turns")} \
+        if any("sampling_overrides" in i for i in info) else {}
+    return {**served,
         "tool_call_rate": sum(i.get("tool_calls", 0) > 0 for i in info) / n,  # episodes with at least one call
         "tool_calls_mean": sum(i.get("tool_calls", 0) for i in info) / n,
         "tool_errors": sum(i.get("tool_errors", 0) for i in info),
@@ -83,7 +87,7 @@ def evaluate(runner, tokenizer, prompts: list[Prompt], cfg: Config, when: str = 
             samples += [sample_record(t, tokenizer, which) for t in every]
         if key == "accuracy" and n > 1:
             out.update(pass_at_k(trajs, n))
-        stats = episode_stats(trajs) if runner.make_env is not None else None
+        stats = episode_stats(trajs) if runner.multi_turn else None
         if key == "accuracy":
             out.update(stats or {}, response_len_mean=sum(len(t.response_ids) for t in trajs) / max(1, len(trajs)))
         elif stats:

@@ -30,6 +30,7 @@ from relayrl.records import Group, SamplingParams, group_to_dict
 from relayrl.resume import ResumeError, check_compatible, data_fingerprint, prepare_run_dir, start_state
 from relayrl.rewards import RewardRunner
 from relayrl.rollout import advantages_for, drop_failed
+from relayrl.serve.agent import AgentEpisodes, AgentProgram
 from relayrl.timeline import Timeline
 from relayrl.tracking import MetricsLog, ProgressBar, RunReport, Timers, Trackers
 from relayrl.trainer import Trainer, build_batch
@@ -52,7 +53,7 @@ class Components:
 
     @property
     def agents(self) -> bool:
-        return self.runner.make_env is not None
+        return self.runner.multi_turn
 
     def evaluate(self, cfg: Config, when: str = "") -> dict:
         return evaluate(self.runner, self.tokenizer, self.eval_prompts, cfg, when)
@@ -140,7 +141,8 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         spec = engine_spec(cfg, weights, tok_path, state.version, cfg.run.seed * 1_000_003 + state.step, engine_threads)
         engine = open_engine(cfg, spec, policy.state_dict(), tokenizer, cfg.run.name)
         undo.callback(engine.close)
-        runner = make_runner(cfg, engine, tokenizer, reward, make_env, eos_token_ids(weights, tokenizer))
+        runner = make_runner(cfg, engine, tokenizer, reward, make_env, eos_token_ids(weights, tokenizer),
+                             model_context(weights))
         undo.pop_all()
     r = cfg.rollout
     trainer = make_trainer(cfg, policy, ref)
@@ -155,16 +157,23 @@ def make_trainer(cfg: Config, policy, ref=None) -> Trainer:
                    ref_model=ref, top_p=r.top_p, top_k=r.top_k)
 
 
-def make_runner(cfg: Config, engine, tokenizer, reward: RewardRunner, make_env=None, eos_ids=None) -> EpisodeRunner:
+def make_runner(cfg: Config, engine, tokenizer, reward: RewardRunner, make_env=None, eos_ids=None,
+                context: int | None = None) -> EpisodeRunner:
     """The episode runner over ``engine``: ``reward.fn`` verifies final turns, ``make_env`` (None:
-    single-turn) makes each episode's environment; ``eos_ids``: the ids the engine stops on."""
+    single-turn) makes each episode's environment, or is an agent program (``relayrl.serve.agent``:
+    the endpoint starts, serving ``context`` tokens); ``eos_ids``: the ids the engine stops on."""
     def score_batch(items):
         return reward.score([(text, prompt.answer, dict(prompt.metadata)) for text, prompt in items])
 
-    e = cfg.env
+    e, agent = cfg.env, None
     limits = EpisodeLimits(e.max_turns, e.max_tokens, e.step_timeout_s, e.episode_timeout_s, e.name) if make_env else None
+    if isinstance(make_env, AgentProgram):
+        s = cfg.serve
+        agent = AgentEpisodes(make_env, e.name, s.model_name, context, s.host, s.port, s.max_requests,
+                              s.max_connections)
+        make_env = None
     return EpisodeRunner(engine, tokenizer, make_env, limits, schedule=cfg.rollout.schedule, score_batch=score_batch,
-                         eos_ids=eos_ids)
+                         eos_ids=eos_ids, agent=agent)
 
 
 def step_metrics(groups: list[Group], generated: int, step_seconds: float, state: RunState) -> dict:
@@ -391,7 +400,7 @@ def evaluate_only(cfg: Config, out_dir: str | Path | None = None) -> dict:
         engine = open_engine(cfg, engine_spec(cfg, path, tok_path, 0, cfg.run.seed, threads(cfg)[1]), tokenizer=tokenizer)
         runner = make_runner(cfg, engine, tokenizer, reward,
                              make_env_factory(cfg.env.name, cfg.env.args) if cfg.env.name else None,
-                             eos_token_ids(path, tokenizer))
+                             eos_token_ids(path, tokenizer), model_context(path))
         try:
             samples: list[dict] = []
             result = evaluate(runner, tokenizer, prompts, cfg, samples=samples)

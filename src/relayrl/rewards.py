@@ -84,7 +84,14 @@ def exact_reward(completion: str, answer: str | None, metadata: dict) -> float:
     return float(" ".join(completion.split()) == " ".join(str(answer).split()))
 
 
-REWARDS: dict[str, RewardFn] = {"math": math_reward, "exact": exact_reward}
+def reasoning_gym_reward(completion: str, answer: str | None, metadata: dict) -> float:
+    """reasoning-gym's own scorer for rows of ``data.path=reasoning_gym:...`` (``envs.adapters.reasoning_gym``)."""
+    from relayrl.envs.adapters.reasoning_gym import score
+
+    return score(completion, answer, metadata)
+
+
+REWARDS: dict[str, RewardFn] = {"math": math_reward, "exact": exact_reward, "reasoning_gym": reasoning_gym_reward}
 
 
 def resolve(spec: str) -> RewardFn:
@@ -123,6 +130,7 @@ _WARM = {
     "math": (["relayrl.rewards:math_reward"], ["math_verify"],
              [(_SCORE_ONE, ["math", r"\boxed{\frac{1}{2}}", "0.5", {}])]),
     "exact": (["relayrl.rewards:exact_reward"], [], []),
+    "reasoning_gym": (["relayrl.rewards:reasoning_gym_reward"], ["reasoning_gym"], []),
 }
 
 
@@ -144,6 +152,10 @@ class RewardRunner:
     def __init__(self, spec: str, timeout_s: float = 5.0, workers: int = 0, memory_mb: int = 4096,
                  sandbox: str = "none"):
         _check_name(spec)  # fail fast, in the parent, on an unknown name
+        if spec == "reasoning_gym":
+            from relayrl.envs.adapters import require
+
+            require("reasoning_gym", "reasoning-gym", "reward.fn=reasoning_gym")
         self.spec, self.timeout_s, self.memory_mb = spec, timeout_s, memory_mb
         self.stats = RewardStats()
         self._stats_lock = threading.Lock()

@@ -73,8 +73,15 @@ def step_advantages(groups: list[Group], gamma: float, omega: float) -> list[tor
 
 
 def group_advantages(groups: list[Group], estimator: str) -> torch.Tensor:
-    """Advantages for ``[t for g in groups for t in g.trajectories]``, in that order."""
+    """Advantages for ``[t for g in groups for t in g.trajectories]``, in that order. The baseline is
+    over episodes: an agent episode's extra branches (``info["branch_of"]``) take its advantage."""
     fn = lookup(ADVANTAGES, estimator, "advantage estimator")
-    rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float32)
-    gid = torch.tensor([i for i, g in enumerate(groups) for _ in g.trajectories], dtype=torch.long)
-    return fn(rewards, gid)
+    flat = [(i, t) for i, g in enumerate(groups) for t in g.trajectories]
+    episodes = {(i, t.sample_idx): k for k, (i, t) in enumerate(flat) if "branch_of" not in t.info}
+    owner = [episodes.get((i, t.info["branch_of"]), k) if "branch_of" in t.info else k for k, (i, t) in enumerate(flat)]
+    own = sorted(set(owner))
+    rewards = torch.tensor([flat[k][1].reward for k in own], dtype=torch.float32)
+    gid = torch.tensor([flat[k][0] for k in own], dtype=torch.long)
+    adv = fn(rewards, gid)
+    at = {k: j for j, k in enumerate(own)}
+    return adv[torch.tensor([at[k] for k in owner], dtype=torch.long)]

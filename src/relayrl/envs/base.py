@@ -175,9 +175,31 @@ def load_env_class(spec: str) -> type:
     return cls
 
 
-def make_env_factory(spec: str, args: dict) -> Callable[[], Env]:
+# env.name=<prefix>:<name>: environments of other libraries (``relayrl.envs.adapters``), made with the
+# name as their first argument
+ADAPTERS = {
+    "textarena": "relayrl.envs.adapters.textarena:TextArenaEnv",
+    "skyrl": "relayrl.envs.adapters.skyrl:SkyRLEnv",
+}
+
+
+def make_env_factory(spec: str, args: dict):
     """A function making one environment per episode; fails now (naming the field) when the class
-    cannot be imported or does not take ``env.args``."""
+    cannot be imported or does not take ``env.args``. ``agent:...`` gives an ``AgentProgram`` instead:
+    episodes that are sessions of the endpoint (``relayrl.serve``)."""
+    kind, _, name = spec.partition(":")
+    if kind == "agent":
+        from relayrl.serve.agent import AgentProgram
+
+        return AgentProgram.load(spec, name, args)
+    if kind in ADAPTERS and name:
+        cls = import_object(ADAPTERS[kind])
+        cls.check(name)  # its package is there and knows the name: fails now, naming the extra to install
+        try:
+            inspect.signature(cls).bind(name, **args)
+        except TypeError as e:
+            raise ValueError(f"env.args do not fit {cls.__name__}: {e}") from e
+        return lambda: cls(name, **args)
     cls = load_env_class(spec)
     try:
         inspect.signature(cls).bind(**args)

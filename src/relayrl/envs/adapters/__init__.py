@@ -1,0 +1,56 @@
+"""Environments users already have, each one line of config (README, "Any agent program, and the
+environments you have"):
+
+    data.path=reasoning_gym:NAME?size=N&seed=S   reward.fn=reasoning_gym    reasoning-gym's tasks and scorers
+    env.name=textarena:GAME-v0                   (data.path=textarena:GAME-v0?size=N&seed=S)   TextArena games
+    env.name=skyrl:NAME                          skyrl-gym environments (init / step / close)
+
+Each needs its package (an optional extra of relayrl); without it the run stops at start naming the
+extra to install. verifiers' training client (``verifiers.v1.clients.train.TrainClient``) speaks the
+endpoint's token route (``relayrl.serve``: ``POST /inference/v1/generate``); verifiers v1
+environments themselves do not run here (README: what did not run, and why).
+"""
+
+from __future__ import annotations
+
+import importlib
+from urllib.parse import parse_qsl
+
+import yaml
+
+
+def require(module: str, extra: str, field: str):
+    """``module``, imported; else a ``ValueError`` naming the field and the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"{field} needs the {module!r} package ({e}): pip install 'relayrl[{extra}]'") from None
+
+
+def parse_spec(spec: str, field: str) -> tuple[str, dict]:
+    """``prefix:NAME?key=value&...`` → (NAME, {key: value}), values read as YAML scalars (numbers, bools)."""
+    _, _, rest = spec.partition(":")
+    name, _, query = rest.partition("?")
+    if not name:
+        raise ValueError(f"{field}={spec!r}: name the task after the prefix, e.g. {spec.split(':')[0]}:NAME")
+    args = {}
+    for key, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+        try:
+            args[key] = yaml.safe_load(value) if value else ""
+        except yaml.YAMLError:
+            args[key] = value
+    return name, args
+
+
+def rows(path: str) -> list[dict] | None:
+    """The dataset rows of ``data.path=<prefix>:...`` for an adapter's prefix; None for other paths."""
+    prefix = path.partition(":")[0]
+    if prefix == "reasoning_gym":
+        from relayrl.envs.adapters.reasoning_gym import rows as reasoning_gym_rows
+
+        return reasoning_gym_rows(path)
+    if prefix == "textarena":
+        from relayrl.envs.adapters.textarena import rows as textarena_rows
+
+        return textarena_rows(path)
+    return None

@@ -1,0 +1,208 @@
+"""Any agent program as an episode: ``env.name=agent:path/to/agent.py:run`` (or ``agent:module:run``).
+
+    async def run(client: openai.AsyncOpenAI, prompt: relayrl.records.Prompt) -> float | None
+
+``client`` is pointed at the episode's own session of the endpoint (``relayrl.serve.server``; its
+base URL ``/sessions/<key>/v1`` and its API key both name the session); ``prompt`` is the dataset
+row (``messages``, ``answer``, ``metadata``). The program talks to the model as to any
+OpenAI-compatible server (tools, several turns, streaming) and returns the episode's reward, or
+None to have ``reward.fn`` score its final answer: the text of the last reply the model gave.
+Every reply is recorded as tokens (``sessions``) and trained with that reward.
+
+These episodes run in the one rollout driver like any other (``episode_rollout``): the staleness
+bound, partial rollouts (a request in flight at a weight update goes on under the new weights, its
+tokens tagged by version), checkpoints (an episode not finished is carried from its prompt: a
+program's state cannot be saved) and resume. Deadlines as for an environment's calls: the time the
+program runs between its requests counts, each stretch at most ``env.step_timeout_s`` and all
+together ``env.episode_timeout_s`` (generation, bounded by the episode's tokens, is not counted).
+The failure policy too (``relayrl.failures``): a program that raises, passes a deadline, returns
+something other than a number or None, or never asks the model anything fails its episode, which
+is left out of training and counted (``failures/env``, ``failures/env_timeout``), never scored 0. A
+program that raises *because* the endpoint refused a request at the episode's limits
+(``env.max_turns`` requests, ``env.max_tokens`` tokens) ends its episode there instead, scored by
+``reward.fn`` like an environment episode at its turn limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from relayrl.envs.base import import_object
+from relayrl.records import FinishReason, SamplingParams, Trajectory
+from relayrl.serve.sessions import Session, SessionTable
+
+@dataclass(frozen=True)
+class AgentProgram:
+    """``env.name=agent:...``: the program, and ``env.args`` (keyword arguments of each call)."""
+
+    spec: str
+    fn: Callable
+    args: dict
+
+    def __call__(self, client, prompt):
+        return self.fn(client, prompt, **self.args)
+
+    @classmethod
+    def load(cls, spec: str, target: str, args: dict) -> AgentProgram:
+        """The coroutine function ``target`` (``module:run`` or ``file.py:run``) that ``env.name=spec``
+        names; a ``ValueError`` naming the field when it cannot be one."""
+        for module in ("fastapi", "uvicorn", "openai"):
+            _need(module)
+        fn = import_object(target, "env.name")
+        if not inspect.iscoroutinefunction(fn):
+            raise ValueError(f"env.name={spec!r}: {getattr(fn, '__name__', fn)!r} must be an async function "
+                             "run(client, prompt) -> float | None")
+        try:
+            inspect.signature(fn).bind(None, None, **args)
+        except TypeError as e:
+            raise ValueError(f"env.name={spec!r}: run(client, prompt{', **env.args' if args else ''}) does not fit "
+                             f"its signature: {e}") from None
+        return cls(spec, fn, dict(args))
+
+
+def _need(module: str) -> None:
+    from relayrl.envs.adapters import require
+
+    require(module, "serve", "env.name=agent:...")
+
+
+class AgentEpisodes:
+    """The endpoint (started on the runner's loop) and one session per episode."""
+
+    def __init__(self, program, name: str, model_name: str, context: int | None, host: str = "127.0.0.1",
+                 port: int = 0, max_requests: int = 256, max_connections: int = 1024):
+        self.program, self.name, self.model_name, self.context = program, name, model_name, context
+        self.host, self.port, self.max_requests, self.max_connections = host, port, max_requests, max_connections
+        self.table = SessionTable()
+        self.endpoint = None  # a relayrl.serve.server.Endpoint, once started
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+    async def start(self) -> None:
+        import httpx
+
+        from relayrl.serve.server import Endpoint, build_app
+
+        app = build_app(self.table, self.model_name, self.context, self.max_requests)
+        self.endpoint = Endpoint(app, self.host, self.port, self.max_connections)
+        await self.endpoint.start()
+
+    async def stop(self) -> None:
+        if self.endpoint is not None:
+            await self.endpoint.stop()
+
+    def client(self, s: Session):
+        """The session's own client and connection pool: one pool shared by every episode costs each
+        request a scan of all its connections (httpcore), most of the loop's time at 64 episodes."""
+        import httpx
+        import openai
+
+        transport = httpx.AsyncHTTPTransport(verify=False, retries=0)  # (plain HTTP on loopback: no TLS)
+        http = httpx.AsyncClient(transport=transport, timeout=None)
+        # (retries: the SDK's, for 429/503 answered when the endpoint is at its limits, before any work)
+        return openai.AsyncOpenAI(base_url=f"{self.url}/sessions/{s.key}/v1", api_key=s.key, max_retries=3,
+                                  timeout=None, http_client=http), http
+
+    async def episode(self, runner, t: Trajectory, params: SamplingParams, train: bool) -> None:
+        """Run the program for ``t`` from its prompt; ``t`` gets the latest reply's branch, the other
+        branches go in ``t.info["branches"]`` (``episode_rollout.expand_branches``)."""
+        from relayrl.episodes import _EnvFailed
+
+        lim = runner.limits
+        source = f"agent program {self.name} (env.name={lim.env_name})"
+        t.response_ids, t.behav_logprobs, t.versions, t.mask, t.turns = [], [], [], [], []
+        t.finish_reason, t.info = None, {}
+        s = self.table.new(runner, t, params, train, lim.max_turns, lim.max_tokens, self.context)
+        client, http = self.client(s)
+        task = asyncio.get_running_loop().create_task(self.program(client, t.prompt))
+        try:
+            try:
+                result = await _watch(task, s, lim, source)
+            except _EnvFailed:
+                raise
+            except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+                raise
+            except Exception as e:  # noqa: BLE001 - user code
+                if s.fatal is not None:
+                    raise s.fatal from None
+                if s.limit_hit is None:
+                    raise _EnvFailed("env", source, _describe(e)) from None
+                result = None  # ended at the episode's limits: scored as it stands
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            self.table.close(s)
+            await http.aclose()
+        if s.fatal is not None:
+            raise s.fatal
+        branches = s.trained()
+        if not branches:
+            raise _EnvFailed("env", source, "it never asked the model anything: there is nothing to train")
+        if result is not None and (isinstance(result, bool) or not isinstance(result, (int, float))):
+            raise _EnvFailed("env", source, f"returned {type(result).__name__} {result!r:.60}: run must return a "
+                                            "float or None")
+        if result is not None and not math.isfinite(result):
+            raise _EnvFailed("env", source, f"returned a non-finite reward {result}")
+        final = s.last[1]
+        if result is None:
+            result, t.failure = await runner._verified(final, t.prompt)
+            if t.failure is not None:
+                return
+        main = branches[-1]
+        for name in ("prompt_ids", "response_ids", "behav_logprobs", "versions", "mask", "turns"):
+            setattr(t, name, getattr(main, name))
+        t.finish_reason = main.finish_reason if main.finish_reason is not None else FinishReason.STOP
+        t.reward, t.text = float(result), final
+        c = s.counts
+        t.info = {"turns": c["requests"], "tool_calls": c["tool_calls"], "tool_errors": c["tool_errors"],
+                  "branches": len(branches) - 1, "sampling_overrides": c["sampling_overrides"],
+                  "merged_turns": c["merged"], **({"turn_limit": 1} if s.limit_hit else {})}
+        if len(branches) > 1:
+            t.info["branch_tokens"] = [{k: getattr(b, k) for k in ("prompt_ids", "response_ids", "behav_logprobs",
+                                                                      "versions", "mask", "turns")}
+                                         | {"finish_reason": (b.finish_reason or FinishReason.STOP).value}
+                                         for b in branches[:-1]]
+
+
+async def _watch(task: asyncio.Task, s: Session, lim, source: str):
+    """The program's result, under its deadlines: the time it runs between requests (none in flight)
+    counts, each stretch at most ``env.step_timeout_s``, all of them ``env.episode_timeout_s``."""
+    from relayrl.episodes import _EnvFailed
+
+    budget = lim.episode_timeout_s
+    while not task.done():
+        s.activity.clear()
+        if s.in_flight:
+            await _first(task, s.activity, None)
+            continue
+        allowed = min(lim.step_timeout_s, budget)
+        start = time.monotonic()
+        await _first(task, s.activity, allowed)
+        budget -= time.monotonic() - start
+        if not task.done() and not s.in_flight and not s.activity.is_set():
+            which = "env.step_timeout_s" if allowed == lim.step_timeout_s else "env.episode_timeout_s"
+            value = lim.step_timeout_s if which == "env.step_timeout_s" else lim.episode_timeout_s
+            raise _EnvFailed("env_timeout", source, f"no request to the model nor an answer within {allowed:.3g} s "
+                                                    f"({which}={value:g})")
+    return task.result()
+
+
+async def _first(task: asyncio.Task, event: asyncio.Event, timeout: float | None) -> None:
+    waiter = asyncio.get_running_loop().create_task(event.wait())
+    try:
+        await asyncio.wait({task, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
