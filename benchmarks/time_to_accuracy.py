@@ -12,10 +12,11 @@ after ``--max-steps`` without reaching it, which is shown as such. Each run is i
 seeds alternate the order of the systems. The ratio is TRL's median time over the system's.
 
 TRL's settings are vs_trl.py's (its docstring says why each), with ``max_steps`` and the seed.
-relayrl's rows: the default (sync), the fastest mode of ``async_vs_sync.py`` (async, η=4), and that
-mode with each adaptive-sampling piece alone (an ablation row each) and all together:
-dynamic sampling (DAPO), prompt selection (VADE, with the demo's number of terms as the prior's group
-key), adaptive budgets.
+relayrl's rows: sync doing TRL's work (fixed groups, nothing filtered), the fastest mode of
+``async_vs_sync.py`` (async, η=4) doing the same, and the adaptive-sampling pieces on top: dynamic
+sampling (DAPO), prompt selection (VADE, with the demo's number of terms as the prior's group key),
+adaptive budgets — each alone on the fast mode (an ablation row each), budgets with dynamic
+sampling (sync and async), and all three.
 
     python benchmarks/time_to_accuracy.py                    # 3 seeds of every system (~40 min on 2 cores)
     python benchmarks/time_to_accuracy.py --seeds 5 --target 0.7 --systems trl "relayrl sync"
@@ -46,12 +47,13 @@ DS, SELECT, BUDGET = ["rollout.dynamic_sampling=true"], ["data.selection=vade", 
 SYSTEMS = {
     "trl": None,
     "relayrl sync": ["run.mode=sync"],
+    "sync + budgets + dynamic sampling": ["run.mode=sync"] + BUDGET + DS,
     "relayrl async η=4": FAST,
     "async η=4 + dynamic sampling": FAST + DS,
     "async η=4 + selection": FAST + SELECT,
     "async η=4 + budgets": FAST + BUDGET,
+    "async η=4 + budgets + dynamic sampling": FAST + BUDGET + DS,
     "async η=4 + all three": FAST + DS + SELECT + BUDGET,
-    "sync + all three": ["run.mode=sync"] + DS + SELECT + BUDGET,
 }
 
 
