@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from relayrl import distributed
-from relayrl.config import AlgoCfg, TrainerCfg
+from relayrl.algos import NEEDS_CRITIC
+from relayrl.config import AlgoCfg, CriticCfg, TrainerCfg
+from relayrl.critic import Critic, load_value_model
 from relayrl.models import load_policy, load_tokenizer
 from relayrl.trainer import Trainer, build_batch
 from tests.test_trainer import _stale_batch, _trajs
@@ -39,7 +41,12 @@ def _trainer(path: str, tkw: dict, akw: dict, dtype: str = "float32", weights: d
     policy = load_policy(path, dtype)
     if weights:
         policy.load_state_dict(weights)
-    return Trainer(policy, TrainerCfg(**tkw, **placement), AlgoCfg(**akw), 1.0, 10, 16)
+    tcfg, critic = TrainerCfg(**tkw, **placement), None
+    if akw.get("advantage") in NEEDS_CRITIC:  # the critic, placed and sharded as the policy is
+        device = distributed.resolve_device(tcfg.device)
+        critic = Critic(load_value_model(path, dtype), CriticCfg(lr=1e-2, updates_per_step=2), tcfg, 10, device,
+                        distributed.setup(device) if tcfg.fsdp else None)
+    return Trainer(policy, tcfg, AlgoCfg(**akw), 1.0, 10, 16, critic=critic)
 
 
 def _capture_grads(tr: Trainer, grads: list) -> None:
@@ -73,15 +80,22 @@ def _run(make, steps: list, resume_after: int = 0) -> dict:
             torch.set_rng_state(rng)
         metrics.append(tr.step(batch, version=version))
     weights = {k: v.detach().cpu().clone() for k, v in tr.full_state_dict().items()}
-    optim = tr.state_dict()["optimizer"]
-    if tr.dp is None:  # by parameter name, as FSDP's full optimiser state is
-        names = [n for n, _ in tr.model.named_parameters()]
-        optim = {names[i]: s for i, s in optim["state"].items()}
-    else:
-        optim = optim["state"]
+    state = tr.state_dict()
+    out = {"metrics": metrics, "grads": grads, "weights": weights, "optim": _by_name(tr, tr.model, state)}
+    if tr.critic is not None:
+        out["critic"] = {k: v.detach().cpu().clone() for k, v in state["critic"]["weights"].items()}
+        out["critic_optim"] = _by_name(tr, tr.critic.model, state["critic"])
     tr.close()
-    return {"metrics": metrics, "grads": grads, "weights": weights,
-            "optim": {n: {k: v.cpu() for k, v in s.items() if k != "step"} for n, s in optim.items()}}
+    return out
+
+
+def _by_name(tr: Trainer, model, state: dict) -> dict:
+    """The optimiser state by parameter name (as FSDP's full optimiser state is), without step counts."""
+    optim = state["optimizer"]["state"]
+    if tr.dp is None:
+        names = [n for n, _ in model.named_parameters()]
+        optim = {names[i]: s for i, s in optim.items()}
+    return {n: {k: v.cpu() for k, v in s.items() if k != "step"} for n, s in optim.items()}
 
 
 def _worker(rank: int, world: int, port: int, path: str, scenarios: dict, out: str, device: str) -> None:
@@ -146,7 +160,16 @@ def _scenarios(tok, model) -> dict:
         "m2po, mismatch under the previous weights": (
             base, {"offpolicy": "m2po"}, "float32", [(stale, 1), (later, 2)], 0),
         "bf16": (base, {}, "bfloat16", [(a, None)], 0),
+        "critic (gae, two updates each), resumed between the steps": (
+            {**base, "updates_per_step": 2}, {"advantage": "gae", "kl_coef": 0.1, "kl_mode": "reward"}, "float32",
+            [(_with_rewards(tok, 1), None), (_with_rewards(tok, 2), None)], 1),
     }
+
+
+def _with_rewards(tok, seed: int):
+    from tests.test_critic import reward_batch
+
+    return reward_batch(tok, seed)
 
 
 def test_share_deals_micro_batches_round_robin_padded():
@@ -178,6 +201,10 @@ def test_two_gloo_ranks_give_the_unsharded_step(tiny_path, tmp_path):
         _close(g["weights"], r["weights"], f"{name}: weights", 0, 2e-2 if bf16 else 1e-6)
         if not bf16:
             _close(g["optim"], r["optim"], f"{name}: optimiser", 1e-4, 1e-9)
+        if "critic" in r:  # sharded the same way: its weights and optimiser state are the unsharded ones
+            _close(g["critic"], r["critic"], f"{name}: critic", 0, 1e-6)
+            _close(g["critic_optim"], r["critic_optim"], f"{name}: critic optimiser", 1e-4, 1e-9)
+            assert r["metrics"][1]["critic/loss"] > 0 and "kl_reward" in r["metrics"][1]
     mismatch = got["m2po, mismatch under the previous weights"]["metrics"][1]
     assert mismatch["logprob_mismatch_tokens"] > 0  # tokens one version old, checked under the kept weights
 

