@@ -18,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import time
 
 import torch
 
@@ -239,7 +240,10 @@ class Trainer:
         rewards, m = batch.rewards, {}
         if self.kl_in_reward:
             rewards, m = fold_kl(rewards, old_logp, ref_logp, batch.loss_mask, self.acfg.kl_coef, self.acfg.kl_estimator)
+        start = time.perf_counter()
         values = self.critic.values(batch) if self.critic is not None else None
+        if values is not None:
+            m["time/critic_values"] = time.perf_counter() - start
         adv, returns, est = self.estimator(rewards, batch.loss_mask, batch.group, values, self.est_knobs)
         batch = dataclasses.replace(batch, advantages=adv * batch.loss_mask, values=values, returns=returns)
         return batch, {k: float(v) for k, v in {**m, **est}.items()}
@@ -298,7 +302,10 @@ class Trainer:
                 totals[k] = totals.get(k, 0.0) + v / len(chunks)
         self.model.eval()
         if self.critic is not None:
+            start = time.perf_counter()
             totals.update(self.critic.step(batch))
+            # the critic's share of the step: its values' forward and its update
+            totals["time/critic"] = time.perf_counter() - start + est_metrics.pop("time/critic_values")
         n = sum(x[2] for x in mismatch)
         return {"logprob_mismatch_mean": sum(x[0] for x in mismatch) / n if n else None,  # None: nothing checkable
                 "logprob_mismatch_max": max(x[1] for x in mismatch) if n else None,
