@@ -235,17 +235,19 @@ E2E = ["data.eval_path=null", "reward.fn=tests.rewards_for_tests:digit_fraction"
 
 
 @pytest.mark.slow
-def test_torchrun_fsdp_run_ends_with_the_single_process_checkpoint(tiny_path, tmp_path):
+@pytest.mark.parametrize("algo", [[], ["algo.advantage=gae"]], ids=["grpo", "gae-critic"])
+def test_torchrun_fsdp_run_ends_with_the_single_process_checkpoint(tiny_path, tmp_path, algo):
     """``torchrun --nproc-per-node 2 -m relayrl.cli train ... trainer.fsdp=true`` on gloo: two
     steps, a checkpoint that loads, and the weights a single-process run of the same config ends
-    with (sync mode is deterministic; the sharded step equals the unsharded one)."""
+    with (sync mode is deterministic; the sharded step equals the unsharded one). With a critic, its
+    weights (sharded as the policy's, gathered into the checkpoint) are the single process's too."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from relayrl.config import load_config
     from relayrl.pipeline import train
 
-    args = E2E + [f"model.path={tiny_path}"]
+    args = E2E + algo + [f"model.path={tiny_path}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "relayrl.cli", "train", *args, f"run.output_dir={tmp_path / 'fsdp'}", "trainer.fsdp=true"]
@@ -268,6 +270,10 @@ def test_torchrun_fsdp_run_ends_with_the_single_process_checkpoint(tiny_path, tm
     assert any(not torch.equal(a[k], initial[k]) for k in initial)  # it trained
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-5), k
+    if algo:
+        ca, cb = (torch.load(d / "trainer.pt", weights_only=False)["critic"]["weights"] for d in (sharded, single))
+        assert ca.keys() == cb.keys() and all(torch.allclose(ca[k], cb[k], atol=1e-5) for k in ca)
+        assert not torch.equal(ca["head.weight"], load_value_model(tiny_path).head.weight)  # it trained
 
 
 # -- on a GPU (skipped here) -----------------------------------------------------------------

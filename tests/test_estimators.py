@@ -143,3 +143,32 @@ def test_token_rewards_sit_on_each_turns_last_trained_token():
                    reward=1.2, info={"step_rewards": [0.2, 1.0]})
     assert token_rewards(a) == [0.0, 0.2, 0.0, 0.0, 0.0, 1.0]
     assert token_rewards(a, bonus=-0.5) == [0.0, 0.2, 0.0, 0.0, 0.0, 0.5]  # shaping goes with the last step
+
+
+def test_training_batch_overlong_filter_and_punish(tiny):
+    """``algo.overlong``: 'filter' takes truncated responses out of the loss (their rewards still count in
+    the group baselines); 'punish' adds DAPO's penalty to the reward on the last token."""
+    from relayrl.config import AlgoCfg
+    from relayrl.records import FinishReason, Group
+    from relayrl.rollout import training_batch
+    from tests.test_trainer import _trajs
+
+    _, tok = tiny
+    trajs = _trajs(tok)
+    for i, t in enumerate(trajs):
+        t.reward = float(i % 2)
+        t.finish_reason = FinishReason.LENGTH if i in (1, 6) else FinishReason.STOP
+    groups = [Group(trajs[0].prompt, "g0", trajs[:4]), Group(trajs[4].prompt, "g1", trajs[4:])]
+    lengths = [len(t.response_ids) for t in trajs]
+    batch, m = training_batch(groups, AlgoCfg(overlong="filter"), 11, tok.pad_token_id)
+    per_row = batch.loss_mask.sum(1).tolist()
+    assert per_row == [0 if i in (1, 6) else n for i, n in enumerate(lengths)]
+    assert m["overlong/filtered_frac"] == pytest.approx(2 / 8) and batch.group.tolist() == [0] * 4 + [1] * 4
+    # the rewards of the other rows sit on their last tokens
+    assert batch.rewards.sum(1).tolist() == [0.0 if i in (1, 6) else t.reward for i, t in enumerate(trajs)]
+    batch, m = training_batch(groups, AlgoCfg(overlong="punish", overlong_buffer=4), 11, tok.pad_token_id)
+    want = [t.reward + min(0.0, max(-1.0, (7 - n) / 4)) for t, n in zip(trajs, lengths)]
+    assert batch.rewards.sum(1).tolist() == pytest.approx(want)
+    assert any(n > 7 for n in lengths) and m["overlong/penalty_mean"] < 0
+    last = [int(torch.nonzero(batch.loss_mask[i]).max()) for i in range(8)]
+    assert all(batch.rewards[i, last[i]] == pytest.approx(want[i]) for i in range(8))
