@@ -146,3 +146,17 @@ def test_trainer_and_checkpoint_refuse_a_critic_mismatch(tiny_path, tiny):
     plain = Trainer(load_policy(tiny_path), TrainerCfg(), AlgoCfg(), 1.0, 10, 16)
     with pytest.raises(ValueError, match="holds a critic"):
         plain.load_state_dict(with_critic)
+
+
+def test_building_the_critic_leaves_the_runs_random_stream(tiny_path):
+    """A run with a critic draws the same samples as one without (the head has its own seeded generator,
+    and loading the body draws nothing from the run's stream)."""
+    from relayrl.config import load_config
+    from relayrl.critic import make_critic
+
+    cfg = load_config(None, [f"model.path={tiny_path}", "algo.advantage=gae"])
+    torch.manual_seed(0)
+    want = torch.rand(3)
+    torch.manual_seed(0)
+    critic = make_critic(cfg)
+    assert torch.equal(torch.rand(3), want) and critic.num_parameters() > 0

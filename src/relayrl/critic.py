@@ -59,7 +59,8 @@ def make_critic(cfg) -> "Critic":
     path = resolve_model_path(cfg.critic.path or cfg.model.path, log=lambda *a, **k: None, field=field)
     device = distributed.resolve_device(cfg.trainer.device)
     dp = distributed.setup(device) if cfg.trainer.fsdp else None
-    model = load_value_model(path, cfg.model.dtype, cfg.run.seed, field)
+    with torch.random.fork_rng(devices=[]):  # building it draws no number from the run's random stream
+        model = load_value_model(path, cfg.model.dtype, cfg.run.seed, field)
     return Critic(model, cfg.critic, cfg.trainer, cfg.run.steps, device, dp)
 
 
