@@ -318,3 +318,42 @@ def test_bf16_fsdp_step_on_gpus(tiny_path, tmp_path):
     moved = torch.cat([(got["weights"][k].float() - before[k]).flatten() for k in before])
     moved_ref = torch.cat([(ref["weights"][k].float() - before[k]).flatten() for k in before])
     assert torch.nn.functional.cosine_similarity(moved, moved_ref, dim=0) > 0.99
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_critic_step_matches_the_cpu_step(tiny_path):
+    """The critic on CUDA (``trainer.device=cuda``): values, GAE and its update, the CPU step's up to
+    kernel rounding; its weights come back on the CPU."""
+    from tests.test_critic import reward_batch
+
+    batch = reward_batch(load_tokenizer(tiny_path))
+    out = {}
+    for device in ("cpu", "cuda"):
+        tr = _trainer(tiny_path, {"lr": 1e-2, "warmup_steps": 0, "micro_batch_tokens": 60}, {"advantage": "gae"},
+                      device=device)
+        assert next(tr.critic.model.parameters()).device.type == device
+        torch.manual_seed(0)
+        out[device] = (tr.step(batch), tr.critic.full_state_dict())
+    (m_cpu, w_cpu), (m_gpu, w_gpu) = out["cpu"], out["cuda"]
+    assert all(v.device.type == "cpu" for v in w_gpu.values())
+    for k in ("loss", "critic/loss", "critic/ev", "critic/grad_norm"):
+        assert m_gpu[k] == pytest.approx(m_cpu[k], rel=1e-3, abs=1e-5), k
+    for k in w_cpu:
+        assert torch.allclose(w_gpu[k], w_cpu[k], atol=5e-4), k
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_critic_fsdp_on_gpus(tiny_path, tmp_path):
+    """The critic sharded over NCCL (two GPUs where there are two, else one rank), resumed between two
+    steps: its weights and optimiser state are the unsharded CUDA critic's."""
+    tok = load_tokenizer(tiny_path)
+    base = {"lr": 1e-2, "warmup_steps": 0, "micro_batch_tokens": 60}
+    steps = [(_with_rewards(tok, 1), None), (_with_rewards(tok, 2), None)]
+    scenarios = {"critic": (base, {"advantage": "gae"}, "float32", steps, 1)}
+    ref = _run(lambda weights=None: _trainer(tiny_path, base, {"advantage": "gae"}, "float32", weights, device="cuda"),
+               steps, 1)
+    got = _sharded(tiny_path, scenarios, tmp_path, world=min(2, torch.cuda.device_count()), device="cuda")["critic"]
+    _close(got["critic"], ref["critic"], "critic", 1e-3, 1e-5)
+    _close(got["critic_optim"], ref["critic_optim"], "critic optimiser", 1e-3, 1e-7)
