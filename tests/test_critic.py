@@ -140,7 +140,7 @@ def test_resumed_trainer_with_a_critic_continues_exactly(tiny_path, tiny):
 
 def test_trainer_and_checkpoint_refuse_a_critic_mismatch(tiny_path, tiny):
     _, tok = tiny
-    with pytest.raises(ValueError, match="needs critic"):
+    with pytest.raises(ValueError, match="needs a critic"):
         Trainer(load_policy(tiny_path), TrainerCfg(), AlgoCfg(advantage="gae"), 1.0, 10, 16)
     with_critic = make(tiny_path).state_dict()
     plain = Trainer(load_policy(tiny_path), TrainerCfg(), AlgoCfg(), 1.0, 10, 16)

@@ -98,7 +98,7 @@ class Trainer:
         self.kl_in_reward = self.ref is not None and acfg.kl_mode == "reward"
         self.critic = critic
         if (acfg.advantage in NEEDS_CRITIC) != (critic is not None):
-            raise ValueError(f"algo.advantage={acfg.advantage!r} {'needs' if critic is None else 'takes no'} critic")
+            raise ValueError(f"algo.advantage={acfg.advantage!r} {'needs a' if critic is None else 'takes no'} critic")
 
     @property
     def _leads(self) -> bool:
