@@ -160,3 +160,13 @@ def test_building_the_critic_leaves_the_runs_random_stream(tiny_path):
     torch.manual_seed(0)
     critic = make_critic(cfg)
     assert torch.equal(torch.rand(3), want) and critic.num_parameters() > 0
+
+
+def test_a_critic_path_that_does_not_load_is_one_line_naming_the_field(tiny_path, tmp_path, capsys):
+    from relayrl.cli import main
+
+    rc = main(["train", f"model.path={tiny_path}", f"run.output_dir={tmp_path}", "algo.advantage=gae",
+               f"critic.path={tmp_path / 'nope'}", "data.eval_path=null", "run.progress=false"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("relayrl: model error: critic.path=") and "no such file" in err
+    assert not (tmp_path / "demo").exists()

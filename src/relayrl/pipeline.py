@@ -140,9 +140,10 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         engine = open_engine(cfg, spec, policy.state_dict(), tokenizer, cfg.run.name)
         undo.callback(engine.close)
         runner = make_runner(cfg, engine, tokenizer, reward, make_env, eos_token_ids(weights, tokenizer))
+        undo.callback(runner.close)
+        trainer = make_trainer(cfg, policy, ref)  # (a critic.path that does not load closes what was started)
         undo.pop_all()
     r = cfg.rollout
-    trainer = make_trainer(cfg, policy, ref)
     sampler = PromptSampler(prompts, cfg.run.seed, cfg.data.shuffle, state.sampler)
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
     return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params, runner)
