@@ -78,7 +78,8 @@ def _run(make, steps: list, resume_after: int = 0) -> dict:
             _capture_grads(tr, grads)
             tr.load_state_dict(state)
             torch.set_rng_state(rng)
-        metrics.append(tr.step(batch, version=version))
+        metrics.append({k: v for k, v in tr.step(batch, version=version).items()
+                        if not k.startswith("time/")})  # (wall-clock times differ run to run)
     weights = {k: v.detach().cpu().clone() for k, v in tr.full_state_dict().items()}
     state = tr.state_dict()
     out = {"metrics": metrics, "grads": grads, "weights": weights, "optim": _by_name(tr, tr.model, state)}
@@ -248,7 +249,7 @@ def test_torchrun_fsdp_run_ends_with_the_single_process_checkpoint(tiny_path, tm
     from relayrl.pipeline import train
 
     args = E2E + algo + [f"model.path={tiny_path}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "relayrl.cli", "train", *args, f"run.output_dir={tmp_path / 'fsdp'}", "trainer.fsdp=true"]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
