@@ -229,7 +229,8 @@ def main() -> int:
             plan += [(d, row, s, "sync") for row in (a.only or SEED_ROWS)]
             if s == 0 and d == "default":  # the losses at the defaults, and the async runs
                 plan += [("default", row, 0, "sync") for row in ONCE_ROWS if not a.only or row in a.only]
-                plan += [("default", row, 0, "async") for row in ASYNC_ROWS if a.async_ and (not a.only or row in a.only)]
+                plan += [("default", row, 0, "async") for row in ASYNC_ROWS
+                         if a.async_ and (not a.only or row in a.only)]
     with tempfile.TemporaryDirectory() as tmp:
         for demo, row, seed, mode in ([] if a.table else plan):
             k = key(demo, row, seed, STEPS[demo], mode)

@@ -39,7 +39,8 @@ def test_value_model_has_the_policys_body_and_a_fresh_head(tiny_path, tiny):
     policy = dict(model.named_parameters())
     body = dict(vm.body.named_parameters())
     assert body and all(torch.equal(p, policy[f"model.{k}"]) for k, p in body.items())
-    assert vm.head.weight.abs().sum() > 0 and torch.equal(vm.head.weight, load_value_model(tiny_path, seed=0).head.weight)
+    assert vm.head.weight.abs().sum() > 0
+    assert torch.equal(vm.head.weight, load_value_model(tiny_path, seed=0).head.weight)
     assert not torch.equal(vm.head.weight, load_value_model(tiny_path, seed=1).head.weight)
     batch = reward_batch(tok)
     critic = Critic(vm, CriticCfg(), TrainerCfg(micro_batch_tokens=60), 10, torch.device("cpu"))

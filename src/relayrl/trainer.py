@@ -239,7 +239,8 @@ class Trainer:
             return batch, {}
         rewards, m = batch.rewards, {}
         if self.kl_in_reward:
-            rewards, m = fold_kl(rewards, old_logp, ref_logp, batch.loss_mask, self.acfg.kl_coef, self.acfg.kl_estimator)
+            a = self.acfg
+            rewards, m = fold_kl(rewards, old_logp, ref_logp, batch.loss_mask, a.kl_coef, a.kl_estimator)
         start = time.perf_counter()
         values = self.critic.values(batch) if self.critic is not None else None
         if values is not None:
