@@ -45,14 +45,16 @@ itself the n-th time it reaches generate = a completion received, train = a micr
 checkpoint = inside a checkpoint write before the atomic rename, eval = between the sampled and
 greedy halves of an evaluation) with n drawn from a range by ``--seed``; the others are an
 external ``kill -9`` at a random wall-clock time after start (start-up, model loading, between
-phases), or a random delay after the attempt logged its k-th step. The 20 cases cover
+phases), or a random delay after the attempt logged its k-th step. The 22 cases cover
 ``run.mode`` sync, periodic and async, each with ``rollout.partial`` on and off, and include a
 kill while the first checkpoint is written, kills before any checkpoint (``--resume`` must then
-start cleanly from scratch), kills during evaluation (``eval.every=2``, a small held-out set) and
-cases killed two or three times. The counters of ``RELAYRL_KILL_AT`` are per process, so a kill
+start cleanly from scratch), kills during evaluation (``eval.every=2``, a small held-out set),
+cases killed two or three times, and two runs with a critic (``algo.advantage=gae``; checked
+too: 5. **critic**, the final checkpoint holds the critic's weights and optimiser state and its
+schedule counted every step once, as the policy's did). The counters of ``RELAYRL_KILL_AT`` are per process, so a kill
 of a resumed attempt counts from that attempt's start.
 
-    python benchmarks/kill_torture.py                 # all 20 cases (~19 min on 2 shared cores)
+    python benchmarks/kill_torture.py                 # all 22 cases (~21 min on 2 shared cores)
     python benchmarks/kill_torture.py --cases 3       # the first 3 (what tests/test_kill_torture.py runs)
     python benchmarks/kill_torture.py --only 4 19 --keep   # chosen cases (1-based), keep their run dirs
     python benchmarks/kill_torture.py --seed 7        # other random kill moments
@@ -99,6 +101,7 @@ BASE = [
 NO_EVAL = ["data.eval_path=null"]
 # evaluations before training, after steps 2, 4, 6, and at the end: eval:1..10 all land
 WITH_EVAL = ["data.eval_path=builtin:demo-eval", "eval.every=2", "eval.size=16", "eval.samples=1"]
+CRITIC = ("algo.advantage=gae",)
 MAX_REPLANS = 3  # times an attempt whose kill could not land (it ran to completion first) is re-run earlier
 
 
@@ -134,6 +137,7 @@ class Case:
     partial: bool
     kills: list[Kill]
     eval: bool = False
+    extra: tuple[str, ...] = ()  # more overrides (a critic: algo.advantage=gae)
 
 
 # With the base config a run receives >= 16 completions and trains >= 1 micro-batch per step (6
@@ -163,6 +167,9 @@ CASES = [
     Case("sync", False, [fault("train", 1, 2, why="before any checkpoint"),
                          fault("train", 1, 2, why="before any checkpoint, again")]),
     Case("async", False, [fault("checkpoint", 2), fault("eval", 1, 4), wall(0.5, 8.0, why="start-up")], eval=True),
+    # with a critic (PPO's GAE): its weights, optimiser and schedule are part of every checkpoint
+    Case("async", True, [fault("train", 3, 6, why="critic: in a training micro-batch")], extra=CRITIC),
+    Case("sync", False, [fault("checkpoint", 2, why="critic: in its second checkpoint write")], extra=CRITIC),
 ]
 
 
@@ -420,6 +427,25 @@ def check_once(run_dir: Path, steps: int) -> tuple[bool, str]:
     return True, ""
 
 
+def check_critic(run_dir: Path, steps: int) -> tuple[bool, str]:
+    """(Cases with a critic.) The critic resumed with the policy: the final checkpoint holds its weights and
+    optimiser state, and its schedule counted every step once (a critic started afresh by a resume would
+    count only the steps after it), as the policy's did."""
+    import torch
+
+    path = run_dir / "checkpoints" / f"step_{steps:06d}" / "trainer.pt"
+    if not path.exists():
+        return False, f"no final checkpoint step_{steps:06d}"
+    state = torch.load(path, weights_only=False)
+    critic = state.get("critic")
+    if not critic or not critic.get("weights") or not critic.get("optimizer", {}).get("state"):
+        return False, "the final checkpoint holds no critic weights or optimiser state"
+    ours, policy = critic["scheduler"]["last_epoch"], state["scheduler"]["last_epoch"]
+    if ours != steps or policy != steps:
+        return False, f"schedules counted {ours} (critic) and {policy} (policy) steps, not {steps}"
+    return True, ""
+
+
 def check_steps(run_dir: Path, steps: int) -> tuple[bool, str]:
     got = [m.get("step") for m in read_jsonl(run_dir / "metrics.jsonl")]
     if got != list(range(1, steps + 1)):
@@ -455,7 +481,8 @@ def compact(xs: list) -> str:
 
 
 def case_label(case: Case) -> str:
-    return f"{case.mode}{'+partial' if case.partial else ''}{' +eval' if case.eval else ''}"
+    return (f"{case.mode}{'+partial' if case.partial else ''}{' +eval' if case.eval else ''}"
+            + "".join(f" +{x}" for x in case.extra))
 
 
 def attempt_with_replans(i: int, kill: Kill | None, n_kills: int, cmd: list[str], env: dict, run_dir: Path,
@@ -512,7 +539,7 @@ def run_case(index: int, workdir: Path, seed: int = 0, src: Path | None = None, 
            "PYTHONPATH": os.pathsep.join(p for p in (str(src), os.environ.get("PYTHONPATH", "")) if p)}
     cmd = [sys.executable, "-m", "relayrl.cli", "train", f"run.output_dir={workdir}", f"run.name={name}",
            f"run.mode={case.mode}", f"rollout.partial={str(case.partial).lower()}", *BASE,
-           *(WITH_EVAL if case.eval else NO_EVAL), *extra]
+           *(WITH_EVAL if case.eval else NO_EVAL), *case.extra, *extra]
     logs = workdir / f"{name}-logs"
     logs.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -555,7 +582,8 @@ def run_case(index: int, workdir: Path, seed: int = 0, src: Path | None = None, 
     if final.rc not in (0, -signal.SIGKILL) and not final.landed.startswith("HUNG"):
         notes.append(f"attempt {len(attempts) - 1} exited {final.rc}: {last_line(final.log_tail)}")
     checks, why = {"exit 0": completed}, {}
-    for key, fn in (("once", check_once), ("steps", check_steps), ("loads", check_loads)):
+    for key, fn in (("once", check_once), ("steps", check_steps), ("loads", check_loads),
+                    *([("critic", check_critic)] if CRITIC[0] in case.extra else [])):
         checks[key], why[key] = fn(run_dir, STEPS)
     blind = sorted({i for i, a in tries if a.seconds > 3 and a.procs_seen == 0})
     if blind:  # the CLI itself carries the marker: a scan that never saw it proves nothing
@@ -568,6 +596,7 @@ def run_case(index: int, workdir: Path, seed: int = 0, src: Path | None = None, 
         "mode": case.mode,
         "partial": case.partial,
         "eval": case.eval,
+        "extra": list(case.extra),
         "planned": [asdict(k) for k in case.kills],
         "where": " → ".join(f"{a.kill} [{a.landed}]" + (f" (re-planned ×{replan_count(a)})" if a.replans else "")
                             for a in kills) or "—",
@@ -597,14 +626,16 @@ def last_line(text: str) -> str:
 def row(r: dict) -> list[str]:
     mark = lambda ok: "✓" if ok else "✗"  # noqa: E731
     c = r["checks"]
-    return [str(r["case"]), r["mode"] + (" +eval" if r["eval"] else ""), "on" if r["partial"] else "off", r["where"],
+    mode = r["mode"] + (" +eval" if r["eval"] else "") + "".join(f" +{x}" for x in r.get("extra", []))
+    return [str(r["case"]), mode, "on" if r["partial"] else "off", r["where"],
             str(r["kills"]) + (f" of {len(r['planned'])}" if r["kills"] != len(r["planned"]) else ""),
             str(r["replans"] or "—"), ", ".join(r["resumed_from"]) or "—", mark(c["exit 0"]), mark(c["once"]),
-            mark(c["steps"]), mark(c["loads"]), mark(c["no orphans"]), f"{r['seconds']:.0f}"]
+            mark(c["steps"]), mark(c["loads"]), mark(c["critic"]) if "critic" in c else "—", mark(c["no orphans"]),
+            f"{r['seconds']:.0f}"]
 
 
 HEADER = ["#", "mode", "partial", "where killed [run dir at the kill]", "kills", "re-plans", "resumed from step",
-          "exit 0", "once", "steps", "loads", "no orphans", "s"]
+          "exit 0", "once", "steps", "loads", "critic", "no orphans", "s"]
 
 
 def main() -> int:

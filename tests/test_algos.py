@@ -43,7 +43,8 @@ def test_ppo_clip_cases():
     assert m["clip_frac"].item() == pytest.approx(0.5)
     loss, m = ppo_clip(ratio.log(), torch.zeros(1, 4), adv, mask, 0.2, 0.2, 3.0)
     assert torch.allclose(loss, torch.tensor([[-1.2, 0.8, -0.5, 3.0]]), atol=1e-6)
-    assert m["clip_frac"].item() == pytest.approx(0.75)
+    # convention (verl's): the dual-clipped token is counted apart, not in clip_frac
+    assert m["clip_frac"].item() == pytest.approx(0.5) and m["clip_frac_dual"].item() == pytest.approx(0.25)
 
 
 def test_clip_higher_is_asymmetric():

@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from relayrl import distributed
-from relayrl.config import AlgoCfg, TrainerCfg
+from relayrl.algos import NEEDS_CRITIC
+from relayrl.config import AlgoCfg, CriticCfg, TrainerCfg
+from relayrl.critic import Critic, load_value_model
 from relayrl.models import load_policy, load_tokenizer
 from relayrl.trainer import Trainer, build_batch
 from tests.test_trainer import _stale_batch, _trajs
@@ -39,7 +41,12 @@ def _trainer(path: str, tkw: dict, akw: dict, dtype: str = "float32", weights: d
     policy = load_policy(path, dtype)
     if weights:
         policy.load_state_dict(weights)
-    return Trainer(policy, TrainerCfg(**tkw, **placement), AlgoCfg(**akw), 1.0, 10, 16)
+    tcfg, critic = TrainerCfg(**tkw, **placement), None
+    if akw.get("advantage") in NEEDS_CRITIC:  # the critic, placed and sharded as the policy is
+        device = distributed.resolve_device(tcfg.device)
+        critic = Critic(load_value_model(path, dtype), CriticCfg(lr=1e-2, updates_per_step=2), tcfg, 10, device,
+                        distributed.setup(device) if tcfg.fsdp else None)
+    return Trainer(policy, tcfg, AlgoCfg(**akw), 1.0, 10, 16, critic=critic)
 
 
 def _capture_grads(tr: Trainer, grads: list) -> None:
@@ -71,17 +78,25 @@ def _run(make, steps: list, resume_after: int = 0) -> dict:
             _capture_grads(tr, grads)
             tr.load_state_dict(state)
             torch.set_rng_state(rng)
-        metrics.append(tr.step(batch, version=version))
+        metrics.append({k: v for k, v in tr.step(batch, version=version).items()
+                        if not k.startswith("time/")})  # (wall-clock times differ run to run)
     weights = {k: v.detach().cpu().clone() for k, v in tr.full_state_dict().items()}
-    optim = tr.state_dict()["optimizer"]
-    if tr.dp is None:  # by parameter name, as FSDP's full optimiser state is
-        names = [n for n, _ in tr.model.named_parameters()]
-        optim = {names[i]: s for i, s in optim["state"].items()}
-    else:
-        optim = optim["state"]
+    state = tr.state_dict()
+    out = {"metrics": metrics, "grads": grads, "weights": weights, "optim": _by_name(tr, tr.model, state)}
+    if tr.critic is not None:
+        out["critic"] = {k: v.detach().cpu().clone() for k, v in state["critic"]["weights"].items()}
+        out["critic_optim"] = _by_name(tr, tr.critic.model, state["critic"])
     tr.close()
-    return {"metrics": metrics, "grads": grads, "weights": weights,
-            "optim": {n: {k: v.cpu() for k, v in s.items() if k != "step"} for n, s in optim.items()}}
+    return out
+
+
+def _by_name(tr: Trainer, model, state: dict) -> dict:
+    """The optimiser state by parameter name (as FSDP's full optimiser state is), without step counts."""
+    optim = state["optimizer"]["state"]
+    if tr.dp is None:
+        names = [n for n, _ in model.named_parameters()]
+        optim = {names[i]: s for i, s in optim.items()}
+    return {n: {k: v.cpu() for k, v in s.items() if k != "step"} for n, s in optim.items()}
 
 
 def _worker(rank: int, world: int, port: int, path: str, scenarios: dict, out: str, device: str) -> None:
@@ -146,7 +161,16 @@ def _scenarios(tok, model) -> dict:
         "m2po, mismatch under the previous weights": (
             base, {"offpolicy": "m2po"}, "float32", [(stale, 1), (later, 2)], 0),
         "bf16": (base, {}, "bfloat16", [(a, None)], 0),
+        "critic (gae, two updates each), resumed between the steps": (
+            {**base, "updates_per_step": 2}, {"advantage": "gae", "kl_coef": 0.1, "kl_mode": "reward"}, "float32",
+            [(_with_rewards(tok, 1), None), (_with_rewards(tok, 2), None)], 1),
     }
+
+
+def _with_rewards(tok, seed: int):
+    from tests.test_critic import reward_batch
+
+    return reward_batch(tok, seed)
 
 
 def test_share_deals_micro_batches_round_robin_padded():
@@ -178,6 +202,10 @@ def test_two_gloo_ranks_give_the_unsharded_step(tiny_path, tmp_path):
         _close(g["weights"], r["weights"], f"{name}: weights", 0, 2e-2 if bf16 else 1e-6)
         if not bf16:
             _close(g["optim"], r["optim"], f"{name}: optimiser", 1e-4, 1e-9)
+        if "critic" in r:  # sharded the same way: its weights and optimiser state are the unsharded ones
+            _close(g["critic"], r["critic"], f"{name}: critic", 0, 1e-6)
+            _close(g["critic_optim"], r["critic_optim"], f"{name}: critic optimiser", 1e-4, 1e-9)
+            assert r["metrics"][1]["critic/loss"] > 0 and "kl_reward" in r["metrics"][1]
     mismatch = got["m2po, mismatch under the previous weights"]["metrics"][1]
     assert mismatch["logprob_mismatch_tokens"] > 0  # tokens one version old, checked under the kept weights
 
@@ -210,18 +238,20 @@ E2E = ["data.eval_path=null", "reward.fn=tests.rewards_for_tests:digit_fraction"
 
 
 @pytest.mark.slow
-def test_torchrun_fsdp_run_ends_with_the_single_process_checkpoint(tiny_path, tmp_path):
+@pytest.mark.parametrize("algo", [[], ["algo.advantage=gae"]], ids=["grpo", "gae-critic"])
+def test_torchrun_fsdp_run_ends_with_the_single_process_checkpoint(tiny_path, tmp_path, algo):
     """``torchrun --nproc-per-node 2 -m relayrl.cli train ... trainer.fsdp=true`` on gloo: two
     steps, a checkpoint that loads, and the weights a single-process run of the same config ends
-    with (sync mode is deterministic; the sharded step equals the unsharded one)."""
+    with (sync mode is deterministic; the sharded step equals the unsharded one). With a critic, its
+    weights (sharded as the policy's, gathered into the checkpoint) are the single process's too."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from relayrl.config import load_config
     from relayrl.pipeline import train
 
-    args = E2E + [f"model.path={tiny_path}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    args = E2E + algo + [f"model.path={tiny_path}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "relayrl.cli", "train", *args, f"run.output_dir={tmp_path / 'fsdp'}", "trainer.fsdp=true"]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
@@ -243,6 +273,10 @@ def test_torchrun_fsdp_run_ends_with_the_single_process_checkpoint(tiny_path, tm
     assert any(not torch.equal(a[k], initial[k]) for k in initial)  # it trained
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-5), k
+    if algo:
+        ca, cb = (torch.load(d / "trainer.pt", weights_only=False)["critic"]["weights"] for d in (sharded, single))
+        assert ca.keys() == cb.keys() and all(torch.allclose(ca[k], cb[k], atol=1e-5) for k in ca)
+        assert not torch.equal(ca["head.weight"], load_value_model(tiny_path).head.weight)  # it trained
 
 
 # -- on a GPU (skipped here) -----------------------------------------------------------------
@@ -287,3 +321,42 @@ def test_bf16_fsdp_step_on_gpus(tiny_path, tmp_path):
     moved = torch.cat([(got["weights"][k].float() - before[k]).flatten() for k in before])
     moved_ref = torch.cat([(ref["weights"][k].float() - before[k]).flatten() for k in before])
     assert torch.nn.functional.cosine_similarity(moved, moved_ref, dim=0) > 0.99
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_critic_step_matches_the_cpu_step(tiny_path):
+    """The critic on CUDA (``trainer.device=cuda``): values, GAE and its update, the CPU step's up to
+    kernel rounding; its weights come back on the CPU."""
+    from tests.test_critic import reward_batch
+
+    batch = reward_batch(load_tokenizer(tiny_path))
+    out = {}
+    for device in ("cpu", "cuda"):
+        tr = _trainer(tiny_path, {"lr": 1e-2, "warmup_steps": 0, "micro_batch_tokens": 60}, {"advantage": "gae"},
+                      device=device)
+        assert next(tr.critic.model.parameters()).device.type == device
+        torch.manual_seed(0)
+        out[device] = (tr.step(batch), tr.critic.full_state_dict())
+    (m_cpu, w_cpu), (m_gpu, w_gpu) = out["cpu"], out["cuda"]
+    assert all(v.device.type == "cpu" for v in w_gpu.values())
+    for k in ("loss", "critic/loss", "critic/ev", "critic/grad_norm"):
+        assert m_gpu[k] == pytest.approx(m_cpu[k], rel=1e-3, abs=1e-5), k
+    for k in w_cpu:
+        assert torch.allclose(w_gpu[k], w_cpu[k], atol=5e-4), k
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_critic_fsdp_on_gpus(tiny_path, tmp_path):
+    """The critic sharded over NCCL (two GPUs where there are two, else one rank), resumed between two
+    steps: its weights and optimiser state are the unsharded CUDA critic's."""
+    tok = load_tokenizer(tiny_path)
+    base = {"lr": 1e-2, "warmup_steps": 0, "micro_batch_tokens": 60}
+    steps = [(_with_rewards(tok, 1), None), (_with_rewards(tok, 2), None)]
+    scenarios = {"critic": (base, {"advantage": "gae"}, "float32", steps, 1)}
+    ref = _run(lambda weights=None: _trainer(tiny_path, base, {"advantage": "gae"}, "float32", weights, device="cuda"),
+               steps, 1)
+    got = _sharded(tiny_path, scenarios, tmp_path, world=min(2, torch.cuda.device_count()), device="cuda")["critic"]
+    _close(got["critic"], ref["critic"], "critic", 1e-3, 1e-5)
+    _close(got["critic_optim"], ref["critic_optim"], "critic optimiser", 1e-3, 1e-7)

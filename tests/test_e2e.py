@@ -67,7 +67,8 @@ def kill_at_checkpoint_then_resume(args: list[str], run_dir: Path, step: int, ho
     checkpoint whose state passes ``holding(state)``), then finish it with --resume (returns the
     resumed run's output). Step folders appear by an atomic rename, so one that exists is whole."""
     cmd = [sys.executable, "-m", "relayrl.cli", "train", *args]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    root = Path(__file__).parent.parent  # this checkout's src, whatever package the environment installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 240
 

@@ -23,7 +23,7 @@ from relayrl.envs.chat import TemplateMismatch, render_ids
 from relayrl.episodes import EpisodeLimits, EpisodeRunner
 from relayrl.failures import UserCodeError
 from relayrl.records import FinishReason, Group, SamplingParams, Trajectory
-from relayrl.rollout import drop_failed, group_advantages
+from relayrl.rollout import drop_failed, training_batch
 from relayrl.trainer import Trainer, build_batch
 from tests.test_episodes import PROMPT, ScriptedEngine, add, calc_reply, make_runner, run, tok  # noqa: F401
 from tests.test_chat_template import chatml_tokenizer  # noqa: F401 - a fixture
@@ -64,7 +64,13 @@ def test_a_failed_episode_is_left_out_and_its_group_baseline_is_over_the_rest():
     failures.fail(bad, "reward_timeout", "reward.fn=slow:score", "timed out after 5s")
     kept, dropped = drop_failed([Group(p, "a", ok + [bad])])
     assert dropped == 1 and kept[0].trajectories == ok
-    adv = group_advantages(kept, "grpo")
+    from relayrl.algos import ESTIMATORS
+    from relayrl.algos.estimators import Knobs
+    from relayrl.config import AlgoCfg
+
+    batch, _ = training_batch(kept, AlgoCfg(), 16, pad_id=0)  # what the loop builds; GRPO runs at training time
+    adv, _, _ = ESTIMATORS["grpo"](batch.rewards, batch.loss_mask, batch.group, None, Knobs())
+    adv = adv.sum(1)  # one response token each
     # GRPO over the 3 survivors (rewards 1, 0, 1): mean 2/3, unbiased std 0.57735
     assert torch.allclose(adv, torch.tensor([0.57735, -1.1547, 0.57735]), atol=1e-4)
     assert math.isfinite(adv.sum().item())  # the failed one's nan never reaches the estimator

@@ -77,7 +77,8 @@ def test_engine_death_stops_the_run_with_a_clear_error_and_resume_continues(tmp_
             "run.progress=false", "run.mode=async", f"run.output_dir={tmp_path}", "run.name=e", "run.steps=6",
             "run.save_every=2"]
     cmd = [sys.executable, "-m", "relayrl.cli", "train", *args]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    root = Path(__file__).parent.parent  # this checkout's src, whatever package the environment installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while not (tmp_path / "e" / "checkpoints" / "step_000002").exists():

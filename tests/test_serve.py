@@ -14,12 +14,14 @@ import openai
 import pytest
 import torch
 
+from relayrl.algos.estimators import ESTIMATORS, Knobs, over_episodes
+from relayrl.config import AlgoCfg
 from relayrl.envs.base import ToolEnv
 from relayrl.envs.chat import render_ids
 from relayrl.episode_rollout import expand_branches
 from relayrl.episodes import EpisodeLimits, EpisodeRunner
 from relayrl.records import FinishReason, Group, Prompt, SamplingParams, Trajectory
-from relayrl.rollout import group_advantages
+from relayrl.rollout import training_batch
 from relayrl.serve.agent import AgentEpisodes, AgentProgram
 from relayrl.serve.server import Endpoint
 from tests.test_episodes import PROMPT, ScriptedEngine, _score, add, calc_reply
@@ -177,9 +179,18 @@ def test_a_rewritten_history_is_a_new_branch_trained_with_the_episodes_reward(to
     assert "\\boxed{5}" in tok.decode(t.response_ids)  # the episode keeps its latest reply's branch
     # the baseline is over episodes: rewards 1 (episode 0) and 0 (episode 1) with GRPO, branches sharing theirs
     g.trajectories[1].reward = g.trajectories[3].reward = 0.0
-    adv = group_advantages([g], "grpo")
-    assert adv[0] == adv[2] and adv[1] == adv[3] and adv[0] > 0 > adv[1]
-    assert torch.allclose(adv[:2], group_advantages([Group(PROMPT, "g", g.trajectories[:2])], "grpo"))
+    adv = episode_advantages([g], tok)
+    assert torch.allclose(adv[2:], adv[:2]) and adv[0] > 0 > adv[1]
+    assert torch.allclose(adv[:2], episode_advantages([Group(PROMPT, "g", g.trajectories[:2])], tok))
+
+
+def episode_advantages(groups, tok) -> torch.Tensor:
+    """Each row's GRPO advantage (on its trained tokens), as the trainer computes it from the batch."""
+    batch, _ = training_batch(groups, AlgoCfg(), 64, tok.pad_token_id)
+    args = (ESTIMATORS["grpo"], batch.rewards, batch.loss_mask, batch.group)
+    adv = over_episodes(*args, batch.owner, Knobs()) if batch.owner is not None else args[0](*args[1:], None, Knobs())
+    adv = adv[0]
+    return (adv * batch.loss_mask).sum(-1) / batch.loss_mask.sum(-1)
 
 
 def test_the_trainers_sampling_parameters_win_and_overrides_are_counted(tok):

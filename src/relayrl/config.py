@@ -242,27 +242,41 @@ class RewardCfg(_Section):
 
 
 class AlgoCfg(_Section):
-    """Advantages, policy loss, aggregation, KL."""
+    """Advantages, policy loss, off-policy correction, aggregation, KL, overlong handling. Each is
+    chosen by name from a registry (``relayrl.algos``) and any choice combines with any other."""
 
-    advantage: str = Field("grpo", description="Advantage estimator: grpo, dr_grpo, rloo.")
-    loss: str = Field("ppo_clip", description="Policy loss: ppo_clip.")
+    advantage: str = Field(
+        "grpo", description="Advantage estimator: grpo, dr_grpo, rloo (group baselines), reinforce_pp (whitened "
+        "token returns), reinforce_pp_baseline (group mean subtracted, then whitened), gae (PPO: a learned critic, "
+        "see the critic section), evpo (the critic when its explained variance on the batch is > 0, else the "
+        "batch-mean baseline), gigpo (agents: step-level credit).")
+    loss: str = Field(
+        "ppo_clip", description="Policy loss: ppo_clip, gspo (sequence-level ratio), gspo_token (GSPO's ratio, "
+        "per-token advantages), cispo (clipped, detached importance weight times log π: MiniMax-M1).")
     agg: str = Field(
         "token_mean", description="Loss aggregation: token_mean, seq_mean_token_mean, seq_mean_token_sum_norm."
     )
-    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO ε_low, below 1: ratio floor 1-ε_low (must stay > 0).")
-    clip_high: float = Field(
-        0.28, ge=0, le=10, description="PPO ε_high: ratio ceiling 1+ε_high (clip-higher), at most 10.")
-    dual_clip: float | None = Field(3.0, description="Dual-clip constant c > 1 for A < 0 (null: off).")
-    kl_coef: float = Field(0.0, ge=0, description="Coefficient of KL to the frozen initial policy (0: off).")
+    clip_low: float | None = Field(
+        None, ge=0, lt=1, description="ε_low, below 1: ratio floor 1-ε_low (null: the loss's own: ppo_clip 0.2, "
+        "gspo/gspo_token 3e-4, cispo none).")
+    clip_high: float | None = Field(
+        None, ge=0, le=10, description="ε_high: ratio ceiling 1+ε_high (clip-higher), at most 10 (null: the loss's "
+        "own: ppo_clip 0.28, gspo/gspo_token 4e-4, cispo 0.28).")
+    dual_clip: float | None = Field(3.0, description="ppo_clip: dual-clip constant c > 1 for A < 0 (null: off).")
+    kl_coef: float = Field(0.0, ge=0, description="Coefficient β of KL to the frozen initial policy (0: off).")
+    kl_mode: Literal["loss", "reward"] = Field(
+        "loss", description="Where the KL goes: 'loss' (a term β·KL of the policy loss, GRPO's) or 'reward' "
+        "(−β·KL(π_old ‖ π_ref) on every token's reward before the advantages, PPO's).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
     entropy_coef: float = Field(0.0, description="Entropy bonus coefficient.")
     norm_len: int | None = Field(
         None, ge=1, description="Constant divisor length for seq_mean_token_sum_norm (default: rollout.max_new_tokens)."
     )
-    offpolicy: Literal["decoupled", "tis", "m2po", "none"] = Field(
+    offpolicy: str = Field(
         "decoupled", description="Correction for tokens sampled by an older policy (partial, periodic, async): "
-        "decoupled PPO (trust region around the current policy, weight π/π_behav ≤ 5), TIS on every token (also "
-        "corrects engine/trainer mismatch), M2PO second-moment masking, or none.")
+        "decoupled (PPO's trust region around the current policy, weight π/π_behav ≤ 5 on stale tokens), tis "
+        "(truncated weight on every token; also corrects engine/trainer mismatch), m2po (ratio to π_behav, "
+        "second-moment masking, no ε-clip), none. Every policy loss takes every correction.")
     # C < 1 would down-weight every on-policy token (ratio ≈ 1) instead of truncating outliers
     tis_cap: float = Field(2.0, ge=1, description="offpolicy=tis: truncation C ≥ 1 of the importance weight.")
     tis_level: Literal["token", "sequence"] = Field("token", description="offpolicy=tis: per-token or per-sequence.")
@@ -270,22 +284,64 @@ class AlgoCfg(_Section):
     ess_lr_scale: bool = Field(
         False, description="Scale each step's learning rate by sqrt(min(1, ESS/B)) of the sequence importance "
         "weights (VCPO): smaller steps on batches that are far off-policy.")
+    overlong: Literal["none", "filter", "punish"] = Field(
+        "none", description="DAPO's overlong handling: 'filter' leaves truncated responses (finish reason length) "
+        "out of the loss (their rewards still count in the baselines); 'punish' adds the soft overlong penalty to "
+        "the reward: linear from 0 to −1 over the last algo.overlong_buffer tokens of the budget "
+        "(rollout.max_new_tokens; with an environment, env.max_tokens).")
+    overlong_buffer: int = Field(
+        16, ge=1, description="overlong=punish: the buffer L_c, in tokens, at the end of the response budget.")
 
-    gamma: float = Field(0.95, ge=0, le=1, description="advantage=gigpo: discount of later turns' rewards (γ).")
+    gamma: float | None = Field(
+        None, ge=0, le=1, description="Discount γ of later rewards: gigpo (later turns; null: 0.95, the paper's), "
+        "reinforce_pp, gae, evpo (later tokens; null: 1.0, verl's).")
+    lam: float = Field(1.0, ge=0, le=1, description="advantage=gae or evpo: GAE's λ.")
+    evpo_level: Literal["batch", "group"] = Field(
+        "batch", description="advantage=evpo: the explained variance decides once per batch, or per group (its "
+        "tokens; the baseline is then the group's mean).")
     gigpo_omega: float = Field(1.0, ge=0, description="advantage=gigpo: weight ω of the step-level advantage.")
 
     @model_validator(mode="after")
     def _names(self) -> "AlgoCfg":
-        from relayrl.algos import ADVANTAGES, AGGREGATIONS, POLICY_LOSSES, STEP_ADVANTAGES
+        from relayrl.algos import AGGREGATIONS, ALL_ADVANTAGES, CORRECTIONS, POLICY_LOSSES
 
-        for key, reg in (("advantage", {**ADVANTAGES, **STEP_ADVANTAGES}), ("loss", POLICY_LOSSES),
-                         ("agg", AGGREGATIONS)):
+        for key, reg in (("advantage", ALL_ADVANTAGES), ("loss", POLICY_LOSSES), ("agg", AGGREGATIONS),
+                         ("offpolicy", CORRECTIONS)):
             val = getattr(self, key)
             if val not in reg:
                 raise ValueError(f"algo.{key}={val!r} is not one of: {', '.join(sorted(reg))}")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError("algo.dual_clip must be > 1 (or null)")
         return self
+
+    def discount(self) -> float:
+        """algo.gamma, or the estimator's default when it is null."""
+        return self.gamma if self.gamma is not None else 0.95 if self.advantage == "gigpo" else 1.0
+
+    def clip(self) -> tuple[float | None, float | None, float | None]:
+        """(ε_low, ε_high, dual clip) for the chosen loss: algo.clip_low/high or the loss's defaults."""
+        from relayrl.algos.losses import CLIP_DEFAULTS, DUAL_CLIP_LOSSES
+
+        lo, hi = CLIP_DEFAULTS[self.loss]
+        return (lo if self.clip_low is None else self.clip_low, hi if self.clip_high is None else self.clip_high,
+                self.dual_clip if self.loss in DUAL_CLIP_LOSSES else None)
+
+
+class CriticCfg(_Section):
+    """The value model trained beside the policy for algo.advantage=gae or evpo (PPO's critic)."""
+
+    path: str | None = Field(
+        None, description="Initial weights of the critic's body (any from_pretrained path with the policy's "
+        "tokenizer). null: the policy's architecture and initial weights (model.path); a fresh scalar head on top.")
+    lr: float = Field(5e-4, gt=0, description="Peak learning rate of the critic (AdamW, with trainer.betas and "
+                      "trainer.weight_decay; after its warm-up it follows trainer.schedule).")
+    warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up steps of the critic.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm of the critic.")
+    value_clip: float | None = Field(
+        0.5, gt=0, description="Clip ε of the value loss: ½·max((V − R)², (clip(V, V_old ± ε) − R)²) (null: "
+        "unclipped). Binds only from the second update of a batch on (critic.updates_per_step > 1).")
+    updates_per_step: int = Field(
+        1, ge=1, description="Critic optimiser steps per batch (mini-batches); at most the batch.")
 
 
 class TrainerCfg(_Section):
@@ -387,6 +443,7 @@ class Config(BaseModel):
     rollout: RolloutCfg = Field(default_factory=RolloutCfg)
     reward: RewardCfg = Field(default_factory=RewardCfg)
     algo: AlgoCfg = Field(default_factory=AlgoCfg)
+    critic: CriticCfg = Field(default_factory=CriticCfg)
     trainer: TrainerCfg = Field(default_factory=TrainerCfg)
     eval: EvalCfg = Field(default_factory=EvalCfg)
     env: EnvCfg = Field(default_factory=EnvCfg)
@@ -426,6 +483,7 @@ class Config(BaseModel):
         if self.algo.advantage == "gigpo" and self.env.name is None:
             raise ValueError("algo.advantage='gigpo' needs an environment (env.name): its step-level credit is "
                              "over the turns of an episode")
+        _check_algo(self)
         for field in inapplicable_set(self):
             applies, when, deciding = APPLIES_ONLY[field]
             now = ", ".join(f"{d}={_show(self.get(d))}" for d in deciding)
@@ -437,6 +495,32 @@ def budget_bounds(r: RolloutCfg) -> tuple[int, int]:
     """(responses a group gets first, most it gets) with rollout.budget=adaptive."""
     return (r.budget_min if r.budget_min is not None else max(2, r.group_size // 2),
             r.budget_max if r.budget_max is not None else 2 * r.group_size)
+
+
+def _check_algo(c: Config) -> None:
+    """Combinations of the algorithm's choices that cannot work, by name."""
+    a, r = c.algo, c.rollout
+    if a.advantage == "gigpo" and a.kl_mode == "reward" and a.kl_coef > 0:
+        raise ValueError("algo.kl_mode='reward' does not combine with algo.advantage='gigpo': GiGPO's step credit "
+                         "is computed from the episodes' step rewards when the batch is built, before any KL is "
+                         "known; use algo.kl_mode=loss")
+    if a.advantage == "evpo" and a.evpo_level == "group" and r.group_size == 1:
+        raise ValueError("algo.evpo_level='group' needs rollout.group_size > 1: a group of one response has one "
+                         "return, no variance for the critic to explain")
+    budget, which = (c.env.max_tokens, "env.max_tokens") if c.env.name else (r.max_new_tokens, "rollout.max_new_tokens")
+    if a.overlong == "punish" and a.overlong_buffer > budget:
+        raise ValueError(f"algo.overlong_buffer={a.overlong_buffer} is longer than the response budget, {which}="
+                         f"{budget}")
+    batch = r.prompts_per_step * r.group_size
+    if _critic(c) and c.critic.updates_per_step > batch:
+        raise ValueError(f"critic.updates_per_step={c.critic.updates_per_step} is more than the batch it splits: "
+                         f"rollout.prompts_per_step × rollout.group_size = {batch}")
+
+
+def _critic(c: Config) -> bool:
+    from relayrl.algos import NEEDS_CRITIC
+
+    return c.algo.advantage in NEEDS_CRITIC
 
 
 def _show(value: Any) -> str:
@@ -463,6 +547,7 @@ _RAY = (lambda c: c.run.backend == "ray", "with run.backend=ray", ("run.backend"
 _PROJECT_TRACKERS = ("wandb", "mlflow", "trackio", "swanlab")
 _BUDGET = (lambda c: c.rollout.budget == "adaptive", "with rollout.budget=adaptive", ("rollout.budget",))
 _SELECT = (lambda c: c.data.selection != "uniform", "with data.selection=vade or cures", ("data.selection",))
+_CRITIC = (_critic, "with a critic (algo.advantage=gae or evpo)", ("algo.advantage",))
 
 # Fields that the chosen mode/options ignore: field -> (does it apply?, when it applies, the fields
 # that decide). Setting one where it does not apply would silently do nothing, so it is an error
@@ -513,7 +598,15 @@ APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] =
     "serve.model_name": _SERVE,
     "serve.max_requests": _SERVE,
     "serve.max_connections": _SERVE,
-    "algo.gamma": (lambda c: c.algo.advantage == "gigpo", "with algo.advantage=gigpo", ("algo.advantage",)),
+    "algo.gamma": (lambda c: c.algo.advantage in ("gigpo", "reinforce_pp", "gae", "evpo"),
+                   "with algo.advantage=gigpo, reinforce_pp, gae or evpo", ("algo.advantage",)),
+    "algo.lam": _CRITIC,
+    "algo.evpo_level": (lambda c: c.algo.advantage == "evpo", "with algo.advantage=evpo", ("algo.advantage",)),
+    "algo.kl_mode": (lambda c: c.algo.kl_coef > 0, "with algo.kl_coef > 0", ("algo.kl_coef",)),
+    "algo.dual_clip": (lambda c: c.algo.loss == "ppo_clip", "with algo.loss=ppo_clip (the other losses have no "
+                       "dual clip)", ("algo.loss",)),
+    "algo.overlong_buffer": (lambda c: c.algo.overlong == "punish", "with algo.overlong=punish", ("algo.overlong",)),
+    **{f"critic.{k}": _CRITIC for k in CriticCfg.model_fields},
     "algo.gigpo_omega": (lambda c: c.algo.advantage == "gigpo", "with algo.advantage=gigpo", ("algo.advantage",)),
     "rollout.over_provision": (lambda c: c.rollout.partial and c.run.mode != "async",
                                "with rollout.partial=true in run.mode=sync or periodic (async over-provisions "

@@ -143,6 +143,13 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def load_model_state(model: torch.nn.Module, state: dict) -> None:
+    """Rank 0's whole weights (``full_state_dict``), sharded onto every rank ({} on the others). A collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
 def full_optimizer_state(model, opt) -> dict:
     """The optimiser state by parameter name, whole, on rank 0's CPU ({} elsewhere). A collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict

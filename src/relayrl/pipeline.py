@@ -15,8 +15,10 @@ import torch
 from rich.console import Console
 
 from relayrl import distributed, failures, model_card
+from relayrl.algos import NEEDS_CRITIC
 from relayrl.checkpoint import CheckpointWriter, RunState, restore_rng
 from relayrl.config import Config, dump_config, resolved_tree
+from relayrl.critic import make_critic
 from relayrl.data import PromptSampler, load_prompts
 from relayrl.engine import EngineError
 from relayrl.envs import python_tool
@@ -29,11 +31,11 @@ from relayrl.placement import engine_counters, engine_spec, eos_token_ids, open_
 from relayrl.records import Group, SamplingParams, group_to_dict
 from relayrl.resume import ResumeError, check_compatible, data_fingerprint, prepare_run_dir, start_state
 from relayrl.rewards import RewardRunner
-from relayrl.rollout import advantages_for, drop_failed
+from relayrl.rollout import drop_failed, training_batch
 from relayrl.serve.agent import AgentEpisodes, AgentProgram
 from relayrl.timeline import Timeline
 from relayrl.tracking import MetricsLog, ProgressBar, RunReport, Timers, Trackers
-from relayrl.trainer import Trainer, build_batch
+from relayrl.trainer import Trainer
 
 
 __all__ = ["ResumeError", "evaluate_only", "train"]
@@ -143,18 +145,26 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         undo.callback(engine.close)
         runner = make_runner(cfg, engine, tokenizer, reward, make_env, eos_token_ids(weights, tokenizer),
                              model_context(weights))
+        undo.callback(runner.close)
+        trainer = make_trainer(cfg, policy, ref)  # (a critic.path that does not load closes what was started)
         undo.pop_all()
     r = cfg.rollout
-    trainer = make_trainer(cfg, policy, ref)
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
     return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params, runner)
 
 
 def make_trainer(cfg: Config, policy, ref=None) -> Trainer:
-    """The trainer (on every torchrun rank alike with trainer.fsdp)."""
+    """The trainer, with its critic when the advantage estimator needs one (on every torchrun rank
+    alike with trainer.fsdp: the critic is sharded as the policy is)."""
     r = cfg.rollout
+    critic = make_critic(cfg) if cfg.algo.advantage in NEEDS_CRITIC else None
     return Trainer(policy, cfg.trainer, cfg.algo, r.temperature, cfg.run.steps, cfg.algo.norm_len or r.max_new_tokens,
-                   ref_model=ref, top_p=r.top_p, top_k=r.top_k)
+                   ref_model=ref, top_p=r.top_p, top_k=r.top_k, critic=critic)
+
+
+def response_budget(cfg: Config) -> int:
+    """The tokens one response may take: an episode's budget with an environment, else one generation's."""
+    return cfg.env.max_tokens if cfg.env.name else cfg.rollout.max_new_tokens
 
 
 def make_runner(cfg: Config, engine, tokenizer, reward: RewardRunner, make_env=None, eos_ids=None,
@@ -258,9 +268,9 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                     with timers("generate"):  # all of it when synchronous; what training did not hide otherwise
                         groups, generated = source.next_batch()
                     groups, failed = take_failures(groups, state, cfg)  # (episodes scored themselves, off this thread)
-                    batch = build_batch(flatten(groups), advantages_for(groups, cfg.algo), c.tokenizer.pad_token_id)
+                    batch, shaping = training_batch(groups, cfg.algo, response_budget(cfg), c.tokenizer.pad_token_id)
                     with timers("train"), tl.busy("trainer"), c.engine.asleep():  # (rollout.vllm_sleep)
-                        train_metrics = c.trainer.step(batch, version=state.version)
+                        train_metrics = {**c.trainer.step(batch, version=state.version), **shaping}
                     with timers("publish"):
                         source.publish(lambda: c.engine.load_weights(c.trainer.full_state_dict(), state.version + 1))
                 state.advance(batch.size, c.reward.stats, time.perf_counter() - t_start)

@@ -1,15 +1,18 @@
 """Groups of trajectories before and after their episodes: empty groups for prompts, failed
-responses dropped, and the advantages. Pure helpers; the rollout driver and the loop call them."""
+responses dropped, and the training batch (token-level rewards, overlong handling, step credit).
+Pure helpers; the rollout driver and the loop call them."""
 
 from __future__ import annotations
 
 import torch
 
-from relayrl.algos import ADVANTAGES, STEP_ADVANTAGES, lookup
+from relayrl.algos import STEP_ADVANTAGES
 from relayrl.algos.agents import discounted_returns, gigpo, steps_to_tokens
+from relayrl.algos.shaping import overlong_penalty
+from relayrl.batch import TrainBatch, build_batch
 from relayrl.failures import failed
 from relayrl.models import encode_prompt
-from relayrl.records import Group, Prompt, Trajectory
+from relayrl.records import FinishReason, Group, Prompt, Trajectory
 
 
 def make_groups(prompts: list[Prompt], tokenizer, group_size: int, tag: str, prompt_format: str = "chat"
@@ -37,23 +40,74 @@ def drop_failed(groups: list[Group]) -> tuple[list[Group], int]:
     return out, dropped
 
 
-def advantages_for(groups: list[Group], algo) -> torch.Tensor | list[torch.Tensor]:
-    """Advantages for ``[t for g in groups for t in g.trajectories]``: one per trajectory, or with
-    a step-level estimator (``algo.advantage=gigpo``) one per response token."""
+def training_batch(groups: list[Group], algo, budget: int, pad_id: int) -> tuple[TrainBatch, dict]:
+    """The batch of ``[t for g in groups for t in g.trajectories]`` and its shaping metrics. Token-level
+    rewards (``token_rewards``) and group ids go with it, for the estimator the trainer runs at
+    training time; GiGPO's step credit (``algo.advantage=gigpo``) is computed here from the episodes'
+    turns. ``algo.overlong``: 'punish' adds DAPO's soft penalty (over the last ``algo.overlong_buffer``
+    of ``budget`` tokens) to each reward, 'filter' takes truncated responses out of the loss."""
+    trajs = [t for g in groups for t in g.trajectories]
+    bonus = [0.0] * len(trajs)
+    metrics = {}
+    if algo.overlong == "punish":
+        bonus = overlong_penalty(torch.tensor([len(t.response_ids) for t in trajs]), budget,
+                                 algo.overlong_buffer).tolist()
+        metrics["overlong/penalty_mean"] = sum(bonus) / len(bonus)
+    keep = None
+    if algo.overlong == "filter":
+        keep = torch.tensor([t.finish_reason != FinishReason.LENGTH for t in trajs], dtype=torch.float)
+        metrics["overlong/filtered_frac"] = 1 - keep.mean().item()
     if algo.advantage in STEP_ADVANTAGES:
-        return step_advantages(groups, algo.gamma, algo.gigpo_omega)
-    return group_advantages(groups, algo.advantage)
+        adv = step_advantages(groups, algo.discount(), algo.gigpo_omega, bonus)
+        return build_batch(trajs, adv, pad_id, keep_rows=keep), metrics
+    gid = torch.tensor([i for i, g in enumerate(groups) for _ in g.trajectories], dtype=torch.long)
+    rewards = [token_rewards(t, b) for t, b in zip(trajs, bonus)]
+    return build_batch(trajs, torch.zeros(len(trajs)), pad_id, rewards, gid, keep, owners(groups)), metrics
 
 
-def step_advantages(groups: list[Group], gamma: float, omega: float) -> list[torch.Tensor]:
+def owners(groups: list[Group]) -> torch.Tensor | None:
+    """For ``TrainBatch.owner``: each row's episode row, an agent episode's extra branches
+    (``info["branch_of"]``: the sample index of their episode) pointing at their episode; None when
+    there are no branches."""
+    flat = [(i, t) for i, g in enumerate(groups) for t in g.trajectories]
+    if not any("branch_of" in t.info for _, t in flat):
+        return None
+    episode = {(i, t.sample_idx): k for k, (i, t) in enumerate(flat) if "branch_of" not in t.info}
+    return torch.tensor([episode.get((i, t.info["branch_of"]), k) if "branch_of" in t.info else k
+                         for k, (i, t) in enumerate(flat)], dtype=torch.long)
+
+
+def token_rewards(t: Trajectory, bonus: float = 0.0) -> list[float]:
+    """A reward per response token: each step's reward (``info["step_rewards"]``, one per turn, the
+    last one with the verifier's) on the last trained token of its turn, or the trajectory's reward
+    on its last trained token; ``bonus`` (shaping) goes with the last step's. 0 elsewhere."""
+    n = len(t.response_ids)
+    trained = [j for j in range(n) if not t.mask or t.mask[j]]
+    out = [0.0] * n
+    if not trained:
+        return out
+    steps = t.info.get("step_rewards") or [t.reward]
+    turns = t.turns if len(t.turns) == n else [0] * n
+    last_of = {turns[j]: j for j in trained}  # each turn's last trained token
+    for k, r in enumerate(steps):
+        out[last_of.get(k, trained[-1]) if k < len(steps) - 1 else trained[-1]] += r
+    out[trained[-1]] += bonus
+    return out
+
+
+def step_advantages(groups: list[Group], gamma: float, omega: float,
+                    bonus: list[float] | None = None) -> list[torch.Tensor]:
     """GiGPO over the turns of episodes: per-step rewards (``info["step_rewards"]``, the last
     one the episode's final reward) discounted by γ within the episode, anchor states
     (``info["anchors"]``, the observation each turn started from) shared across a group's episodes
-    whatever policy version generated them; each token gets its turn's advantage."""
+    whatever policy version generated them; each token gets its turn's advantage. ``bonus`` (one per
+    episode, reward shaping) is added to its last step's reward and to its episode reward."""
     trajs = [t for g in groups for t in g.trajectories]
+    bonus = bonus or [0.0] * len(trajs)
     step_rewards, step_episode, anchors, episode_group = [], [], [], []
     for e, (gi, t) in enumerate((gi, t) for gi, g in enumerate(groups) for t in g.trajectories):
-        rewards = t.info.get("step_rewards") or [t.reward]
+        rewards = list(t.info.get("step_rewards") or [t.reward])
+        rewards[-1] += bonus[e]
         step_rewards += rewards
         step_episode += [e] * len(rewards)
         seen = t.info.get("anchors") or []
@@ -61,7 +115,8 @@ def step_advantages(groups: list[Group], gamma: float, omega: float) -> list[tor
         episode_group.append(gi)
     ep = torch.tensor(step_episode, dtype=torch.long)
     returns = discounted_returns(torch.tensor(step_rewards, dtype=torch.float64), ep, gamma)
-    adv = gigpo(torch.tensor([t.reward for t in trajs], dtype=torch.float64), torch.tensor(episode_group),
+    adv = gigpo(torch.tensor([t.reward + b for t, b in zip(trajs, bonus)], dtype=torch.float64),
+                torch.tensor(episode_group),
                 returns, ep, torch.tensor(anchors, dtype=torch.long), omega)
     out, first = [], 0
     for e, t in enumerate(trajs):
@@ -70,18 +125,3 @@ def step_advantages(groups: list[Group], gamma: float, omega: float) -> list[tor
         out.append(steps_to_tokens(adv[first:first + n].float(), turns))
         first += n
     return out
-
-
-def group_advantages(groups: list[Group], estimator: str) -> torch.Tensor:
-    """Advantages for ``[t for g in groups for t in g.trajectories]``, in that order. The baseline is
-    over episodes: an agent episode's extra branches (``info["branch_of"]``) take its advantage."""
-    fn = lookup(ADVANTAGES, estimator, "advantage estimator")
-    flat = [(i, t) for i, g in enumerate(groups) for t in g.trajectories]
-    episodes = {(i, t.sample_idx): k for k, (i, t) in enumerate(flat) if "branch_of" not in t.info}
-    owner = [episodes.get((i, t.info["branch_of"]), k) if "branch_of" in t.info else k for k, (i, t) in enumerate(flat)]
-    own = sorted(set(owner))
-    rewards = torch.tensor([flat[k][1].reward for k in own], dtype=torch.float32)
-    gid = torch.tensor([flat[k][0] for k in own], dtype=torch.long)
-    adv = fn(rewards, gid)
-    at = {k: j for j, k in enumerate(own)}
-    return adv[torch.tensor([at[k] for k in owner], dtype=torch.long)]

@@ -16,94 +16,30 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
-from dataclasses import dataclass, fields
+import time
 
 import torch
 
 from relayrl import distributed
-from relayrl.algos import AGGREGATIONS, POLICY_LOSSES, kl_penalty, lookup
-from relayrl.algos.offpolicy import decoupled_ppo, ess_lr_scale, m2po, m2po_mask, tis_weights
+from relayrl.algos import AGGREGATIONS, CORRECTIONS, ESTIMATORS, NEEDS_CRITIC, POLICY_LOSSES, kl_penalty, lookup
+from relayrl.algos.estimators import GROUP_BASELINE, over_episodes
+from relayrl.algos.estimators import Knobs as EstimatorKnobs
+from relayrl.algos.losses import count_seqs
+from relayrl.algos.offpolicy import Knobs as CorrectionKnobs
+from relayrl.algos.offpolicy import ess_lr_scale
+from relayrl.algos.shaping import fold_kl
+from relayrl.batch import TrainBatch, build_batch, micro_batches
 from relayrl.config import AlgoCfg, TrainerCfg
 from relayrl.faults import fault_point
 from relayrl.models import entropy_from_logits
-from relayrl.records import Trajectory
 from relayrl.sampling import sampled_logprobs
 
+__all__ = ["Trainer", "TrainBatch", "build_batch", "micro_batches", "lr_lambda"]
 
-@dataclass
-class TrainBatch:
-    """Right-padded sequences; per-token tensors are aligned with targets ``input_ids[:, 1:]``."""
-
-    input_ids: torch.Tensor  # [N, L]
-    attention_mask: torch.Tensor  # [N, L]
-    loss_mask: torch.Tensor  # [N, L-1], 1 on trained response tokens
-    behav_logp: torch.Tensor  # [N, L-1], engine log-probs (0 off the mask)
-    versions: torch.Tensor  # [N, L-1], policy version per token (-1 off the mask)
-    advantages: torch.Tensor  # [N, L-1], per token (a sequence's advantage broadcast, or step credit)
-
-    @property
-    def size(self) -> int:
-        return self.input_ids.shape[0]
-
-    def select(self, idx: list[int]) -> "TrainBatch":
-        """Rows ``idx``, trimmed to their longest sequence."""
-        t = torch.tensor(idx, dtype=torch.long)
-        n = int(self.attention_mask[t].sum(1).max())
-        return TrainBatch(
-            self.input_ids[t, :n],
-            self.attention_mask[t, :n],
-            self.loss_mask[t, : n - 1],
-            self.behav_logp[t, : n - 1],
-            self.versions[t, : n - 1],
-            self.advantages[t, : n - 1],
-        )
-
-    def to(self, device) -> "TrainBatch":
-        return TrainBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
-
-
-def build_batch(trajs: list[Trajectory], advantages: torch.Tensor | list, pad_id: int) -> TrainBatch:
-    """Right-padded batch of ``trajs``. ``advantages``: one per trajectory (a tensor [N], broadcast
-    over its response tokens) or one sequence per trajectory with a value per response token
-    (step-level credit for agents). ``Trajectory.mask`` (if set) takes response tokens out of the
-    loss, e.g. tool output and template tokens between turns."""
-    n = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
-    N = len(trajs)
-    ids = torch.full((N, n), pad_id, dtype=torch.long)
-    att = torch.zeros((N, n), dtype=torch.long)
-    mask = torch.zeros((N, n - 1))
-    behav = torch.zeros((N, n - 1))
-    vers = torch.full((N, n - 1), -1, dtype=torch.long)
-    adv = torch.zeros((N, n - 1))
-    for i, t in enumerate(trajs):
-        p, r = len(t.prompt_ids), len(t.response_ids)
-        ids[i, : p + r] = torch.tensor(t.prompt_ids + t.response_ids)
-        att[i, : p + r] = 1
-        # response token j sits at position p + j and is predicted at position p + j - 1
-        span = slice(p - 1, p - 1 + r)
-        mask[i, span] = torch.tensor(t.mask, dtype=torch.float) if t.mask else 1.0
-        behav[i, span] = torch.tensor(t.behav_logprobs)
-        vers[i, span] = torch.tensor(t.versions)
-        adv[i, span] = torch.as_tensor(advantages[i], dtype=torch.float)
-    return TrainBatch(ids, att, mask, behav, vers, adv * mask)
-
-
-def micro_batches(batch: TrainBatch, token_budget: int) -> list[list[int]]:
-    """Groups of row indices, sorted by length, each with rows × longest ≤ budget (at least one row)."""
-    lengths = batch.attention_mask.sum(1).tolist()
-    order = sorted(range(batch.size), key=lambda i: lengths[i])
-    groups, cur, longest = [], [], 0
-    for i in order:
-        longest_if = max(longest, lengths[i])
-        if cur and longest_if * (len(cur) + 1) > token_budget:
-            groups.append(cur)
-            cur, longest_if = [], lengths[i]
-        cur.append(i)
-        longest = longest_if
-    if cur:
-        groups.append(cur)
-    return groups
+# the metrics summed over micro-batches (each a token-share of the optimiser batch, or a loss part)
+LOSS_METRICS = ("clip_frac", "clip_frac_dual", "offpolicy/weight_mean", "offpolicy/masked_frac")
 
 
 def _mismatch(logp: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
@@ -112,21 +48,26 @@ def _mismatch(logp: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor) -> tu
     return diff.sum().item(), diff.max().item() if diff.numel() else 0.0, mask.sum().item()
 
 
-def lr_lambda(cfg: TrainerCfg, total_steps: int):
+def lr_lambda(warmup_steps: int, schedule: str, total_steps: int):
     def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
-        if cfg.schedule == "constant":
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        if schedule == "constant":
             return 1.0
-        frac = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-        return 1.0 - frac if cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
+        frac = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return 1.0 - frac if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
 
     return f
 
 
 class Trainer:
+    """The policy's optimiser steps, and around them what the step composes by name (``relayrl.algos``):
+    the advantage estimator (at training time, with the critic's values when it needs them), the
+    policy loss, the off-policy correction, the aggregation, and the KL as a loss term or in the
+    reward. ``critic`` (``critic.Critic``) is trained on the same batch after the policy."""
+
     def __init__(self, model, tcfg: TrainerCfg, acfg: AlgoCfg, temperature: float, total_steps: int, norm_len: int,
-                 ref_model=None, top_p: float = 1.0, top_k: int = 0, mismatch_rows: int = 16):
+                 ref_model=None, top_p: float = 1.0, top_k: int = 0, mismatch_rows: int = 16, critic=None):
         self.model, self.tcfg, self.acfg = model, tcfg, acfg
         self.temperature, self.norm_len = temperature, norm_len
         self.top_p, self.top_k = top_p, top_k  # the engine's truncation, reproduced (sampling.py)
@@ -146,9 +87,19 @@ class Trainer:
         self.opt = torch.optim.AdamW(  # after sharding: it holds this rank's shards
             model.parameters(), lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay
         )
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tcfg, total_steps * tcfg.updates_per_step))
+        total = total_steps * tcfg.updates_per_step
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tcfg.warmup_steps, tcfg.schedule, total))
         self.loss_fn = lookup(POLICY_LOSSES, acfg.loss, "policy loss")
         self.agg_fn = lookup(AGGREGATIONS, acfg.agg, "aggregation")
+        self.correction = lookup(CORRECTIONS, acfg.offpolicy, "off-policy correction")
+        self.knobs = CorrectionKnobs(acfg.tis_cap, acfg.tis_level, acfg.m2po_tau)
+        self.clip = acfg.clip()
+        self.estimator = ESTIMATORS.get(acfg.advantage)  # None: advantages come with the batch (GiGPO)
+        self.est_knobs = EstimatorKnobs(acfg.discount(), acfg.lam, acfg.evpo_level)
+        self.kl_in_reward = self.ref is not None and acfg.kl_mode == "reward"
+        self.critic = critic
+        if (acfg.advantage in NEEDS_CRITIC) != (critic is not None):
+            raise ValueError(f"algo.advantage={acfg.advantage!r} {'needs a' if critic is None else 'takes no'} critic")
 
     @property
     def _leads(self) -> bool:
@@ -207,16 +158,16 @@ class Trainer:
 
     # -- one optimiser step ----------------------------------------------------------------
     def accumulate(self, batch: TrainBatch, old_logp, ref_logp, num_tokens: float, num_seqs: float,
-                   version: int | None = None, m2po_keep: torch.Tensor | None = None) -> dict:
+                   version: int | None = None, keep: torch.Tensor | None = None) -> dict:
         """Forward/backward over micro-batches of ``batch``; loss normalised by the global counts given.
 
-        Tokens sampled by an older policy than ``version`` (continued partial rollouts) are
-        trained with decoupled PPO: the trust region around π_old (the proximal policy) and an
-        importance weight π_old/π_behav, bounded (algorithms.md §2). Every term depends only on
-        its own token (and M2PO's mask, ``m2po_keep``, is computed over the whole batch), so the
-        gradient does not depend on how rows are split into micro-batches."""
-        sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "mismatch_sum": 0.0, "mismatch_max": 0.0,
-                "mismatch_tokens": 0.0, "seq_log_w": torch.zeros(batch.size)}
+        Tokens sampled by an older policy than ``version`` (continued partial rollouts, periodic and
+        async batches) are corrected by ``algo.offpolicy`` (algorithms.md §2). Every term depends only
+        on its own row (and a correction's batch mask, ``keep``, is computed over the whole optimiser
+        batch), so the gradient does not depend on how rows are split into micro-batches.
+        ``ref_logp``: the reference's log-probs for the KL loss term (None: no KL term)."""
+        sums = {"loss": 0.0, **{k: 0.0 for k in LOSS_METRICS}, "kl": 0.0, "entropy": 0.0, "mismatch_sum": 0.0,
+                "mismatch_max": 0.0, "mismatch_tokens": 0.0, "seq_log_w": torch.zeros(batch.size)}
         a = self.acfg
         dev = self.device
         for idx in self._micro_batches(batch):
@@ -229,7 +180,6 @@ class Trainer:
             fault_point("train")
             logits = self._logits(self.model, mb)
             logp = self._logp(logits, mb.input_ids[:, 1:])
-            adv = mb.advantages
             # on-policy single update: π_old is the current policy, so this forward gives it for free
             old = logp.detach() if old_logp is None else old_logp[t, :L].to(dev)
             stale = (mb.versions < version) & mb.loss_mask.bool() if version is not None else None
@@ -241,8 +191,7 @@ class Trainer:
                 sums["mismatch_max"] = max(sums["mismatch_max"], diff.max().item())
                 # log importance weight π_old/π_behav of each sequence, for the effective sample size
                 sums["seq_log_w"][t] = ((old.detach() - mb.behav_logp) * mb.loss_mask).sum(1).cpu()
-            keep = None if m2po_keep is None else m2po_keep[t, :L].to(dev)
-            per_tok, m = self._policy_loss(logp, old, mb, adv, stale, keep)
+            per_tok, m = self._policy_loss(logp, old, mb, stale, None if keep is None else keep[t, :L].to(dev))
             agg = lambda x: self.agg_fn(x, mb.loss_mask, num_tokens, num_seqs, self.norm_len)  # noqa: E731
             loss = agg(per_tok)
             if ref_logp is not None:
@@ -259,45 +208,69 @@ class Trainer:
             share = mb.loss_mask.sum().item() / max(num_tokens, 1.0)
             sums["loss"] += loss.item()
             sums["entropy"] += ent.item()
-            sums["clip_frac"] += float(m.get("clip_frac", 0.0)) * share
+            for k in LOSS_METRICS:
+                sums[k] += float(m[k]) * share
         return self._gather_sums(sums) if self.dp else sums
 
     def _gather_sums(self, sums: dict) -> dict:
         """(FSDP) Every rank's share of the sums, added up (the largest mismatch: the largest)."""
-        keys = ["loss", "clip_frac", "kl", "entropy", "mismatch_sum", "mismatch_tokens"]
+        keys = ["loss", *LOSS_METRICS, "kl", "entropy", "mismatch_sum", "mismatch_tokens"]
         total = self.dp.reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
         out = {k: v.item() for k, v in zip(keys, total)}
         out["mismatch_max"] = self.dp.reduce(torch.tensor(sums["mismatch_max"]), "max").item()
         out["seq_log_w"] = self.dp.reduce(sums["seq_log_w"])  # each rank filled its own rows
         return out
 
-    def _policy_loss(self, logp, old, mb: TrainBatch, adv, stale, m2po_keep):
-        """Per-token policy loss under ``algo.offpolicy`` (algos/offpolicy.py holds the math)."""
-        a = self.acfg
-        clip = (a.clip_low, a.clip_high, a.dual_clip)
-        if a.offpolicy == "tis":  # every token: truncated π_old/π_behav times the PPO term
-            w, _ = tis_weights(old, mb.behav_logp, mb.loss_mask, a.tis_cap, a.tis_level)
-            per_tok, m = self.loss_fn(logp, old, adv, mb.loss_mask, *clip)
-            return per_tok * w, m
-        if a.offpolicy == "m2po":
-            return m2po(logp, mb.behav_logp, adv, mb.loss_mask, a.m2po_tau, keep=m2po_keep)
-        if a.offpolicy == "none" or stale is None:
-            return self.loss_fn(logp, old, adv, mb.loss_mask, *clip)
-        return decoupled_ppo(logp, old, mb.behav_logp, adv, mb.loss_mask, *clip, offpolicy=stale)
+    def _policy_loss(self, logp, old, mb: TrainBatch, stale, keep):
+        """Per-token loss: ``algo.loss`` against the anchor ``algo.offpolicy`` names, times its weight."""
+        mask = mb.loss_mask
+        anchor, weight, trust_region = self.correction.apply(old, mb.behav_logp, mb.advantages, mask, stale, keep,
+                                                             self.knobs)
+        per_tok, m = self.loss_fn(logp, anchor, mb.advantages, mask, *(self.clip if trust_region else (None,) * 3))
+        w = torch.ones_like(mask) if weight is None else weight
+        n = mask.sum().clamp(min=1)
+        m = {**m, "offpolicy/weight_mean": (w * mask).sum() / n, "offpolicy/masked_frac": ((w == 0) * mask).sum() / n}
+        return per_tok * w, m
+
+    def _advantages(self, batch: TrainBatch, old_logp, ref_logp) -> tuple[TrainBatch, dict]:
+        """The batch with its advantages (and the critic's values and targets) computed now, from its
+        token-level rewards (with the KL folded in under ``algo.kl_mode=reward``). A batch that comes
+        with its advantages (``rewards`` None: GiGPO's step credit) is returned as it is."""
+        if batch.rewards is None:
+            return batch, {}
+        rewards, m = batch.rewards, {}
+        if self.kl_in_reward:
+            a = self.acfg
+            rewards, m = fold_kl(rewards, old_logp, ref_logp, batch.loss_mask, a.kl_coef, a.kl_estimator)
+        start = time.perf_counter()
+        values = self.critic.values(batch) if self.critic is not None else None
+        if values is not None:
+            m["time/critic_values"] = time.perf_counter() - start
+        if batch.owner is not None and self.acfg.advantage in GROUP_BASELINE:  # (an agent episode's branches)
+            adv, returns, est = over_episodes(self.estimator, rewards, batch.loss_mask, batch.group, batch.owner,
+                                              self.est_knobs)
+        else:
+            adv, returns, est = self.estimator(rewards, batch.loss_mask, batch.group, values, self.est_knobs)
+        batch = dataclasses.replace(batch, advantages=adv * batch.loss_mask, values=values, returns=returns)
+        return batch, {k: float(v) for k, v in {**m, **est}.items()}
 
     def step(self, batch: TrainBatch, version: int | None = None) -> dict:
-        """π_old (and π_ref) log-probs, then ``updates_per_step`` optimiser steps over mini-batches.
+        """π_old (and π_ref) log-probs, the advantages, then ``updates_per_step`` optimiser steps over
+        mini-batches, then the critic's update.
 
         With one update per batch of on-policy data, π_old equals the current policy: it is taken
         from the training forward itself (detached) instead of a separate recompute pass (as verl
-        does), which saves a third of the training compute. With several updates (or M2PO, whose
-        mask needs the whole batch first) π_old is recomputed first."""
+        does), which saves a third of the training compute. With several updates (or a correction
+        whose batch mask needs π_old first, or the KL folded into the reward) π_old is recomputed first."""
         if self._leads:
             self.dp.send("step", batch, version)
         self.model.train()
         single = self.tcfg.updates_per_step == 1
-        old_logp = self.logprobs(batch) if not single or self.acfg.offpolicy == "m2po" else None
+        need_old = not single or self.correction.batch_mask is not None or self.kl_in_reward
+        old_logp = self.logprobs(batch) if need_old else None
         ref_logp = self.logprobs(batch, self.ref) if self.ref is not None else None
+        batch, est_metrics = self._advantages(batch, old_logp, ref_logp)
+        loss_ref = None if self.kl_in_reward else ref_logp
         fresh = batch.loss_mask if version is None else batch.loss_mask * (batch.versions >= version)
         mismatch = [_mismatch(old_logp, batch.behav_logp, fresh)] if old_logp is not None else []
         mismatch.append(self._previous_version_mismatch(batch, version))
@@ -311,12 +284,12 @@ class Trainer:
             self.opt.zero_grad(set_to_none=True)
             t = torch.tensor(chunk)
             keep = None
-            if self.acfg.offpolicy == "m2po":  # one mask over the optimiser batch (not per micro-batch)
+            if self.correction.batch_mask is not None:  # one mask over the optimiser batch (not per micro-batch)
                 log_r = (old_logp[t][:, : mini.loss_mask.shape[1]] - mini.behav_logp) * mini.loss_mask
-                keep = m2po_mask(log_r, mini.advantages, mini.loss_mask, self.acfg.m2po_tau)
+                keep = self.correction.batch_mask(log_r, mini.advantages, mini.loss_mask, self.knobs)
             sums = self.accumulate(
-                mini, None if single else old_logp[t], None if ref_logp is None else ref_logp[t],
-                mini.loss_mask.sum().item(), float(mini.size), version, m2po_keep=keep,
+                mini, None if single else old_logp[t], None if loss_ref is None else loss_ref[t],
+                mini.loss_mask.sum().item(), count_seqs(mini.loss_mask).item(), version, keep=keep,
             )
             if old_logp is None:  # measured in the training forward
                 mismatch.append((sums["mismatch_sum"], sums["mismatch_max"], sums["mismatch_tokens"]))
@@ -334,10 +307,15 @@ class Trainer:
             for k, v in sums.items():
                 totals[k] = totals.get(k, 0.0) + v / len(chunks)
         self.model.eval()
+        if self.critic is not None:
+            start = time.perf_counter()
+            totals.update(self.critic.step(batch))
+            # the critic's share of the step: its values' forward and its update
+            totals["time/critic"] = time.perf_counter() - start + est_metrics.pop("time/critic_values")
         n = sum(x[2] for x in mismatch)
         return {"logprob_mismatch_mean": sum(x[0] for x in mismatch) / n if n else None,  # None: nothing checkable
                 "logprob_mismatch_max": max(x[1] for x in mismatch) if n else None,
-                "logprob_mismatch_tokens": int(n), **totals}
+                "logprob_mismatch_tokens": int(n), **est_metrics, **totals}
 
     @torch.no_grad()
     def _previous_version_mismatch(self, batch: TrainBatch, version: int | None) -> tuple[float, float, float]:
@@ -375,26 +353,37 @@ class Trainer:
         return distributed.full_state_dict(self.model)
 
     def state_dict(self) -> dict:
-        """Optimiser and scheduler. FSDP: the optimiser state by parameter name, whole, on rank 0."""
+        """Optimiser and scheduler, and the critic's weights and state. FSDP: the optimiser state by
+        parameter name, whole, on rank 0."""
         if self.dp is None:
-            return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}
-        if self._leads:
-            self.dp.send("state")
-        return {"optimizer": distributed.full_optimizer_state(self.model, self.opt),
-                "scheduler": self.sched.state_dict(), "fsdp": True}
+            sd = {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}
+        else:
+            if self._leads:
+                self.dp.send("state")
+            sd = {"optimizer": distributed.full_optimizer_state(self.model, self.opt),
+                  "scheduler": self.sched.state_dict(), "fsdp": True}
+        if self.critic is not None:
+            sd["critic"] = self.critic.state_dict()
+        return sd
 
     def load_state_dict(self, sd: dict) -> None:
         if bool(sd.get("fsdp")) != (self.dp is not None):
             was = "true" if sd.get("fsdp") else "false"
             raise ValueError(f"the checkpoint's optimiser state was saved with trainer.fsdp={was}: resume with "
                              f"trainer.fsdp={was}")
+        if (self.critic is not None) != ("critic" in sd):
+            raise ValueError("the checkpoint " + ("has no critic: it was saved by a run without one" if self.critic
+                             else "holds a critic: resume with the algo.advantage it was saved with (gae or evpo)"))
         if self.dp is None:
             self.opt.load_state_dict(sd["optimizer"])
         else:
-            if self._leads:
-                self.dp.send("load", {"optimizer": {}, "scheduler": sd["scheduler"], "fsdp": True})  # shards: below
+            if self._leads:  # the others get the schedulers; the whole states arrive sharded, below
+                crit = {"critic": {"scheduler": sd["critic"]["scheduler"]}} if self.critic is not None else {}
+                self.dp.send("load", {"optimizer": {}, "scheduler": sd["scheduler"], "fsdp": True, **crit})
             distributed.load_optimizer_state(self.model, self.opt, sd["optimizer"])
         self.sched.load_state_dict(sd["scheduler"])
+        if self.critic is not None:
+            self.critic.load_state_dict(sd["critic"])
 
     def close(self) -> None:
         """(FSDP, rank 0) The other ranks stop following."""

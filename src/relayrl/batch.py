@@ -1,0 +1,111 @@
+"""The training batch: right-padded sequences and per-token tensors, built from trajectories, and
+its split into micro-batches by a token budget. Shared by the policy's trainer and the critic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from relayrl.records import Trajectory
+
+_SEQ = ("input_ids", "attention_mask")  # [N, L]
+_ROW = ("group",)  # [N]
+
+
+@dataclass
+class TrainBatch:
+    """Right-padded sequences; per-token tensors are aligned with targets ``input_ids[:, 1:]``.
+
+    ``rewards`` (token-level rewards) and ``group`` are set when the advantages are computed at
+    training time (``Trainer.step``, with the critic's values when the estimator needs them); when
+    ``rewards`` is None, ``advantages`` are given (GiGPO's step credit, tests). ``values`` and
+    ``returns`` are filled at training time for the critic."""
+
+    input_ids: torch.Tensor  # [N, L]
+    attention_mask: torch.Tensor  # [N, L]
+    loss_mask: torch.Tensor  # [N, L-1], 1 on trained response tokens
+    behav_logp: torch.Tensor  # [N, L-1], engine log-probs (0 off the mask)
+    versions: torch.Tensor  # [N, L-1], policy version per token (-1 off the mask)
+    advantages: torch.Tensor  # [N, L-1], per token (a sequence's advantage broadcast, or step credit)
+    rewards: torch.Tensor | None = None  # [N, L-1], token-level rewards (outcome on the last trained token, ...)
+    group: torch.Tensor | None = None  # [N], each row's group (the responses to one prompt)
+    values: torch.Tensor | None = None  # [N, L-1], the critic's values at training time
+    returns: torch.Tensor | None = None  # [N, L-1], the critic's targets
+    # [N]: the row of the episode each row belongs to (itself, or for an agent episode's extra branch its
+    # episode's row: ``relayrl.serve``); None: every row is an episode. Whole batches only (``select`` drops it)
+    owner: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, idx: list[int]) -> "TrainBatch":
+        """Rows ``idx``, trimmed to their longest sequence."""
+        t = torch.tensor(idx, dtype=torch.long)
+        n = int(self.attention_mask[t].sum(1).max())
+
+        def cut(name: str, x):
+            if x is None or name == "owner":  # (row indices of the whole batch)
+                return None
+            return x[t] if name in _ROW else x[t, :n] if name in _SEQ else x[t, : n - 1]
+
+        return TrainBatch(**{f.name: cut(f.name, getattr(self, f.name)) for f in fields(self)})
+
+    def to(self, device) -> "TrainBatch":
+        return TrainBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                             for f in fields(self)})
+
+
+def build_batch(trajs: list[Trajectory], advantages: torch.Tensor | list, pad_id: int,
+                rewards: list[list[float]] | None = None, group: torch.Tensor | None = None,
+                keep_rows: torch.Tensor | None = None, owner: torch.Tensor | None = None) -> TrainBatch:
+    """Right-padded batch of ``trajs``. ``advantages``: one per trajectory (a tensor [N], broadcast
+    over its response tokens) or one sequence per trajectory with a value per response token
+    (step-level credit for agents). ``Trajectory.mask`` (if set) takes response tokens out of the
+    loss, e.g. tool output and template tokens between turns. ``rewards``: per trajectory, a reward
+    per response token (for the estimators run at training time), with ``group`` [N] and ``owner`` [N]
+    (``TrainBatch.owner``); ``keep_rows`` [N] (0/1) takes whole responses out of the loss
+    (``algo.overlong=filter``)."""
+    n = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+    N = len(trajs)
+    ids = torch.full((N, n), pad_id, dtype=torch.long)
+    att = torch.zeros((N, n), dtype=torch.long)
+    mask = torch.zeros((N, n - 1))
+    behav = torch.zeros((N, n - 1))
+    vers = torch.full((N, n - 1), -1, dtype=torch.long)
+    adv = torch.zeros((N, n - 1))
+    tok_rewards = torch.zeros((N, n - 1)) if rewards is not None else None
+    for i, t in enumerate(trajs):
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        ids[i, : p + r] = torch.tensor(t.prompt_ids + t.response_ids)
+        att[i, : p + r] = 1
+        # response token j sits at position p + j and is predicted at position p + j - 1
+        span = slice(p - 1, p - 1 + r)
+        mask[i, span] = torch.tensor(t.mask, dtype=torch.float) if t.mask else 1.0
+        behav[i, span] = torch.tensor(t.behav_logprobs)
+        vers[i, span] = torch.tensor(t.versions)
+        adv[i, span] = torch.as_tensor(advantages[i], dtype=torch.float)
+        if tok_rewards is not None:
+            tok_rewards[i, span] = torch.as_tensor(rewards[i], dtype=torch.float)
+    if keep_rows is not None:
+        mask = mask * keep_rows.to(mask.dtype).unsqueeze(-1)
+    return TrainBatch(ids, att, mask, behav, vers, adv * mask, None if tok_rewards is None else tok_rewards * mask,
+                      group, owner=owner)
+
+
+def micro_batches(batch: TrainBatch, token_budget: int) -> list[list[int]]:
+    """Groups of row indices, sorted by length, each with rows × longest ≤ budget (at least one row)."""
+    lengths = batch.attention_mask.sum(1).tolist()
+    order = sorted(range(batch.size), key=lambda i: lengths[i])
+    groups, cur, longest = [], [], 0
+    for i in order:
+        longest_if = max(longest, lengths[i])
+        if cur and longest_if * (len(cur) + 1) > token_budget:
+            groups.append(cur)
+            cur, longest_if = [], lengths[i]
+        cur.append(i)
+        longest = longest_if
+    if cur:
+        groups.append(cur)
+    return groups
