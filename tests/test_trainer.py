@@ -222,3 +222,38 @@ def test_token_level_advantages_and_masks(tiny):
     assert b.loss_mask[0, start] == 0 and b.advantages[0, start] == 0
     assert b.loss_mask[0].sum() == len(t.response_ids) - 1
     assert b.advantages[0, start + 1] == adv[0]
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("updates", [1, 2])
+def test_rows_with_zero_advantage_are_skipped_and_the_update_is_the_same(tiny_path, agg, updates):
+    """Half the rows have advantage 0 (a group all right or all wrong): they are not forwarded, and the
+    weights after the step equal those of a step that forwards every row (the normalisers count them)."""
+    from relayrl.models import load_policy, load_tokenizer
+
+    adv = torch.tensor([1.0, -1.0, 0.0, 0.0, 0.5, 0.0, -0.5, 0.0])
+    out = []
+    for skip in (True, False):
+        model = load_policy(tiny_path)
+        batch = build_batch(_trajs(load_tokenizer(tiny_path)), adv, 0)
+        tr = Trainer(model, TrainerCfg(lr=1e-2, warmup_steps=0, updates_per_step=updates), AlgoCfg(agg=agg), 1.0, 10, 16)
+        if not skip:
+            tr._contributing = lambda mini, ref: None
+        torch.manual_seed(0)  # the same mini-batch split
+        m = tr.step(batch)
+        out.append(({k: v.clone() for k, v in model.state_dict().items()}, m))
+    (skipped, m1), (full, m2) = out
+    assert m1["rows_skipped"] == 4 and m2["rows_skipped"] == 0
+    assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-5, abs=1e-8)
+    for k in full:
+        assert torch.allclose(skipped[k], full[k], atol=1e-6, rtol=1e-5), k
+    assert any(not torch.equal(skipped[k], load_policy(tiny_path).state_dict()[k]) for k in full)
+
+
+def test_no_row_is_skipped_when_a_term_sees_it(tiny):
+    """A KL loss term or an entropy bonus has a gradient on rows with advantage 0: nothing is skipped."""
+    model, tok = tiny
+    adv = torch.tensor([1.0, -1.0, 0.0, 0.0, 0.5, 0.0, -0.5, 0.0])
+    for algo in (AlgoCfg(kl_coef=0.1), AlgoCfg(entropy_coef=0.01), AlgoCfg(ess_lr_scale=True)):
+        tr = Trainer(model, TrainerCfg(), algo, 1.0, 10, 16)
+        assert tr.step(build_batch(_trajs(tok), adv, tok.pad_token_id))["rows_skipped"] == 0, algo

@@ -166,7 +166,8 @@ class Trainer:
         on its own row (and a correction's batch mask, ``keep``, is computed over the whole optimiser
         batch), so the gradient does not depend on how rows are split into micro-batches.
         ``ref_logp``: the reference's log-probs for the KL loss term (None: no KL term)."""
-        sums = {"loss": 0.0, **{k: 0.0 for k in LOSS_METRICS}, "kl": 0.0, "entropy": 0.0, "mismatch_sum": 0.0,
+        sums = {"loss": 0.0, **{k: 0.0 for k in LOSS_METRICS}, "kl": 0.0, "entropy_sum": 0.0, "entropy_tokens": 0.0,
+                "mismatch_sum": 0.0,
                 "mismatch_max": 0.0, "mismatch_tokens": 0.0, "seq_log_w": torch.zeros(batch.size)}
         a = self.acfg
         dev = self.device
@@ -198,23 +199,23 @@ class Trainer:
                 kl = agg(kl_penalty(logp, ref_logp[t, :L].to(dev), a.kl_estimator))
                 loss = loss + a.kl_coef * kl
                 sums["kl"] += kl.item()
+            entropy = entropy_from_logits(logits if a.entropy_coef else logits.detach(), self.temperature)
             if a.entropy_coef:
-                ent = agg(entropy_from_logits(logits, self.temperature))
-                loss = loss - a.entropy_coef * ent
-            else:
-                with torch.no_grad():
-                    ent = agg(entropy_from_logits(logits.detach(), self.temperature))
+                loss = loss - a.entropy_coef * agg(entropy)
             loss.backward()
             share = mb.loss_mask.sum().item() / max(num_tokens, 1.0)
             sums["loss"] += loss.item()
-            sums["entropy"] += ent.item()
+            sums["entropy_sum"] += (entropy.detach() * mb.loss_mask).sum().item()  # (reported: the token mean)
+            sums["entropy_tokens"] += mb.loss_mask.sum().item()
             for k in LOSS_METRICS:
                 sums[k] += float(m[k]) * share
-        return self._gather_sums(sums) if self.dp else sums
+        sums = self._gather_sums(sums) if self.dp else sums
+        sums["entropy"] = sums.pop("entropy_sum") / max(sums.pop("entropy_tokens"), 1.0)  # over the rows forwarded
+        return sums
 
     def _gather_sums(self, sums: dict) -> dict:
         """(FSDP) Every rank's share of the sums, added up (the largest mismatch: the largest)."""
-        keys = ["loss", *LOSS_METRICS, "kl", "entropy", "mismatch_sum", "mismatch_tokens"]
+        keys = ["loss", *LOSS_METRICS, "kl", "entropy_sum", "entropy_tokens", "mismatch_sum", "mismatch_tokens"]
         total = self.dp.reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
         out = {k: v.item() for k, v in zip(keys, total)}
         out["mismatch_max"] = self.dp.reduce(torch.tensor(sums["mismatch_max"]), "max").item()
@@ -279,6 +280,7 @@ class Trainer:
         # (a batch left with fewer rows than updates_per_step, after failed episodes were left out: fewer steps)
         chunks = [c for c in (perm[i :: self.tcfg.updates_per_step] for i in range(self.tcfg.updates_per_step)) if c]
         totals: dict[str, float] = {}
+        skipped = 0  # rows whose gradient is zero, not forwarded (``_contributing``)
         for chunk in chunks:
             mini = batch.select(chunk)
             self.opt.zero_grad(set_to_none=True)
@@ -287,10 +289,16 @@ class Trainer:
             if self.correction.batch_mask is not None:  # one mask over the optimiser batch (not per micro-batch)
                 log_r = (old_logp[t][:, : mini.loss_mask.shape[1]] - mini.behav_logp) * mini.loss_mask
                 keep = self.correction.batch_mask(log_r, mini.advantages, mini.loss_mask, self.knobs)
-            sums = self.accumulate(
-                mini, None if single else old_logp[t], None if loss_ref is None else loss_ref[t],
-                mini.loss_mask.sum().item(), count_seqs(mini.loss_mask).item(), version, keep=keep,
-            )
+            # the normalisers are the whole mini-batch's, whichever of its rows go forward
+            num_tokens, num_seqs = mini.loss_mask.sum().item(), count_seqs(mini.loss_mask).item()
+            rows = self._contributing(mini, loss_ref)
+            old, ref = None if single else old_logp[t], None if loss_ref is None else loss_ref[t]
+            if rows is not None:
+                r = torch.tensor(rows)
+                mini, old, ref, keep = (mini.select(rows), None if old is None else old[r], None if ref is None else ref[r],
+                                        None if keep is None else keep[r])
+            sums = self.accumulate(mini, old, ref, num_tokens, num_seqs, version, keep=keep)
+            skipped += len(chunk) - mini.size
             if old_logp is None:  # measured in the training forward
                 mismatch.append((sums["mismatch_sum"], sums["mismatch_max"], sums["mismatch_tokens"]))
             scale, ess = ess_lr_scale(sums.pop("seq_log_w"))
@@ -307,6 +315,7 @@ class Trainer:
             for k, v in sums.items():
                 totals[k] = totals.get(k, 0.0) + v / len(chunks)
         self.model.eval()
+        totals["rows_skipped"] = skipped
         if self.critic is not None:
             start = time.perf_counter()
             totals.update(self.critic.step(batch))
@@ -316,6 +325,20 @@ class Trainer:
         return {"logprob_mismatch_mean": sum(x[0] for x in mismatch) / n if n else None,  # None: nothing checkable
                 "logprob_mismatch_max": max(x[1] for x in mismatch) if n else None,
                 "logprob_mismatch_tokens": int(n), **est_metrics, **totals}
+
+    def _contributing(self, mini: TrainBatch, ref_logp) -> list[int] | None:
+        """The rows of ``mini`` whose gradient is not zero: a row whose every trained token has advantage 0
+        adds nothing to any policy loss (ℓ ∝ A, whatever the correction's weight), so with no KL loss term,
+        no entropy bonus and no ESS-scaled step (terms that would see it) its forward and backward are
+        skipped — the normalisers stay the whole mini-batch's, so the gradient is the same. With fixed
+        budgets and no dynamic sampling, every group whose responses were all right or all wrong is such.
+        None: forward every row (nothing to skip, or nothing left: Adam still steps on a zero gradient)."""
+        if ref_logp is not None or self.acfg.entropy_coef or self.acfg.ess_lr_scale:
+            return None
+        moves = ((mini.advantages != 0) & mini.loss_mask.bool()).any(1)
+        if bool(moves.all()) or not bool(moves.any()):
+            return None
+        return torch.nonzero(moves).flatten().tolist()
 
     @torch.no_grad()
     def _previous_version_mismatch(self, batch: TrainBatch, version: int | None) -> tuple[float, float, float]:
