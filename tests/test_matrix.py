@@ -5,10 +5,11 @@ placement, and every pipeline mode × partial rollouts × single-turn/agent.
    336 steps): one step on a batch with stale tokens (two policy versions) and token rewards; the
    loss is finite, the policy's weights change, and the critic's too where there is one.
 2. The whole pipeline, pairwise: two steps of ``relayrl train`` on a tiny model, on a set of runs
-   that covers every *pair* of values of advantage, loss, correction, KL, mode, partial and
-   single-turn/agent at least once (``covering_runs``: a greedy covering array, deterministic);
+   that covers every *pair* of values of advantage, loss, correction, KL, mode, partial,
+   single-turn/agent and adaptive sampling (fixed groups; dynamic sampling; adaptive budgets with
+   dynamic sampling; VADE selection with adaptive budgets) at least once (``covering_runs``: a greedy covering array, deterministic);
    losses finite, policy (and critic) weights changed, checkpoint written. The full product,
-   8 × 4 × 4 × 3 × 3 × 2 × 2 = 4,608 runs, is far too slow for CI; pairs catch the interactions
+   8 × 4 × 4 × 3 × 3 × 2 × 2 × 4 = 18,432 runs, is far too slow for CI; pairs catch the interactions
    of two choices, the usual source of composition bugs.
 3. Combinations invalid by construction are rejected by the config, naming the fields.
 """
@@ -91,6 +92,13 @@ DIMS = {
     "mode": ["sync", "periodic", "async"],
     "partial": [False, True],
     "agent": [False, True],
+    "sampling": ["fixed", "dynamic", "budget+dynamic", "vade+budget"],
+}
+SAMPLING = {
+    "fixed": ["rollout.budget=fixed", "rollout.dynamic_sampling=false", "data.selection=uniform"],
+    "dynamic": ["rollout.budget=fixed", "rollout.dynamic_sampling=true", "data.selection=uniform"],
+    "budget+dynamic": ["rollout.budget=adaptive", "rollout.dynamic_sampling=true", "data.selection=uniform"],
+    "vade+budget": ["rollout.budget=adaptive", "rollout.dynamic_sampling=false", "data.selection=vade"],
 }
 
 
@@ -127,7 +135,7 @@ def test_the_runs_cover_every_valid_pair():
         for va, vb in itertools.product(DIMS[a], DIMS[b]):
             held = any(valid({**r, a: va, b: vb}) for r in RUNS)  # some valid run can hold the pair
             assert not held or ((a, va), (b, vb)) in seen, (a, va, b, vb)
-    assert all(valid(r) for r in RUNS) and len(RUNS) < 45
+    assert all(valid(r) for r in RUNS) and len(RUNS) < 50
     assert (("advantage", "gigpo"), ("agent", False)) not in seen  # invalid: never run
 
 
@@ -136,7 +144,7 @@ def _args(run: dict, tiny_path: str) -> list[str]:
          f"run.mode={run['mode']}", f"rollout.partial={str(run['partial']).lower()}", "run.steps=2",
          "run.progress=false", "run.threads=1", "reward.workers=1", "data.eval_path=null", "trainer.lr=2e-2",
          "trainer.warmup_steps=0", "rollout.prompts_per_step=2", "rollout.group_size=4",
-         *[f"algo.{k}={v}" for k, v in KL[run["kl"]].items()]]
+         *[f"algo.{k}={v}" for k, v in KL[run["kl"]].items()], *SAMPLING[run["sampling"]]]
     if run["agent"]:  # the agent demo's model and calculator: it calls the tool on about a third of its episodes
         a += ["model.path=builtin:agent-demo", "data.path=builtin:agent-demo", "env.name=calculator",
               "env.max_turns=2", "env.max_tokens=64", "rollout.max_new_tokens=32", "reward.fn=math"]
