@@ -6,10 +6,14 @@ checkpoint; each tracker follows as far as it allows):
 - tensorboard: the same folder; TensorBoard's own ``purge_step`` hides the killed attempt's
   events past the checkpoint, so the read-back equals ``metrics.jsonl``.
 - wandb: the same run id, ``resume="allow"`` (offline: a new ``offline-run-*`` folder of the same
-  run; ``wandb sync`` them in order). W&B keeps one value per step, the first it was sent.
+  run; ``wandb sync`` them in order). W&B keeps one value per step, the first it was sent. Its
+  service writes the file every 0.5 s and holds a step's row until the next step: a killed attempt's
+  folder may lack its last steps (``metrics.jsonl`` has them; nothing can make W&B write sooner).
 - mlflow: the same run id. MLflow cannot delete metric values: a step the killed attempt logged
   past the checkpoint has two values, the resumed one the later (its latest value is right).
 - trackio: the run of the same name, ``resume="allow"``; like MLflow, a re-logged step has two rows.
+  Each step is written when it is logged (trackio's thread would wait 0.5 s: a run killed before
+  its first write is not found, and --resume would start a second run).
 - swanlab: the same run id, ``resume="allow"`` (offline: a new run folder of the same id).
 """
 
@@ -241,6 +245,16 @@ class Trackio(Tracker):
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)
+        self.persist()
+
+    def persist(self) -> None:
+        """Written now, as metrics.jsonl is. trackio's own thread writes every 0.5 s, and a run killed before
+        its first write is not in the database: --resume would then start a second run, not continue this
+        one. (trackio has no public flush; a version without this private one keeps its 0.5 s batches.)"""
+        flush, lock = getattr(self.run, "_flush_queues_inline", None), getattr(self.run, "_client_lock", None)
+        if flush is not None and lock is not None and getattr(self.run, "_is_local", False):
+            with lock:
+                flush()
 
     def images(self, paths: dict[str, Path], step: int) -> None:
         import trackio
