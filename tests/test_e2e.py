@@ -16,7 +16,10 @@ import torch
 from relayrl.config import load_config
 from relayrl.pipeline import train
 
-EASY = [
+# Exact sample counts (steps × prompts × group_size) and bit-equal runs: every prompt its group_size responses,
+# nothing filtered. (The default's adaptive budgets and dynamic sampling: test_matrix, test_kill_torture.)
+FIXED = ["rollout.budget=fixed", "rollout.dynamic_sampling=false"]
+EASY = [*FIXED,
     "data.eval_path=null",
     "reward.fn=tests.rewards_for_tests:digit_fraction",
     "rollout.max_new_tokens=8",
@@ -103,7 +106,7 @@ def test_kill_and_resume_continues_counts(tiny_path, tmp_path):
     assert state["sampler"]["consumed"] == 8 * 4
 
 
-SMALL = ["data.eval_path=null", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=96",
+SMALL = [*FIXED, "data.eval_path=null", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=96",
          "run.progress=false"]
 
 

@@ -267,7 +267,8 @@ def test_fewer_rows_than_updates_per_step_train_without_an_empty_mini_batch(tiny
 # ---------------------------------------------------------------- end to end
 
 
-EASY = ["data.eval_path=null", "rollout.max_new_tokens=8", "rollout.prompts_per_step=4", "rollout.group_size=4",
+EASY = ["rollout.budget=fixed", "rollout.dynamic_sampling=false",  # (counts: 16 of 16 episodes)
+        "data.eval_path=null", "rollout.max_new_tokens=8", "rollout.prompts_per_step=4", "rollout.group_size=4",
         "trainer.warmup_steps=0", "run.progress=false", "run.save_every=0"]
 
 APPENDS = ("def score(completion, answer, metadata):\n"

@@ -36,7 +36,7 @@ def test_the_readme_environment_trains_as_written(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "runs" / "weather"
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == 5 and summary["samples"] == 5 * 3 * 4
+    assert summary["steps"] == 5 and 5 * 3 * 2 <= summary["samples"] <= 5 * 3 * 8  # adaptive budgets: 2 to 8 each
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all("tool_call_rate" in r and "turns_mean" in r for r in rows)
     # the example's environment does what the README says (the demo model, trained on products,

@@ -197,18 +197,20 @@ class RolloutCfg(_Section):
         2, ge=0, description="async: η, how many policy versions generation may run ahead of training; a group "
         "about to exceed it is waited for, never dropped. 0 behaves synchronously.")
     dynamic_sampling: bool = Field(
-        False, description="DAPO's dynamic sampling: a group whose rewards have no variance (all right or all "
+        True, description="DAPO's dynamic sampling: a group whose rewards have no variance (all right or all "
         "wrong: zero advantage) is left out before it is accepted and a new group generated in its place, in every "
-        "mode, so each step trains on groups that teach.")
+        "mode, so each step trains on groups that teach. Unset, it is true with a group baseline (grpo, dr_grpo, "
+        "rloo, reinforce_pp_baseline) over group_size ≥ 2, else false.")
     dynamic_sampling_max: int = Field(
         4, ge=1, description="dynamic_sampling: at most this many × prompts_per_step groups filtered per step; past it "
         "zero-variance groups are accepted as they are (a model that solves everything would otherwise generate "
         "forever).")
     budget: Literal["fixed", "adaptive"] = Field(
-        "fixed", description="Responses per prompt. 'fixed': group_size each. 'adaptive': budget_min first; a group "
-        "whose rewards have no variance (solved or hopeless) stops there, one with variance gets up to budget_max, "
-        "most near a 50% success rate, from its own reserve and what stopped groups left: at most "
-        "prompts_per_step × group_size responses per window of prompts_per_step groups.")
+        "adaptive", description="Responses per prompt. 'fixed': group_size each. 'adaptive': budget_min first; a "
+        "group whose rewards have no variance (solved or hopeless) stops there, one with variance gets up to "
+        "budget_max, most near a 50% success rate, from its own reserve and what stopped groups left: at most "
+        "prompts_per_step × group_size responses per window of prompts_per_step groups. Unset, it is 'adaptive' "
+        "with a group baseline over group_size ≥ 2, else 'fixed'.")
     budget_min: int | None = Field(
         None, ge=2, description="budget=adaptive: responses a group gets first (null: half of group_size, at least 2).")
     budget_max: int | None = Field(
@@ -460,6 +462,7 @@ class Config(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
+        _adaptive_sampling_where_it_applies(self)
         r, t = self.rollout, self.trainer
         batch = r.prompts_per_step * r.group_size
         if t.updates_per_step > batch:  # each optimiser step needs at least one response
@@ -489,6 +492,20 @@ class Config(BaseModel):
             now = ", ".join(f"{d}={_show(self.get(d))}" for d in deciding)
             raise ValueError(f"{field} is set, but it only applies {when} (here {now}): remove it")
         return self
+
+
+def _adaptive_sampling_where_it_applies(c: Config) -> None:
+    """rollout.budget and rollout.dynamic_sampling, where the user left them unset: 'adaptive' and true with a
+    group baseline over ≥ 2 responses (their signal is a group's reward variance; the default run learns on every
+    seed with them, not without: README, "Learning over seeds"), else 'fixed' and false."""
+    from relayrl.algos.estimators import GROUP_BASELINE
+
+    r = c.rollout
+    groups = c.algo.advantage in GROUP_BASELINE and r.group_size >= 2
+    if "budget" not in r.model_fields_set:
+        r.budget = "adaptive" if groups else "fixed"
+    if "dynamic_sampling" not in r.model_fields_set:
+        r.dynamic_sampling = groups
 
 
 def budget_bounds(r: RolloutCfg) -> tuple[int, int]:

@@ -67,19 +67,20 @@ def _get(tree: dict, dotted: str):
 
 
 def check_compatible(saved: dict, cfg: Config, saved_fp: str, fp: str, ckpt: Path) -> None:
-    now = cfg.model_dump(mode="json")
-    for field, why in UNSAFE_ON_RESUME.items():
-        if saved and field.split(".")[0] in saved and _get(saved, field) != _get(now, field):
-            raise ResumeError(f"--resume from {ckpt}: {field} was {_get(saved, field)!r} and is now "
-                              f"{_get(now, field)!r}; {why}. Restore it, or start a new run (another run.name)")
     from relayrl.algos import NEEDS_CRITIC
 
+    # (first: the estimator decides rollout.budget's and dynamic_sampling's defaults, which then differ too)
     was = _get(saved, "algo.advantage") if saved else None
     if was is not None and (was in NEEDS_CRITIC) != (cfg.algo.advantage in NEEDS_CRITIC):
         raise ResumeError(f"--resume from {ckpt}: algo.advantage was {was!r} and is now {cfg.algo.advantage!r}; "
                           f"the checkpoint {'holds' if was in NEEDS_CRITIC else 'has no'} critic and the new "
                           f"estimator {'needs' if cfg.algo.advantage in NEEDS_CRITIC else 'takes no'} one. Restore "
                           "it, or start a new run (another run.name)")
+    now = cfg.model_dump(mode="json")
+    for field, why in UNSAFE_ON_RESUME.items():
+        if saved and field.split(".")[0] in saved and _get(saved, field) != _get(now, field):
+            raise ResumeError(f"--resume from {ckpt}: {field} was {_get(saved, field)!r} and is now "
+                              f"{_get(now, field)!r}; {why}. Restore it, or start a new run (another run.name)")
     if saved_fp and fp != saved_fp:
         raise ResumeError(f"--resume from {ckpt}: the training data ({cfg.data.path}) is not what the run was "
                           f"started with (fingerprint {fp} != {saved_fp}): the saved data cursor would repeat or "
