@@ -280,3 +280,17 @@ def test_agent_settings_load():
     cfg = load_config(None, ["env.name=calculator", "env.args={delay_s: 0.2}", "env.max_turns=3",
                              "algo.advantage=gigpo", "algo.gamma=0.9", "run.mode=async"])
     assert cfg.env.args == {"delay_s": 0.2} and cfg.env.max_turns == 3 and cfg.algo.gamma == 0.9
+
+
+@pytest.mark.parametrize("overrides, budget, dynamic", [
+    ([], "adaptive", True),  # the default run: a group baseline (grpo) over 8 responses
+    (["algo.advantage=rloo", "rollout.group_size=2"], "adaptive", True),
+    (["rollout.group_size=1"], "fixed", False),  # one response: no group variance to read
+    (["algo.advantage=gae"], "fixed", False),  # a critic's baseline, not the group's
+    (["algo.advantage=reinforce_pp"], "fixed", False),
+    (["rollout.dynamic_sampling=false"], "adaptive", False),  # what the user sets stays
+    (["algo.advantage=gae", "rollout.budget=adaptive"], "adaptive", False),
+])
+def test_adaptive_sampling_is_the_default_where_a_group_baseline_uses_it(overrides, budget, dynamic):
+    cfg = load_config(None, overrides)
+    assert (cfg.rollout.budget, cfg.rollout.dynamic_sampling) == (budget, dynamic)
