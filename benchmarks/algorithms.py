@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_info, markdown_table  # noqa: E402
+from common import FIXED_GROUPS, machine_info, markdown_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -64,7 +64,7 @@ ONCE_ROWS = ("gspo", "cispo")  # default demo, seed 0: at the defaults these are
 ASYNC_ROWS = ("gae", "evpo", "reinforce_pp", "gspo", "cispo")  # the "each with run.mode=async too"
 # the agent demo's held-out set is evaluated on 100 of its prompts (its config says 200): agent episodes with
 # tool calls cost several turns each, and its greedy accuracy moves from 0 to ~100%, far beyond that noise
-DEMOS = {"default": [], "agent": [str(ROOT / "examples" / "agent_demo.yaml"), "eval.size=100"]}
+DEMOS = {"default": FIXED_GROUPS, "agent": [str(ROOT / "examples" / "agent_demo.yaml"), "eval.size=100"]}
 STEPS = {"default": 40, "agent": 15}
 CURVES = ("reward_mean", "step_time", "time/critic", "critic/ev", "evpo/ev", "evpo/use_critic", "critic/loss",
           "clip_frac", "entropy")

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_info, write_results  # noqa: E402
+from common import FIXED_GROUPS, machine_info, write_results  # noqa: E402
 
 MODES = {
     "sync": ["run.mode=sync", "rollout.partial=false"],
@@ -46,7 +46,8 @@ def run_mode(name: str, steps: int, extra: list[str], out: Path, setup: list[str
 
     with tempfile.TemporaryDirectory() as d:
         cfg = load_config(None, [f"run.output_dir={d}", f"run.name={slug(name)}", f"run.steps={steps}",
-                                 "run.progress=false", *(MODES[name] if setup is None else setup), *extra])
+                                 "run.progress=false", *FIXED_GROUPS, *(MODES[name] if setup is None else setup),
+                                 *extra])
         t0 = time.perf_counter()
         summary = train(cfg)
         rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -8,6 +8,11 @@ import platform
 import time
 from pathlib import Path
 
+# Every prompt its group_size responses, every group trained: the work these benchmarks compare (and
+# the default until 2026-11-24, when their README tables were measured); relayrl's default now adapts
+# budgets and filters groups (README, Adaptive sampling), which changes the work done per step.
+FIXED_GROUPS = ["rollout.budget=fixed", "rollout.dynamic_sampling=false"]
+
 
 def machine_info() -> dict:
     import torch

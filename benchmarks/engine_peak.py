@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_info, write_results  # noqa: E402
+from common import FIXED_GROUPS, machine_info, write_results  # noqa: E402
 
 from relayrl.config import load_config  # noqa: E402
 from relayrl.data import load_prompts  # noqa: E402
@@ -59,7 +59,7 @@ def achieved(steps: int, extra: list[str]) -> dict:
 
     with tempfile.TemporaryDirectory() as d:
         cfg = load_config(None, [f"run.output_dir={d}", f"run.steps={steps}", "run.progress=false",
-                                 "data.eval_path=null", "run.save_every=0", *extra])
+                                 "data.eval_path=null", "run.save_every=0", *FIXED_GROUPS, *extra])
         train(cfg)
         rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     gen_tokens = sum(r["generated_tokens"] for r in rows)

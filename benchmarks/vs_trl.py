@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_info, write_results  # noqa: E402
+from common import FIXED_GROUPS, machine_info, write_results  # noqa: E402
 
 PROMPTS, G, MAX_NEW, TEMP, LR, WARMUP = 8, 8, 128, 1.0, 1e-4, 3
 
@@ -65,7 +65,7 @@ def shared_overrides(model: str, steps: int, out: str, name: str) -> list[str]:
         "trainer.schedule=constant", "algo.advantage=grpo", "algo.agg=token_mean", "algo.clip_low=0.2",
         "algo.clip_high=0.28", "algo.dual_clip=null", "algo.kl_coef=0",
         # the work TRL does: every prompt its G responses, every group trained (whatever relayrl's defaults)
-        "rollout.budget=fixed", "rollout.dynamic_sampling=false", "data.selection=uniform",
+        *FIXED_GROUPS, "data.selection=uniform",
     ]
 
 
