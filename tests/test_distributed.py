@@ -188,8 +188,8 @@ def test_two_gloo_ranks_give_the_unsharded_step(tiny_path, tmp_path):
     torch.manual_seed(0)
     ref = {}
     for name, (tkw, akw, dtype, steps, resume) in scenarios.items():
-        def make(weights=None, tkw=tkw, akw=akw, dtype=dtype):
-            return _trainer(tiny_path, tkw, akw, dtype, weights, device="cpu")
+        def make(weights=None, tkw=tkw, akw=akw, dtype=dtype):  # (the ranks forward plainly: no shared prefixes)
+            return _trainer(tiny_path, {**tkw, "share_prefix": False}, akw, dtype, weights, device="cpu")
 
         ref[name] = _run(make, steps, resume)
     got = _sharded(tiny_path, scenarios, tmp_path)
@@ -263,7 +263,8 @@ def test_torchrun_fsdp_run_ends_with_the_single_process_checkpoint(tiny_path, tm
     AutoModelForCausalLM.from_pretrained(sharded)
     assert torch.load(sharded / "trainer.pt", weights_only=False)["fsdp"]
 
-    cfg = load_config(None, args + [f"run.output_dir={tmp_path / 'single'}"])
+    # (the sharded ranks forward plainly, trainer.share_prefix being off with fsdp: so does the single process)
+    cfg = load_config(None, args + [f"run.output_dir={tmp_path / 'single'}", "trainer.share_prefix=false"])
     threads = torch.get_num_threads()
     try:
         train(cfg)

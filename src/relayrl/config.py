@@ -358,6 +358,10 @@ class TrainerCfg(_Section):
     micro_batch_tokens: int = Field(
         1024, ge=1, description="Token budget per micro-batch (padded rows × longest row). Smaller means less padding "
         "(rows are grouped by length); 1024 was fastest for the demo on CPU, GPUs want far more.")
+    share_prefix: bool = Field(
+        True, description="Forward the prompt a group's responses share once, not once per response: each "
+        "micro-batch forwards the responses, reading the prompt through its KV cache (the same gradient; "
+        "relayrl.shared_prefix). Checked against the plain forward on the first step; off with trainer.fsdp.")
     updates_per_step: int = Field(
         1, ge=1, description="Optimiser steps per rollout batch (mini-batches); at most the batch, "
         "rollout.prompts_per_step × rollout.group_size.")

@@ -95,6 +95,15 @@ def load_policy(path: str, dtype: str = "float32", field: str = "model.path"):
     return _load(AutoModelForCausalLM.from_pretrained, path, field, "model", dtype=DTYPES[dtype])
 
 
+def cache_kwarg(model) -> str:
+    """The name ``model.forward`` takes a KV cache under: ``cache`` from transformers 5.24 on (where
+    ``past_key_values`` is deprecated, to be removed in 5.40), ``past_key_values`` before."""
+    import inspect
+
+    forward = getattr(model, "module", model).forward  # (a wrapper's module, FSDP2 keeps the class)
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
 def model_context(path: str, field: str = "model.path") -> int | None:
     """The model's context length in tokens, from its config (None if the config does not say)."""
     from transformers import AutoConfig

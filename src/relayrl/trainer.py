@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import math
 import time
+import warnings
 
 import torch
 
@@ -35,6 +36,7 @@ from relayrl.config import AlgoCfg, TrainerCfg
 from relayrl.faults import fault_point
 from relayrl.models import entropy_from_logits
 from relayrl.sampling import sampled_logprobs
+from relayrl.shared_prefix import PrefixSharing
 
 __all__ = ["Trainer", "TrainBatch", "build_batch", "micro_batches", "lr_lambda"]
 
@@ -98,6 +100,9 @@ class Trainer:
         self.est_knobs = EstimatorKnobs(acfg.discount(), acfg.lam, acfg.evpo_level)
         self.kl_in_reward = self.ref is not None and acfg.kl_mode == "reward"
         self.critic = critic
+        # (FSDP: every rank runs its share of the micro-batches in step with the others: the plain forward)
+        self.sharing = PrefixSharing(tcfg.share_prefix and self.dp is None, tcfg.micro_batch_tokens,
+                                     log=lambda m: warnings.warn(m, stacklevel=3))
         if (acfg.advantage in NEEDS_CRITIC) != (critic is not None):
             raise ValueError(f"algo.advantage={acfg.advantage!r} {'needs a' if critic is None else 'takes no'} critic")
 
@@ -113,10 +118,23 @@ class Trainer:
 
     # -- forward helpers -------------------------------------------------------------------
     def _logits(self, model, mb: TrainBatch, params: dict | None = None) -> torch.Tensor:
-        kw = dict(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
-        if params is not None:  # the same module with other weights
-            return torch.func.functional_call(model, params, (), kw).logits[:, :-1]
-        return model(**kw).logits[:, :-1]
+        return self._caller(model, params)(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                           use_cache=False).logits[:, :-1]
+
+    @staticmethod
+    def _caller(model, params: dict | None):
+        """How ``model`` is run: itself, or (``params``) the same module with other weights."""
+        if params is None:
+            return lambda **kw: model(**kw)
+        return lambda **kw: torch.func.functional_call(model, params, (), kw)
+
+    def _passes(self, model, batch: TrainBatch, grad: bool, params: dict | None = None):
+        """(micro-batches, logits of one): through the group's shared prefixes where ``trainer.share_prefix``
+        finds some (``shared_prefix``: the prefixes forwarded once, here), else the plain forward of each."""
+        pre = self.sharing.prefixes(model, batch, grad, self._caller(model, params)) if self.dp is None else None
+        if pre is None:
+            return self._micro_batches(batch), None, lambda idx, mb: self._logits(model, mb, params)
+        return pre.micro_batches(self.tcfg.micro_batch_tokens), pre, lambda idx, mb: pre.logits(idx)
 
     def _logp(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """log π of the targets under the distribution the engine samples from (T, top-k, top-p)."""
@@ -129,12 +147,13 @@ class Trainer:
         model = model or self.model
         out = torch.zeros_like(batch.behav_logp)
         with self._swapped(params) if self.dp and params is not None else contextlib.nullcontext():
-            for idx in self._micro_batches(batch):
+            groups, _, logits_of = self._passes(model, batch, False, None if self.dp else params)
+            for idx in groups:
                 if idx is None:  # (FSDP) this rank has no rows left: a forward all the same
                     self._logits(model, batch.select([0]).to(self.device))
                     continue
                 mb = batch.select(idx).to(self.device)
-                lp = self._logp(self._logits(model, mb, None if self.dp else params), mb.input_ids[:, 1:])
+                lp = self._logp(logits_of(idx, mb), mb.input_ids[:, 1:])
                 out[torch.tensor(idx), : lp.shape[1]] = lp.cpu()
         if self.dp:  # each rank filled its own rows
             out = self.dp.reduce(out)
@@ -171,7 +190,8 @@ class Trainer:
                 "mismatch_max": 0.0, "mismatch_tokens": 0.0, "seq_log_w": torch.zeros(batch.size)}
         a = self.acfg
         dev = self.device
-        for idx in self._micro_batches(batch):
+        groups, prefixes, logits_of = self._passes(self.model, batch, True)
+        for idx in groups:
             if idx is None:  # (FSDP) this rank has no rows left: a zero-loss pass, as FSDP needs every rank's
                 (self._logits(self.model, batch.select([0]).to(dev)).sum() * 0).backward()
                 continue
@@ -179,7 +199,7 @@ class Trainer:
             t = torch.tensor(idx)
             L = mb.loss_mask.shape[1]
             fault_point("train")
-            logits = self._logits(self.model, mb)
+            logits = logits_of(idx, mb)
             logp = self._logp(logits, mb.input_ids[:, 1:])
             # on-policy single update: π_old is the current policy, so this forward gives it for free
             old = logp.detach() if old_logp is None else old_logp[t, :L].to(dev)
@@ -209,6 +229,8 @@ class Trainer:
             sums["entropy_tokens"] += mb.loss_mask.sum().item()
             for k in LOSS_METRICS:
                 sums[k] += float(m[k]) * share
+        if prefixes is not None:  # the micro-batches' gradient for the shared prefixes, through their pass once
+            prefixes.backward()
         sums = self._gather_sums(sums) if self.dp else sums
         sums["entropy"] = sums.pop("entropy_sum") / max(sums.pop("entropy_tokens"), 1.0)  # over the rows forwarded
         return sums
@@ -265,6 +287,8 @@ class Trainer:
         whose batch mask needs π_old first, or the KL folded into the reward) π_old is recomputed first."""
         if self._leads:
             self.dp.send("step", batch, version)
+        if self.dp is None:
+            self.sharing.verify(self.model, batch)  # (once; in eval mode, where dropout cannot tell them apart)
         self.model.train()
         single = self.tcfg.updates_per_step == 1
         need_old = not single or self.correction.batch_mask is not None or self.kl_in_reward

@@ -31,6 +31,7 @@ import torch
 from transformers import DynamicCache
 
 from relayrl.engine.base import Engine, EngineError, check_new, copy_weights
+from relayrl.models import cache_kwarg
 from relayrl.records import Completion, FinishReason, GenRequest
 from relayrl.sampling import sampling_scores
 
@@ -50,6 +51,7 @@ class HFEngine(Engine):
     def __init__(self, model, tokenizer, max_batch: int = 256, version: int = 0, batch_guard=None,
                  eos_token_ids: list[int] | None = None, driven: bool = False):
         self.model = model.eval()
+        self._cache_kw = cache_kwarg(model)  # (transformers renamed it)
         self.device = next(model.parameters()).device  # rollout.device: where it decodes (the CPU, or a GPU)
         # entered around each generate call (the continuous-batching engine pauses its own loop with it)
         self._guard = batch_guard or contextlib.nullcontext
@@ -335,7 +337,7 @@ class HFEngine(Engine):
         pos = (att.cumsum(-1) - 1).clamp(min=0)
         p = live[0].req.params
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=ids, attention_mask=att, position_ids=pos, past_key_values=cache,
+        logits = self.model(input_ids=ids, attention_mask=att, position_ids=pos, **{self._cache_kw: cache},
                             use_cache=True).logits[:, -1, :]
         pos = pos[:, -1]
         while True:
@@ -365,4 +367,4 @@ class HFEngine(Engine):
             att = torch.cat([att, att.new_ones(len(live), 1)], dim=1)
             pos = pos + 1
             logits = self.model(input_ids=tok[:, None], attention_mask=att, position_ids=pos[:, None],
-                                past_key_values=cache, use_cache=True).logits[:, -1, :]
+                                **{self._cache_kw: cache}, use_cache=True).logits[:, -1, :]

@@ -1,0 +1,187 @@
+"""One forward for the prompt that a group's rows share (``trainer.share_prefix``).
+
+The G responses to one prompt start with the same tokens. A plain forward computes them G times;
+here a (mini-)batch's prefixes are forwarded once, and every micro-batch of its rows forwards only
+the rows' own tokens (their suffixes), attending to their prefix through its KV cache. The training
+step keeps the prefix pass's graph, collects the gradient each micro-batch sends into the cached
+keys and values (they enter each micro-batch as leaves), and sends it back through the prefix pass
+once at the end (``Prefixes.backward``): the gradient is the plain forward's (up to float rounding;
+tested, logits and gradients), for the prefix's compute once per group instead of once per row.
+
+A row's prefix ends before its first trained position (``loss_mask``: the logits there predict the
+first trained token, so its suffix starts at that position), and at the tokens every row of its
+group holds alike (agent branches whose histories differ share less). Prefixes are right-padded
+into one pass; the pads are masked out of the suffixes' attention (an attention mask with holes)
+and each suffix gets its own positions (``position_ids`` after its prefix): no softmax is empty.
+
+What this needs of a model: a causal LM taking a ``DynamicCache`` with a 2-D attention mask,
+``position_ids`` and ``cache_position`` (transformers decoders). The trainer compares a group's
+logits with the plain forward's on its first step and falls back to the plain forward, with one
+line in the log, where they differ (``PrefixSharing.verify``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from relayrl.models import cache_kwarg
+
+
+def cuts(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+         group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(owner [N], cut [N]): each row's group (0..g-1) and its prefix's length: the leading tokens
+    every row of its group holds alike, before the first position any of them trains."""
+    N, L = input_ids.shape
+    trained = loss_mask.bool()
+    first = torch.where(trained.any(1), trained.float().argmax(1), torch.full((N,), L - 1))
+    _, owner = torch.unique(group, return_inverse=True)
+    cut = torch.zeros(N, dtype=torch.long)
+    for g in range(int(owner.max()) + 1):
+        rows = torch.nonzero(owner == g).flatten()
+        same = (input_ids[rows] == input_ids[rows[0]]).all(0) & attention_mask[rows].bool().all(0)
+        cut[rows] = min(int(same.long().cumprod(0).sum()), int(first[rows].min()))
+    return owner, cut
+
+
+def worth_it(owner: torch.Tensor, cut: torch.Tensor, min_prefix: int = 2) -> bool:
+    """Whether some group has two rows or more with a prefix of ``min_prefix`` tokens or more."""
+    shared = torch.bincount(owner)[owner] > 1
+    return bool((shared & (cut >= min_prefix)).any())
+
+
+class Prefixes:
+    """The prefixes of ``batch``'s groups forwarded once (``grad``: the graph kept for ``backward``),
+    and its rows' logits given micro-batch by micro-batch (``logits``)."""
+
+    def __init__(self, model, batch, owner: torch.Tensor, cut: torch.Tensor, budget: int, grad: bool, call=None):
+        self.model, self.batch, self.owner, self.cut = model, batch, owner, cut
+        self.call = call or (lambda **kw: model(**kw))
+        self.dev = next(model.parameters()).device
+        self.kw = cache_kwarg(model)
+        self.config = getattr(model, "module", model).config
+        self.lens = batch.attention_mask.sum(1)
+        g = int(owner.max()) + 1
+        first = [int(torch.nonzero(owner == i)[0]) for i in range(g)]
+        self.gcut = cut[torch.tensor(first)]  # [g]
+        C = self.C = int(self.gcut.max())
+        self.mask = (torch.arange(C) < self.gcut.unsqueeze(1)).long()  # [g, C]
+        ids = torch.where(self.mask.bool(), batch.input_ids[torch.tensor(first), :C], 0)
+        # the prefix pass, in chunks of groups under the token budget; each chunk's keys and values padded to C
+        order = sorted(range(g), key=lambda i: int(self.gcut[i]))
+        chunks, cur = [], []
+        for i in order:
+            if cur and (len(cur) + 1) * int(self.gcut[i]) > budget:
+                chunks.append(cur)
+                cur = []
+            cur.append(i)
+        chunks.append(cur)
+        pairs = []  # per chunk, per layer: (keys, values) [rows, heads, C, dim]; None: a chunk with no prefix
+        for ch in chunks:
+            c, t = max(int(self.gcut[i]) for i in ch), torch.tensor(ch)
+            if c == 0:
+                pairs.append(None)
+                continue
+            cache = DynamicCache(config=self.config)
+            self.call(input_ids=ids[t, :c].to(self.dev), attention_mask=self.mask[t, :c].to(self.dev), use_cache=True,
+                      **{self.kw: cache})
+            pairs.append([tuple(F.pad(x, (0, 0, 0, C - c)) for x in (layer.keys, layer.values))
+                          for layer in cache.layers])
+        like = next(p for p in pairs if p is not None)
+        back = torch.tensor([i for ch in chunks for i in ch]).argsort().to(self.dev)  # chunk order -> group order
+
+        def part(p, ch, layer: int, j: int) -> torch.Tensor:
+            x = like[layer][j]
+            return p[layer][j] if p is not None else x.new_zeros((len(ch), *x.shape[1:]))
+
+        self.outputs = [[torch.cat([part(p, ch, layer, j) for p, ch in zip(pairs, chunks)])[back] for j in (0, 1)]
+                        for layer in range(len(like))]
+        # what each micro-batch reads: leaves, whose gradients backward() sends through the prefix pass
+        self.leaves = [[x.detach().requires_grad_(grad) for x in pair] for pair in self.outputs]
+
+    def micro_batches(self, budget: int) -> list[list[int]]:
+        """Rows sorted by suffix length, each micro-batch with rows × longest suffix ≤ ``budget``."""
+        suffix = (self.lens - self.cut).tolist()
+        groups, cur, longest = [], [], 0
+        for i in sorted(range(len(suffix)), key=lambda i: suffix[i]):
+            if cur and max(longest, suffix[i]) * (len(cur) + 1) > budget:
+                groups.append(cur)
+                cur, longest = [], 0
+            cur.append(i)
+            longest = max(longest, suffix[i])
+        return groups + [cur] if cur else groups
+
+    def logits(self, idx: list[int]) -> torch.Tensor:
+        """Logits [k, L-1, V] of rows ``idx`` aligned with the plain forward's ``logits[:, :-1]`` of
+        ``batch.select(idx)`` (L: their longest row); positions inside a row's prefix hold its first
+        suffix logits (nothing trained is predicted there)."""
+        t = torch.tensor(idx)
+        cut, lens, own = self.cut[t], self.lens[t], self.owner[t]
+        L, S = int(lens.max()), int((lens - cut).max())
+        pos = cut.unsqueeze(1) + torch.arange(S)  # [k, S]: each suffix token's position in its row
+        inside = pos < lens.unsqueeze(1)
+        rows = self.batch.input_ids[t]
+        ids = torch.where(inside, rows.gather(1, pos.clamp(max=rows.shape[1] - 1)), 0)
+        att = torch.cat([self.mask[own], inside.long()], 1)
+        cache = DynamicCache(config=self.config)
+        o = own.to(self.dev)
+        for layer, (k, v) in enumerate(self.leaves):
+            cache.update(k[o], v[o], layer)
+        d = self.dev
+        out = self.call(input_ids=ids.to(d), attention_mask=att.to(d), position_ids=pos.to(d),
+                        cache_position=torch.arange(self.C, self.C + S, device=d), use_cache=True,
+                        **{self.kw: cache}).logits  # [k, S, V]
+        at = (torch.arange(L - 1) - cut.unsqueeze(1)).clamp(0, S - 1).to(d)  # [k, L-1]
+        return out.gather(1, at.unsqueeze(-1).expand(-1, -1, out.shape[-1]))
+
+    def backward(self) -> None:
+        """The gradient the micro-batches sent into the cached keys and values, through the prefix pass."""
+        outs = [x for pair in self.outputs for x in pair]
+        grads = [x.grad for pair in self.leaves for x in pair]
+        live = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        if live:
+            torch.autograd.backward([o for o, _ in live], [g for _, g in live])
+        self.outputs = self.leaves = []
+
+
+class PrefixSharing:
+    """The trainer's switch (``trainer.share_prefix``): on unless the model's first check fails."""
+
+    def __init__(self, enabled: bool, budget: int, log=print, tol: float = 1e-3):
+        self.enabled, self.verified, self.budget, self.log, self.tol = enabled, False, budget, log, tol
+
+    def prefixes(self, model, batch, grad: bool, call=None) -> Prefixes | None:
+        """``batch``'s prefixes forwarded, or None: sharing is off, or nothing in ``batch`` is shared."""
+        if not self.enabled or batch.group is None or batch.size < 2:
+            return None
+        owner, cut = cuts(batch.input_ids, batch.attention_mask, batch.loss_mask, batch.group)
+        if not worth_it(owner, cut):
+            return None
+        return Prefixes(model, batch, owner, cut, self.budget, grad, call)
+
+    @torch.no_grad()
+    def verify(self, model, batch) -> None:
+        """Once: the logits of one group's rows through the shared prefix against the plain forward's, on
+        the positions they train; off (and said) where they differ by more than ``tol``."""
+        if self.verified or not self.enabled or batch.group is None:
+            return
+        self.verified = True
+        rows = torch.nonzero(batch.group == batch.group[0]).flatten()[:8].tolist()
+        mb = batch.select(rows)
+        try:
+            pre = self.prefixes(model, mb, grad=False)
+            if pre is None:
+                self.verified = False  # (nothing shared in this batch: check the next one)
+                return
+            dev = next(model.parameters()).device
+            plain = model(input_ids=mb.input_ids.to(dev), attention_mask=mb.attention_mask.to(dev), use_cache=False)
+            m = mb.loss_mask.to(dev).bool()
+            diff = (pre.logits(list(range(mb.size))) - plain.logits[:, :-1]).abs().amax(-1)[m].max().item()
+            why = None if diff <= self.tol else f"differ from its plain forward's by {diff:.2g} (> {self.tol:g})"
+        except Exception as e:  # noqa: BLE001 (a model that takes no KV cache, or fills another kind)
+            why = f"could not be computed ({type(e).__name__}: {e})"
+        if why:
+            self.enabled = False
+            self.log(f"trainer.share_prefix: this model's logits through a shared prefix {why}: training with the "
+                     "plain forward")
