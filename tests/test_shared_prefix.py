@@ -125,3 +125,40 @@ def test_a_model_whose_shared_forward_differs_trains_with_the_plain_one(tiny):
     _step(plain, batch, False)
     for p, q in zip(blind.parameters(), plain.parameters()):
         torch.testing.assert_close(p, q)
+
+
+def test_rows_that_share_nothing_ride_along(tiny):
+    """A group whose rows part at their first token (cut 0) and a row alone, in micro-batches with a
+    shared group: every row's logits are the plain forward's."""
+    model, tok = tiny
+    shared = _groups(tok, prompts=("Add 1 2",), per_group=3)
+    g = torch.Generator().manual_seed(1)
+    odd = []
+    for k in range(3):  # group 1: rows 0 and 1 start differently; group 2: row 2 alone
+        ids = torch.randint(5, 200, (6 + k,), generator=g).tolist()
+        odd.append(Trajectory(Prompt(f"q{k}", [], "1"), f"h{k}", k, ids[:3], ids[3:], [-1.0] * (3 + k), [0] * (3 + k),
+                              FinishReason.STOP))
+    trajs = [*_rows(shared, tok), *odd]
+    batch = build_batch(trajs, torch.randn(len(trajs), generator=g), tok.pad_token_id,
+                        group=torch.tensor([0, 0, 0, 1, 1, 2]))
+    for budget in (10_000, 16):
+        pre = PrefixSharing(True, budget).prefixes(model, batch, grad=False)
+        assert pre is not None and pre.cut[3:].tolist() == [0, 0, 2]
+        with torch.no_grad():
+            plain = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+            for idx in pre.micro_batches(budget):
+                mask = batch.select(idx).loss_mask.bool()
+                got = pre.logits(idx)
+                torch.testing.assert_close(got[mask], plain[idx][:, : got.shape[1]][mask], atol=1e-4, rtol=1e-4)
+
+
+def _rows(batch, tok):
+    """The trajectories back out of a batch built by ``_groups`` (prompt before the first trained token)."""
+    out = []
+    for i in range(batch.size):
+        n = int(batch.attention_mask[i].sum())
+        p = int(batch.loss_mask[i].argmax()) + 1
+        ids = batch.input_ids[i, :n].tolist()
+        out.append(Trajectory(Prompt("p", [], "3"), "g", i, ids[:p], ids[p:], [-1.0] * (n - p), [0] * (n - p),
+                              FinishReason.STOP))
+    return out

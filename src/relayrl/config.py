@@ -356,12 +356,14 @@ class TrainerCfg(_Section):
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas, each in [0, 1).")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
     micro_batch_tokens: int = Field(
-        1024, ge=1, description="Token budget per micro-batch (padded rows × longest row). Smaller means less padding "
-        "(rows are grouped by length); 1024 was fastest for the demo on CPU, GPUs want far more.")
+        1024, ge=1, description="Token budget per micro-batch (padded rows × longest row; with trainer.share_prefix, "
+        "rows × longest response, the prompts forwarded apart). Smaller means less padding (rows are grouped by "
+        "length); 1024 was fastest for the demo on CPU, GPUs want far more.")
     share_prefix: bool = Field(
         True, description="Forward the prompt a group's responses share once, not once per response: each "
         "micro-batch forwards the responses, reading the prompt through its KV cache (the same gradient; "
-        "relayrl.shared_prefix). Checked against the plain forward on the first step; off with trainer.fsdp.")
+        "relayrl.shared_prefix). Checked against the plain forward on the first step. Off under trainer.fsdp "
+        "(the sharded ranks forward every row whole).")
     updates_per_step: int = Field(
         1, ge=1, description="Optimiser steps per rollout batch (mini-batches); at most the batch, "
         "rollout.prompts_per_step × rollout.group_size.")
@@ -592,6 +594,8 @@ APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] =
     "data.selection_prior": _SELECT,
     "rollout.device": (lambda c: c.rollout.engine != "vllm", "with rollout.engine=hf or hf-cb (vLLM places "
                        "itself)", ("rollout.engine",)),
+    "trainer.share_prefix": (lambda c: not c.trainer.fsdp, "with trainer.fsdp=false (the sharded ranks forward "
+                             "every row whole)", ("trainer.fsdp",)),
     "rollout.vllm_max_model_len": _VLLM,
     "rollout.vllm_gpu_memory_utilization": _VLLM,
     "rollout.vllm_sleep": _VLLM,

@@ -119,18 +119,19 @@ class Prefixes:
         t = torch.tensor(idx)
         cut, lens, own = self.cut[t], self.lens[t], self.owner[t]
         L, S = int(lens.max()), int((lens - cut).max())
+        C = max(int(cut.max()), 1)  # these rows' longest prefix (at least one position: a masked one, if none)
         pos = cut.unsqueeze(1) + torch.arange(S)  # [k, S]: each suffix token's position in its row
         inside = pos < lens.unsqueeze(1)
         rows = self.batch.input_ids[t]
         ids = torch.where(inside, rows.gather(1, pos.clamp(max=rows.shape[1] - 1)), 0)
-        att = torch.cat([self.mask[own], inside.long()], 1)
+        att = torch.cat([self.mask[own, :C], inside.long()], 1)
         cache = DynamicCache(config=self.config)
         o = own.to(self.dev)
         for layer, (k, v) in enumerate(self.leaves):
-            cache.update(k[o], v[o], layer)
+            cache.update(k[o, :, :C], v[o, :, :C], layer)
         d = self.dev
         out = self.call(input_ids=ids.to(d), attention_mask=att.to(d), position_ids=pos.to(d),
-                        cache_position=torch.arange(self.C, self.C + S, device=d), use_cache=True,
+                        cache_position=torch.arange(C, C + S, device=d), use_cache=True,
                         **{self.kw: cache}).logits  # [k, S, V]
         at = (torch.arange(L - 1) - cut.unsqueeze(1)).clamp(0, S - 1).to(d)  # [k, L-1]
         return out.gather(1, at.unsqueeze(-1).expand(-1, -1, out.shape[-1]))

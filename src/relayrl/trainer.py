@@ -100,7 +100,8 @@ class Trainer:
         self.est_knobs = EstimatorKnobs(acfg.discount(), acfg.lam, acfg.evpo_level)
         self.kl_in_reward = self.ref is not None and acfg.kl_mode == "reward"
         self.critic = critic
-        # (FSDP: every rank runs its share of the micro-batches in step with the others: the plain forward)
+        # (FSDP: every rank runs its share of the micro-batches in step with the others: the plain forward;
+        # config refuses trainer.share_prefix set with trainer.fsdp)
         self.sharing = PrefixSharing(tcfg.share_prefix and self.dp is None, tcfg.micro_batch_tokens,
                                      log=lambda m: warnings.warn(m, stacklevel=3))
         if (acfg.advantage in NEEDS_CRITIC) != (critic is not None):
