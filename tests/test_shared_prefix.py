@@ -1,6 +1,7 @@
 """trainer.share_prefix: a group's prompt forwarded once gives the plain forward's logits and gradients."""
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -73,7 +74,7 @@ def test_logits_and_gradients_equal_the_plain_forward(tiny, budget):
     m = batch.loss_mask.bool()
     for idx in groups:
         mb = batch.select(idx)
-        logits = pre.logits(idx)
+        logits = pre.outputs(idx)
         assert logits.shape == (len(idx), mb.input_ids.shape[1] - 1, plain.shape[-1])
         n = logits.shape[1]
         torch.testing.assert_close(logits[mb.loss_mask.bool()], plain[idx][:, :n][m[idx][:, :n]], atol=1e-4, rtol=1e-4)
@@ -148,7 +149,7 @@ def test_rows_that_share_nothing_ride_along(tiny):
             plain = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
             for idx in pre.micro_batches(budget):
                 mask = batch.select(idx).loss_mask.bool()
-                got = pre.logits(idx)
+                got = pre.outputs(idx)
                 torch.testing.assert_close(got[mask], plain[idx][:, : got.shape[1]][mask], atol=1e-4, rtol=1e-4)
 
 
@@ -162,3 +163,30 @@ def _rows(batch, tok):
         out.append(Trajectory(Prompt("p", [], "3"), "g", i, ids[:p], ids[p:], [-1.0] * (n - p), [0] * (n - p),
                               FinishReason.STOP))
     return out
+
+
+@pytest.mark.parametrize("updates", [1, 2])
+def test_the_critic_shares_prefixes_too(tiny_path, tiny, updates):
+    """The critic's values and its update through the body's shared prefixes are the plain ones'."""
+    from relayrl.config import CriticCfg
+    from relayrl.critic import Critic, load_value_model
+
+    _, tok = tiny
+    batch = _groups(tok)
+    initial = load_value_model(tiny_path).state_dict()
+    targets = torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(2)) * batch.loss_mask
+    out = {}
+    for share in (True, False):
+        critic = Critic(load_value_model(tiny_path), CriticCfg(lr=1e-2, updates_per_step=updates),
+                        TrainerCfg(share_prefix=share, micro_batch_tokens=64), 10, torch.device("cpu"))
+        values = critic.values(batch)
+        torch.manual_seed(0)  # (the mini-batches' order)
+        metrics = critic.step(dataclasses.replace(batch, values=values, returns=targets))
+        assert critic.sharing.enabled == share and critic.sharing.verified == share
+        out[share] = (values, metrics, critic.model.state_dict())
+    (v1, m1, w1), (v0, m0, w0) = out[True], out[False]
+    torch.testing.assert_close(v1, v0, atol=1e-5, rtol=1e-4)
+    assert m1["critic/loss"] == pytest.approx(m0["critic/loss"], rel=1e-4)
+    assert any(not torch.equal(w1[k], initial[k]) for k in initial)  # it trained
+    for k in w0:
+        torch.testing.assert_close(w1[k], w0[k], atol=1e-4, rtol=1e-3)  # (two Adam steps of lr 1e-2: 1% of one)

@@ -13,6 +13,7 @@ layer) with the same micro-batch split, gradients summed across ranks.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from relayrl import distributed
 from relayrl.algos.values import value_loss
 from relayrl.batch import TrainBatch, micro_batches
 from relayrl.models import DTYPES, _load
+from relayrl.shared_prefix import PrefixSharing
 
 
 class ValueModel(nn.Module):
@@ -77,6 +79,9 @@ class Critic:
         self.opt = torch.optim.AdamW(model.parameters(), lr=ccfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay)
         total = total_steps * ccfg.updates_per_step
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(ccfg.warmup_steps, tcfg.schedule, total))
+        # trainer.share_prefix, as the policy's trainer does it: the body reads the prompt through its cache
+        self.sharing = PrefixSharing(tcfg.share_prefix and dp is None, self.budget,
+                                     log=lambda m: warnings.warn(f"(critic) {m}", stacklevel=3))
 
     def _micro_batches(self, batch: TrainBatch) -> list[list[int] | None]:
         groups = micro_batches(batch, self.budget)
@@ -85,17 +90,30 @@ class Critic:
     def _forward(self, mb: TrainBatch) -> torch.Tensor:
         return self.model(mb.input_ids, mb.attention_mask)[:, :-1]
 
+    def _head(self, out) -> torch.Tensor:
+        return self.model.head(out.last_hidden_state).float()  # [k, S, 1]
+
+    def _passes(self, batch: TrainBatch, grad: bool):
+        """(micro-batches, shared prefixes or None, values of one): as ``Trainer._passes``."""
+        pre = self.sharing.prefixes(self.model.body, batch, grad, readout=self._head) if self.dp is None else None
+        if pre is None:
+            return self._micro_batches(batch), None, lambda idx, mb: self._forward(mb)
+        return pre.micro_batches(self.budget), pre, lambda idx, mb: pre.outputs(idx).squeeze(-1)
+
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """V [N, L-1] aligned with the per-token tensors, 0 off the loss mask; on the CPU, on every rank."""
         self.model.eval()
+        if self.dp is None:  # (once; the body's values through a shared prefix against its plain forward's)
+            self.sharing.verify(self.model.body, batch, lambda mb: self._forward(mb).unsqueeze(-1), self._head)
         out = torch.zeros_like(batch.loss_mask)
-        for idx in self._micro_batches(batch):
+        groups, _, values_of = self._passes(batch, False)
+        for idx in groups:
             if idx is None:  # (FSDP) a forward all the same
                 self._forward(batch.select([0]).to(self.device))
                 continue
             mb = batch.select(idx).to(self.device)
-            v = self._forward(mb)
+            v = values_of(idx, mb)
             out[torch.tensor(idx), : v.shape[1]] = v.cpu()
         if self.dp:
             out = self.dp.reduce(out)
@@ -126,18 +144,21 @@ class Critic:
 
     def _accumulate(self, batch: TrainBatch, num_tokens: float) -> dict:
         sums = torch.zeros(3, dtype=torch.float64)  # loss, clip_frac, values_mean (each a token mean)
-        for idx in self._micro_batches(batch):
+        groups, prefixes, values_of = self._passes(batch, True)
+        for idx in groups:
             if idx is None:  # (FSDP) a zero-loss pass: every rank runs as many backwards
                 (self._forward(batch.select([0]).to(self.device)).sum() * 0).backward()
                 continue
             mb = batch.select(idx).to(self.device)
-            v = self._forward(mb)
+            v = values_of(idx, mb)
             per_tok, m = value_loss(v, mb.values, mb.returns, mb.loss_mask, self.ccfg.value_clip)
             loss = (per_tok * mb.loss_mask).sum() / max(num_tokens, 1.0)
             loss.backward()
             share = mb.loss_mask.sum().item() / max(num_tokens, 1.0)
             sums += torch.tensor([loss.item(), m["clip_frac"].item() * share,
                                   (v.detach() * mb.loss_mask).sum().item() / max(num_tokens, 1.0)], dtype=torch.float64)
+        if prefixes is not None:  # the prompts' share of the gradient, through their one pass
+            prefixes.backward()
         if self.dp:
             sums = self.dp.reduce(sums)
         return {"critic/loss": sums[0].item(), "critic/clip_frac": sums[1].item(), "critic/values_mean": sums[2].item()}

@@ -51,12 +51,19 @@ def worth_it(owner: torch.Tensor, cut: torch.Tensor, min_prefix: int = 2) -> boo
     return bool((shared & (cut >= min_prefix)).any())
 
 
+def _logits(out) -> torch.Tensor:
+    return out.logits
+
+
 class Prefixes:
     """The prefixes of ``batch``'s groups forwarded once (``grad``: the graph kept for ``backward``),
-    and its rows' logits given micro-batch by micro-batch (``logits``)."""
+    and its rows' outputs given micro-batch by micro-batch (``outputs``). ``model``: the module that
+    takes the cache (a causal LM, or the critic's body); ``call(**kwargs)`` runs it (default: itself);
+    ``readout(output)`` [k, S, X]: what is read off its output (default: the logits)."""
 
-    def __init__(self, model, batch, owner: torch.Tensor, cut: torch.Tensor, budget: int, grad: bool, call=None):
-        self.model, self.batch, self.owner, self.cut = model, batch, owner, cut
+    def __init__(self, model, batch, owner: torch.Tensor, cut: torch.Tensor, budget: int, grad: bool, call=None,
+                 readout=_logits):
+        self.model, self.batch, self.owner, self.cut, self.readout = model, batch, owner, cut, readout
         self.call = call or (lambda **kw: model(**kw))
         self.dev = next(model.parameters()).device
         self.kw = cache_kwarg(model)
@@ -95,10 +102,10 @@ class Prefixes:
             x = like[layer][j]
             return p[layer][j] if p is not None else x.new_zeros((len(ch), *x.shape[1:]))
 
-        self.outputs = [[torch.cat([part(p, ch, layer, j) for p, ch in zip(pairs, chunks)])[back] for j in (0, 1)]
+        self.kv = [[torch.cat([part(p, ch, layer, j) for p, ch in zip(pairs, chunks)])[back] for j in (0, 1)]
                         for layer in range(len(like))]
         # what each micro-batch reads: leaves, whose gradients backward() sends through the prefix pass
-        self.leaves = [[x.detach().requires_grad_(grad) for x in pair] for pair in self.outputs]
+        self.leaves = [[x.detach().requires_grad_(grad) for x in pair] for pair in self.kv]
 
     def micro_batches(self, budget: int) -> list[list[int]]:
         """Rows sorted by suffix length, each micro-batch with rows × longest suffix ≤ ``budget``."""
@@ -112,10 +119,10 @@ class Prefixes:
             longest = max(longest, suffix[i])
         return groups + [cur] if cur else groups
 
-    def logits(self, idx: list[int]) -> torch.Tensor:
-        """Logits [k, L-1, V] of rows ``idx`` aligned with the plain forward's ``logits[:, :-1]`` of
-        ``batch.select(idx)`` (L: their longest row); positions inside a row's prefix hold its first
-        suffix logits (nothing trained is predicted there)."""
+    def outputs(self, idx: list[int]) -> torch.Tensor:
+        """Outputs [k, L-1, X] (logits: X the vocabulary) of rows ``idx`` aligned with the plain forward's
+        ``[:, :-1]`` of ``batch.select(idx)`` (L: their longest row); positions inside a row's prefix hold
+        its first suffix output (nothing trained is predicted there)."""
         t = torch.tensor(idx)
         cut, lens, own = self.cut[t], self.lens[t], self.owner[t]
         L, S = int(lens.max()), int((lens - cut).max())
@@ -132,18 +139,19 @@ class Prefixes:
         d = self.dev
         out = self.call(input_ids=ids.to(d), attention_mask=att.to(d), position_ids=pos.to(d),
                         cache_position=torch.arange(C, C + S, device=d), use_cache=True,
-                        **{self.kw: cache}).logits  # [k, S, V]
+                        **{self.kw: cache})
+        out = self.readout(out)  # [k, S, X]
         at = (torch.arange(L - 1) - cut.unsqueeze(1)).clamp(0, S - 1).to(d)  # [k, L-1]
         return out.gather(1, at.unsqueeze(-1).expand(-1, -1, out.shape[-1]))
 
     def backward(self) -> None:
         """The gradient the micro-batches sent into the cached keys and values, through the prefix pass."""
-        outs = [x for pair in self.outputs for x in pair]
+        outs = [x for pair in self.kv for x in pair]
         grads = [x.grad for pair in self.leaves for x in pair]
         live = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         if live:
             torch.autograd.backward([o for o, _ in live], [g for _, g in live])
-        self.outputs = self.leaves = []
+        self.kv = self.leaves = []
 
 
 class PrefixSharing:
@@ -152,37 +160,39 @@ class PrefixSharing:
     def __init__(self, enabled: bool, budget: int, log=print, tol: float = 1e-3):
         self.enabled, self.verified, self.budget, self.log, self.tol = enabled, False, budget, log, tol
 
-    def prefixes(self, model, batch, grad: bool, call=None) -> Prefixes | None:
+    def prefixes(self, model, batch, grad: bool, call=None, readout=_logits) -> Prefixes | None:
         """``batch``'s prefixes forwarded, or None: sharing is off, or nothing in ``batch`` is shared."""
         if not self.enabled or batch.group is None or batch.size < 2:
             return None
         owner, cut = cuts(batch.input_ids, batch.attention_mask, batch.loss_mask, batch.group)
         if not worth_it(owner, cut):
             return None
-        return Prefixes(model, batch, owner, cut, self.budget, grad, call)
+        return Prefixes(model, batch, owner, cut, self.budget, grad, call, readout)
 
     @torch.no_grad()
-    def verify(self, model, batch) -> None:
-        """Once: the logits of one group's rows through the shared prefix against the plain forward's, on
-        the positions they train; off (and said) where they differ by more than ``tol``."""
+    def verify(self, model, batch, plain=None, readout=_logits) -> None:
+        """Once: one group's rows' outputs through the shared prefix against the plain forward's
+        (``plain(mb)`` [k, L-1, X]; default: ``model``'s logits), on the positions they train; off (and
+        said) where they differ by more than ``tol``."""
         if self.verified or not self.enabled or batch.group is None:
             return
         self.verified = True
         rows = torch.nonzero(batch.group == batch.group[0]).flatten()[:8].tolist()
         mb = batch.select(rows)
         try:
-            pre = self.prefixes(model, mb, grad=False)
+            pre = self.prefixes(model, mb, grad=False, readout=readout)
             if pre is None:
                 self.verified = False  # (nothing shared in this batch: check the next one)
                 return
             dev = next(model.parameters()).device
-            plain = model(input_ids=mb.input_ids.to(dev), attention_mask=mb.attention_mask.to(dev), use_cache=False)
-            m = mb.loss_mask.to(dev).bool()
-            diff = (pre.logits(list(range(mb.size))) - plain.logits[:, :-1]).abs().amax(-1)[m].max().item()
+            mb = mb.to(dev)
+            want = plain(mb) if plain else model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                                 use_cache=False).logits[:, :-1]
+            diff = (pre.outputs(list(range(mb.size))) - want).abs().amax(-1)[mb.loss_mask.bool()].max().item()
             why = None if diff <= self.tol else f"differ from its plain forward's by {diff:.2g} (> {self.tol:g})"
         except Exception as e:  # noqa: BLE001 (a model that takes no KV cache, or fills another kind)
             why = f"could not be computed ({type(e).__name__}: {e})"
         if why:
             self.enabled = False
-            self.log(f"trainer.share_prefix: this model's logits through a shared prefix {why}: training with the "
+            self.log(f"trainer.share_prefix: this model's outputs through a shared prefix {why}: training with the "
                      "plain forward")

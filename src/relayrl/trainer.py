@@ -135,7 +135,7 @@ class Trainer:
         pre = self.sharing.prefixes(model, batch, grad, self._caller(model, params)) if self.dp is None else None
         if pre is None:
             return self._micro_batches(batch), None, lambda idx, mb: self._logits(model, mb, params)
-        return pre.micro_batches(self.tcfg.micro_batch_tokens), pre, lambda idx, mb: pre.logits(idx)
+        return pre.micro_batches(self.tcfg.micro_batch_tokens), pre, lambda idx, mb: pre.outputs(idx)
 
     def _logp(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """log π of the targets under the distribution the engine samples from (T, top-k, top-p)."""
