@@ -14,10 +14,10 @@ group holds alike (agent branches whose histories differ share less). Prefixes a
 into one pass; the pads are masked out of the suffixes' attention (an attention mask with holes)
 and each suffix gets its own positions (``position_ids`` after its prefix): no softmax is empty.
 
-What this needs of a model: a causal LM taking a ``DynamicCache`` with a 2-D attention mask,
-``position_ids`` and ``cache_position`` (transformers decoders). The trainer compares a group's
-logits with the plain forward's on its first step and falls back to the plain forward, with one
-line in the log, where they differ (``PrefixSharing.verify``).
+What this needs of a model: a causal LM (or the critic's body) taking a ``DynamicCache`` with a 2-D
+attention mask, ``position_ids`` and ``cache_position`` (transformers decoders). The trainer and the
+critic each compare a group's outputs with the plain forward's on their first step and fall back to
+the plain forward, with one line in the log, where they differ (``PrefixSharing.verify``).
 """
 
 from __future__ import annotations
