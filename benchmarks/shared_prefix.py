@@ -9,6 +9,7 @@ each, at 1 thread (a trainer in the async modes on 2 cores) and at 2; the table 
 time and the ratio. The two steps' weights agree to float rounding (checked here too).
 
     python benchmarks/shared_prefix.py               # ~3 minutes on 2 cores
+    python benchmarks/shared_prefix.py --critic      # GAE: the policy's and the critic's step
     python benchmarks/shared_prefix.py --repeats 9 --long 400
 """
 
@@ -58,14 +59,20 @@ def rollouts(model, tok, seed: int, filler: list[int]):
     return groups
 
 
-def step_seconds(model, batch, share: bool, threads: int):
-    from relayrl.config import AlgoCfg, TrainerCfg
+def step_seconds(model, batch, share: bool, threads: int, critic_path: str | None):
+    """One step's seconds (with ``critic_path``: GAE, the critic's values and update included) and the
+    policy it trained."""
+    from relayrl.config import AlgoCfg, CriticCfg, TrainerCfg
+    from relayrl.critic import Critic, load_value_model
     from relayrl.trainer import Trainer
 
     torch.set_num_threads(threads)
     m = copy.deepcopy(model)
-    tr = Trainer(m, TrainerCfg(share_prefix=share), AlgoCfg(kl_coef=0), 1.0, 10, MAX_NEW)
-    tr.sharing.verified = True  # (the one-time check is not the step's cost)
+    tcfg = TrainerCfg(share_prefix=share)
+    critic = Critic(load_value_model(critic_path), CriticCfg(), tcfg, 10, torch.device("cpu")) if critic_path else None
+    tr = Trainer(m, tcfg, AlgoCfg(kl_coef=0, advantage="gae" if critic else "grpo"), 1.0, 10, MAX_NEW, critic=critic)
+    for s in (tr.sharing, *([critic.sharing] if critic else [])):
+        s.verified = True  # (the one-time check is not the step's cost)
     torch.manual_seed(0)
     t = time.perf_counter()
     tr.step(batch)
@@ -77,7 +84,9 @@ def main() -> None:
     ap.add_argument("--model", default="builtin:demo")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--long", type=int, default=200, help="filler tokens before each prompt in the long-prompt rows")
-    ap.add_argument("--name", default="shared_prefix")
+    ap.add_argument("--critic", action="store_true", help="GAE with a critic (the critic's values and update "
+                    "in the step; every row trains)")
+    ap.add_argument("--name", default=None, help="results name (default: shared_prefix, shared_prefix_critic)")
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args()
     from relayrl.config import AlgoCfg
@@ -93,7 +102,8 @@ def main() -> None:
     for label, pre in (("demo", []), (f"demo + {len(filler)} tokens", filler)):
         groups = rollouts(model, tok, 0, pre)
         batch, _ = training_batch(groups, AlgoCfg(kl_coef=0), MAX_NEW, tok.pad_token_id)
-        moving = sum(len(g.trajectories) for g in groups if len(set(g.rewards)) > 1)  # the rest have advantage 0
+        moving = sum(len(g.trajectories) for g in groups if a.critic or len(set(g.rewards)) > 1)  # (GRPO: the
+        # rest have advantage 0 and are not forwarded; GAE: every row has its values' advantages)
         lens = batch.attention_mask.sum(1).float()
         prompt_len = (batch.loss_mask.argmax(1) + 1).float()
         for threads in (1, 2):
@@ -101,7 +111,7 @@ def main() -> None:
             weights = {}
             for _r in range(a.repeats):
                 for share in (False, True):
-                    s, m = step_seconds(model, batch, share, threads)
+                    s, m = step_seconds(model, batch, share, threads, path if a.critic else None)
                     times[share].append(s)
                     weights[share] = m
             pairs = zip(weights[False].parameters(), weights[True].parameters())
@@ -113,7 +123,8 @@ def main() -> None:
             data["cases"].append({"prompt": label, "threads": threads, "plain": times[False], "shared": times[True],
                                   "max_weight_diff": diff})
             print(rows[-1], flush=True)
-    write_results(Path(a.out), a.name, header, rows, data)
+    write_results(Path(a.out), a.name or ("shared_prefix_critic" if a.critic else "shared_prefix"), header, rows,
+                  data)
 
 
 if __name__ == "__main__":
