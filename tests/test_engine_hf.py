@@ -1,11 +1,18 @@
+import functools
 import time
 
 import pytest
 import torch
 
-from relayrl.engine.hf import HFEngine
+from relayrl.engine import hf
 from relayrl.models import token_logprobs
 from relayrl.records import FinishReason, GenRequest, SamplingParams
+
+
+@pytest.fixture(params=[False, True], ids=["model-forward", "fast-decode"])
+def HFEngine(request):
+    """Every test here runs on both decoding forwards: the model's own and relayrl's (fast_decode)."""
+    return functools.partial(hf.HFEngine, fast_decode=request.param)
 
 
 def _req(tok, rid, n=32, temp=1.0, so_far=()):
@@ -24,7 +31,7 @@ def _no_eos(model, eng):
     eng.eos_ids = set()
 
 
-def test_logprobs_match_a_forward_pass(tiny):
+def test_logprobs_match_a_forward_pass(tiny, HFEngine):
     model, tok = tiny
     eng = HFEngine(model, tok)
     try:
@@ -42,7 +49,7 @@ def test_logprobs_match_a_forward_pass(tiny):
         eng.close()
 
 
-def test_budgets_per_row_and_finish_reasons(tiny):
+def test_budgets_per_row_and_finish_reasons(tiny, HFEngine):
     model, tok = tiny
     eng = HFEngine(model, tok)
     _no_eos(model, eng)
@@ -54,7 +61,7 @@ def test_budgets_per_row_and_finish_reasons(tiny):
         eng.close()
 
 
-def test_abort_returns_tokens_so_far_and_continuation_works(tiny):
+def test_abort_returns_tokens_so_far_and_continuation_works(tiny, HFEngine):
     model, tok = tiny
     eng = HFEngine(model, tok)
     _no_eos(model, eng)
@@ -75,7 +82,7 @@ def test_abort_returns_tokens_so_far_and_continuation_works(tiny):
         eng.close()
 
 
-def test_weight_swap_mid_generation_tags_versions(tiny):
+def test_weight_swap_mid_generation_tags_versions(tiny, HFEngine):
     model, tok = tiny
     eng = HFEngine(model, tok)
     _no_eos(model, eng)
@@ -94,7 +101,7 @@ def test_weight_swap_mid_generation_tags_versions(tiny):
         eng.close()
 
 
-def test_abort_and_swap_inside_one_pause_sample_nothing_with_the_new_weights(tiny):
+def test_abort_and_swap_inside_one_pause_sample_nothing_with_the_new_weights(tiny, HFEngine):
     """Partial rollouts cut in-flight rows and swap weights under one pause: the rows come back at
     the safe point with only old-version tokens (none sampled over the old KV cache by new weights)."""
     model, tok = tiny
@@ -114,7 +121,7 @@ def test_abort_and_swap_inside_one_pause_sample_nothing_with_the_new_weights(tin
         eng.close()
 
 
-def test_engine_failure_propagates(tiny):
+def test_engine_failure_propagates(tiny, HFEngine):
     model, tok = tiny
     eng = HFEngine(model, tok)
     try:
@@ -131,7 +138,7 @@ def test_engine_failure_propagates(tiny):
         eng.close()
 
 
-def test_mixed_sampling_settings_in_one_call(tiny):
+def test_mixed_sampling_settings_in_one_call(tiny, HFEngine):
     model, tok = tiny
     eng = HFEngine(model, tok)
     _no_eos(model, eng)
@@ -151,7 +158,7 @@ def _forward_logprobs(model, prompt_ids, token_ids, temp):
     return token_logprobs(logits, ids[:, len(prompt_ids) :], temp)[0]
 
 
-def test_rows_leave_the_batch_and_requests_queue_meanwhile(tiny):
+def test_rows_leave_the_batch_and_requests_queue_meanwhile(tiny, HFEngine):
     """Rows of different budgets leave the batch (and its KV cache) one by one; requests submitted
     while it runs form the next batch. Budgets and log-probs stay exact for every row."""
     model, tok = tiny
@@ -174,7 +181,7 @@ def test_rows_leave_the_batch_and_requests_queue_meanwhile(tiny):
         eng.close()
 
 
-def test_a_driven_engine_decodes_on_the_waiting_thread_and_stops_between_tokens(tiny):
+def test_a_driven_engine_decodes_on_the_waiting_thread_and_stops_between_tokens(tiny, HFEngine):
     """``driven=True``: no engine thread; ``serve`` decodes on the caller's thread, token by token,
     stops as soon as ``until()`` holds, and a batch left at a token boundary can be aborted or get
     new weights (its later tokens carry the new version) before it goes on."""

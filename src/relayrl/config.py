@@ -184,6 +184,10 @@ class RolloutCfg(_Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold (1: off).")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
     max_batch: int = Field(256, ge=1, description="Most sequences the engine decodes at once.")
+    fast_decode: bool = Field(
+        True, description="hf: decode Llama-family models (llama, mistral, qwen2, qwen3) through relayrl's own "
+        "forward (fused projections, a KV cache written in place, a prompt's G copies prefilled once; checked "
+        "against the model's forward when the engine starts). false, or any other model: the model's forward.")
     partial: bool = Field(
         False,
         description="Partial rollouts (APRIL): responses in flight at a weight update are cut and continue under "
@@ -592,6 +596,7 @@ APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] =
     "data.selection_forget": _SELECT,
     "data.selection_key": _SELECT,
     "data.selection_prior": _SELECT,
+    "rollout.fast_decode": (lambda c: c.rollout.engine == "hf", "with rollout.engine=hf", ("rollout.engine",)),
     "rollout.device": (lambda c: c.rollout.engine != "vllm", "with rollout.engine=hf or hf-cb (vLLM places "
                        "itself)", ("rollout.engine",)),
     "trainer.share_prefix": (lambda c: not c.trainer.fsdp, "with trainer.fsdp=false (the sharded ranks forward "

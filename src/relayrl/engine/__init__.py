@@ -11,7 +11,8 @@ def make_engine(cfg, model, tokenizer, version: int = 0, driven: bool = False) -
     if cfg.engine == "hf":
         from relayrl.engine.hf import HFEngine
 
-        return HFEngine(model, tokenizer, max_batch=cfg.max_batch, version=version, driven=driven)
+        return HFEngine(model, tokenizer, max_batch=cfg.max_batch, version=version, driven=driven,
+                        fast_decode=cfg.fast_decode)
     if cfg.engine == "hf-cb":
         from relayrl.engine.hf_cb import HFContinuousEngine
         from relayrl.records import SamplingParams

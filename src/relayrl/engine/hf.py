@@ -31,6 +31,7 @@ import torch
 from transformers import DynamicCache
 
 from relayrl.engine.base import Engine, EngineError, check_new, copy_weights
+from relayrl.engine.fast_decode import fast_decoder
 from relayrl.models import cache_kwarg
 from relayrl.records import Completion, FinishReason, GenRequest
 from relayrl.sampling import sampling_scores
@@ -49,9 +50,10 @@ class _Row:
 
 class HFEngine(Engine):
     def __init__(self, model, tokenizer, max_batch: int = 256, version: int = 0, batch_guard=None,
-                 eos_token_ids: list[int] | None = None, driven: bool = False):
+                 eos_token_ids: list[int] | None = None, driven: bool = False, fast_decode: bool = False):
         self.model = model.eval()
         self._cache_kw = cache_kwarg(model)  # (transformers renamed it)
+        self._fast = fast_decoder(model) if fast_decode else None  # None: the model's own forward
         self.device = next(model.parameters()).device  # rollout.device: where it decodes (the CPU, or a GPU)
         # entered around each generate call (the continuous-batching engine pauses its own loop with it)
         self._guard = batch_guard or contextlib.nullcontext
@@ -336,9 +338,13 @@ class HFEngine(Engine):
         att = torch.tensor([[0] * (n - len(c)) + [1] * len(c) for c in ctx], device=self.device)
         pos = (att.cumsum(-1) - 1).clamp(min=0)
         p = live[0].req.params
-        cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=ids, attention_mask=att, position_ids=pos, **{self._cache_kw: cache},
-                            use_cache=True).logits[:, -1, :]
+        if self._fast is not None:
+            budget = max(r.req.params.max_new_tokens - len(r.tokens) for r in live)
+            logits, cache = self._fast.prefill(ids, att, pos, n + min(budget, 256))
+        else:
+            cache = DynamicCache(config=self.model.config)
+            logits = self.model(input_ids=ids, attention_mask=att, position_ids=pos, **{self._cache_kw: cache},
+                                use_cache=True).logits[:, -1, :]
         pos = pos[:, -1]
         while True:
             scores = sampling_scores(logits, p.temperature, p.top_k, p.top_p)  # the trainer reproduces this
@@ -362,9 +368,12 @@ class HFEngine(Engine):
                 return
             if len(keep) < len(live):  # finished rows leave the batch and the KV cache
                 idx = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(idx)
+                (cache.select if self._fast is not None else cache.batch_select_indices)(idx)
                 live, tok, att, pos = [live[i] for i in keep], tok[idx], att[idx], pos[idx]
-            att = torch.cat([att, att.new_ones(len(live), 1)], dim=1)
             pos = pos + 1
+            if self._fast is not None:
+                logits = self._fast.decode(tok, pos, cache)
+                continue
+            att = torch.cat([att, att.new_ones(len(live), 1)], dim=1)
             logits = self.model(input_ids=tok[:, None], attention_mask=att, position_ids=pos[:, None],
                                 **{self._cache_kw: cache}, use_cache=True).logits[:, -1, :]

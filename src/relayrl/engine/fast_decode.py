@@ -1,0 +1,222 @@
+"""relayrl's own decoding forward for Llama-family models, used by the ``hf`` engine.
+
+On a CPU, decoding a small model one token at a time is mostly Python: transformers' forward
+builds masks, walks 7 ``nn.Linear`` modules per layer and grows its KV cache with ``torch.cat``
+at every token. This forward does the same arithmetic with fewer, larger calls: q/k/v as one
+matrix product and gate/up as another (their weights become views into one fused tensor, so
+``load_state_dict`` still updates them in place and nothing is stored twice), a KV cache that
+grows in chunks and is written in place, and an additive padding mask kept across tokens
+(measured on the demo model: 4.2 against 9.4 ms per token at 64 rows, 0.5 against 0.9 ms at one;
+``benchmarks/engines.py`` times whole rollouts).
+
+Supported: ``llama``, ``mistral`` and ``qwen2`` (full attention), ``qwen3`` (its q/k norms) — with
+any RoPE type (the model's own rotary module computes cos/sin). Anything else, or a model of these
+types whose logits this forward does not reproduce (``check``: compared with the model's own
+forward when the engine starts), decodes through the model's forward as before
+(``rollout.fast_decode=false`` forces that).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def unsupported(model) -> str | None:
+    """Why this forward cannot decode ``model`` (None: it can)."""
+    c = model.config
+    if c.model_type not in SUPPORTED:
+        return f"model type {c.model_type!r} (supported: {', '.join(SUPPORTED)})"
+    if getattr(c, "hidden_act", "silu") != "silu":
+        return f"activation {c.hidden_act!r}"
+    windowed = getattr(c, "use_sliding_window", c.model_type == "mistral") and getattr(c, "sliding_window", None)
+    if windowed or any(t != "full_attention" for t in (getattr(c, "layer_types", None) or [])):
+        return "sliding-window attention"
+    layer = model.model.layers[0]
+    needed = ("q_proj", "k_proj", "v_proj", "o_proj")
+    if not all(hasattr(layer.self_attn, n) for n in needed) or not hasattr(layer.mlp, "gate_proj"):
+        return "its layers are not Llama's"
+    return None
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[Tensor, Tensor | None]:
+    """One weight (and bias) for ``linears``; each module's parameter becomes a view into it."""
+    weight = torch.cat([m.weight.data for m in linears])
+    biased = all(m.bias is not None for m in linears)
+    bias = torch.cat([m.bias.data for m in linears]) if biased else None
+    at = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = weight[at : at + n]
+        if biased:
+            m.bias.data = bias[at : at + n]
+        at += n
+    if not biased and any(m.bias is not None for m in linears):
+        raise ValueError("some of the fused projections have a bias and some do not")
+    return weight, bias
+
+
+class KVCache:
+    """Keys and values per layer, [rows, kv heads, capacity, head dim], written in place; ``mask``
+    [rows, capacity] is 0 where a row attends and a large negative number where it does not (left
+    padding, columns not written yet)."""
+
+    def __init__(self, layers: int, rows: int, kv_heads: int, head_dim: int, capacity: int, like: Tensor):
+        shape = (rows, kv_heads, capacity, head_dim)
+        self.k = [like.new_zeros(shape) for _ in range(layers)]
+        self.v = [like.new_zeros(shape) for _ in range(layers)]
+        self.masked = torch.finfo(like.dtype).min
+        self.mask = like.new_full((rows, capacity), self.masked)
+        self.n = 0  # columns written
+
+    def reserve(self, extra: int) -> None:
+        cap = self.mask.shape[1]
+        if self.n + extra <= cap:
+            return
+        grow = max(self.n + extra - cap, 64, cap // 2)
+        pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], grow, t.shape[3])], dim=2)  # noqa: E731
+        self.k, self.v = [pad(t) for t in self.k], [pad(t) for t in self.v]
+        self.mask = torch.cat([self.mask, self.mask.new_full((self.mask.shape[0], grow), self.masked)], 1)
+
+    @torch.inference_mode()
+    def select(self, idx: Tensor) -> None:
+        """Keep only the rows ``idx`` (rows that finished leave the batch)."""
+        self.k = [t.index_select(0, idx) for t in self.k]
+        self.v = [t.index_select(0, idx) for t in self.v]
+        self.mask = self.mask.index_select(0, idx)
+
+
+class FastDecoder:
+    """``prefill`` a left-padded batch, then ``decode`` one token per row at a time."""
+
+    def __init__(self, model):
+        why = unsupported(model)
+        if why is not None:
+            raise ValueError(f"relayrl's decoding forward does not support this model: {why}")
+        self.model, c = model, model.config
+        self.layers = []
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv, qkv_bias = _fuse([a.q_proj, a.k_proj, a.v_proj])
+            gate_up, gate_up_bias = _fuse([m.gate_proj, m.up_proj])
+            self.layers.append((layer, qkv, qkv_bias, gate_up, gate_up_bias))
+        a = model.model.layers[0].self_attn
+        self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.head_dim, self.scaling = a.head_dim, a.scaling
+
+    @torch.inference_mode()
+    def new_cache(self, rows: int, capacity: int) -> KVCache:
+        like = self.model.model.embed_tokens.weight
+        return KVCache(len(self.layers), rows, self.kv_heads, self.head_dim, capacity, like)
+
+    @staticmethod
+    def _norm(norm, x: Tensor) -> Tensor:  # transformers' RMSNorm: in float32, weight after the cast back
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+        return norm.weight * h.to(x.dtype)
+
+    @staticmethod
+    def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+    @torch.inference_mode()
+    def prefill(self, ids: Tensor, attention: Tensor, positions: Tensor, capacity: int) -> tuple[Tensor, KVCache]:
+        """``ids``, ``attention`` (1 = token, 0 = left padding), ``positions``: [rows, S]. Returns the
+        last column's logits and the cache (room for ``capacity`` columns; it grows if need be).
+        Rows with the same context (the G samples of one prompt) are computed once and copied."""
+        unique, inverse = torch.unique(torch.cat([ids, attention], dim=1), dim=0, return_inverse=True)
+        first = torch.empty(len(unique), dtype=torch.long, device=ids.device)
+        first[inverse] = torch.arange(len(ids), device=ids.device)  # a row holding each context
+        cache = self.new_cache(len(unique), max(capacity, ids.shape[1]))
+        cache.mask[:, : ids.shape[1]] = torch.where(attention[first].bool(), 0.0, cache.masked)
+        logits = self._forward(ids[first], positions[first], cache)
+        if not torch.equal(inverse, torch.arange(len(ids), device=ids.device)):  # (unique sorts the rows)
+            cache.select(inverse)
+            logits = logits.index_select(0, inverse)
+        return logits, cache
+
+    @torch.inference_mode()
+    def decode(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+        """One new token per row (``tokens``, ``positions``: [rows]); returns its logits [rows, vocab]."""
+        cache.reserve(1)
+        cache.mask[:, cache.n] = 0.0
+        return self._forward(tokens[:, None], positions[:, None], cache)
+
+    def _forward(self, ids: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+        b, s = ids.shape
+        n0, n1 = cache.n, cache.n + s
+        x = F.embedding(ids, self.model.model.embed_tokens.weight)
+        cos, sin = self.model.model.rotary_emb(x, positions)
+        cos, sin = cos[:, None], sin[:, None]  # [rows, 1, S, head dim]
+        mask = cache.mask[:, None, None, :n1]
+        if s > 1:  # the new columns see each other causally
+            causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+            mask = mask.expand(b, 1, s, n1).clone()
+            mask[..., n0:n1].masked_fill_(~causal, cache.masked)
+        h_, kv_ = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        for i, (layer, qkv_w, qkv_b, gu_w, gu_b) in enumerate(self.layers):
+            attn = layer.self_attn
+            qkv = F.linear(self._norm(layer.input_layernorm, x), qkv_w, qkv_b)
+            q = qkv[..., :h_].view(b, s, self.heads, self.head_dim)
+            k = qkv[..., h_ : h_ + kv_].view(b, s, self.kv_heads, self.head_dim)
+            v = qkv[..., h_ + kv_ :].view(b, s, self.kv_heads, self.head_dim)
+            if hasattr(attn, "q_norm"):  # qwen3
+                q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            cache.k[i][:, :, n0:n1] = self._rotate(k, cos, sin)
+            cache.v[i][:, :, n0:n1] = v
+            out = F.scaled_dot_product_attention(
+                self._rotate(q, cos, sin), cache.k[i][:, :, :n1], cache.v[i][:, :, :n1], attn_mask=mask,
+                scale=self.scaling, enable_gqa=self.heads != self.kv_heads)
+            x = x + F.linear(out.transpose(1, 2).reshape(b, s, h_), attn.o_proj.weight, attn.o_proj.bias)
+            gate, up = F.linear(self._norm(layer.post_attention_layernorm, x), gu_w, gu_b).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias)
+        cache.n = n1
+        last = self._norm(self.model.model.norm, x[:, -1])
+        return F.linear(last, self.model.lm_head.weight, getattr(self.model.lm_head, "bias", None))
+
+
+@torch.no_grad()
+def check(decoder: FastDecoder, atol: float | None = None) -> str | None:
+    """Compare this forward with the model's own on a small left-padded batch (prefill, then three
+    tokens): None when the logits agree within ``atol`` (relative to their scale; default 1e-3 in
+    float32, 2e-2 in 16-bit types), else why not."""
+    model = decoder.model
+    if atol is None:
+        atol = 1e-3 if model.model.embed_tokens.weight.dtype == torch.float32 else 2e-2
+    vocab = model.config.vocab_size
+    device = model.model.embed_tokens.weight.device
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2, 7), generator=g).to(device)
+    att = torch.ones_like(ids)
+    att[1, :3] = 0  # row 1 is left-padded
+    full = torch.cat([ids, torch.randint(0, vocab, (2, 3), generator=g).to(device)], dim=1)
+    full_att = torch.cat([att, torch.ones(2, 3, dtype=att.dtype, device=device)], dim=1)
+    pos = (full_att.cumsum(-1) - 1).clamp(min=0)
+    want = model(input_ids=full, attention_mask=full_att, position_ids=pos).logits[:, 6:].float()
+    logits, cache = decoder.prefill(ids, att, pos[:, :7], 8)  # (small: the check grows it once)
+    got = [logits]
+    for t in range(7, 10):
+        got.append(decoder.decode(full[:, t], pos[:, t], cache))
+    got = torch.stack(got, dim=1).float()
+    err = (got - want).abs().max().item() / max(1.0, want.abs().max().item())
+    return None if err <= atol else f"its logits differ from the model's by {err:.2e} (relative)"
+
+
+def fast_decoder(model) -> FastDecoder | None:
+    """This forward for ``model`` if it supports the model and reproduces its logits, else None
+    (with a warning saying why, when the model is of a supported type)."""
+    if unsupported(model) is not None:
+        return None
+    decoder = FastDecoder(model)
+    why = check(decoder)
+    if why is not None:
+        warnings.warn(f"rollout.fast_decode: decoding through the model's own forward: {why}", stacklevel=2)
+        return None
+    return decoder
