@@ -3,7 +3,8 @@
 Generates rollout batches of the default task (prompts × G requests, EOS on, the real long-tail
 lengths) with transformers' ``model.generate`` (a static batch: finished rows keep costing until
 the longest ends; what relayrl's engine wrapped before, and what TRL uses), relayrl's ``hf``
-engine (its own decoding loop, finished rows leave the batch) and ``hf-cb`` (transformers'
+engine (its own decoding loop, finished rows leave the batch; with its own decoding forward, the
+default, and with the model's, ``rollout.fast_decode=false``) and ``hf-cb`` (transformers'
 continuous batching) under several cache / batch-token budgets, and ``hf`` behind the asyncio
 front that episodes use (one awaited request each). Each setting runs in its own process.
 Prints generated tokens/s side by side with the ratio to ``model.generate``.
@@ -38,6 +39,7 @@ from relayrl.records import GenRequest, SamplingParams  # noqa: E402
 SETTINGS = [
     ("transformers generate (static batch)", None),
     ("hf (relayrl's loop, rows leave the batch)", ["rollout.engine=hf"]),
+    ("hf (the same loop through the model's own forward)", ["rollout.engine=hf", "rollout.fast_decode=false"]),
     ("hf-cb blocks 64, page 64, batch-tokens 512", ["rollout.engine=hf-cb", "rollout.cb_num_blocks=64",
                                                     "rollout.cb_page_size=64", "rollout.cb_max_batch_tokens=512"]),
     ("hf-cb blocks 256, page 32, batch-tokens 2048", ["rollout.engine=hf-cb", "rollout.cb_num_blocks=256",

@@ -12,7 +12,8 @@ after ``--max-steps`` without reaching it, which is shown as such. Each run is i
 seeds alternate the order of the systems. The ratio is TRL's median time over the system's.
 
 TRL's settings are vs_trl.py's (its docstring says why each), with ``max_steps`` and the seed.
-relayrl's rows: sync doing TRL's work (fixed groups, nothing filtered), the fastest mode of
+relayrl's rows: sync doing TRL's work (fixed groups, nothing filtered), the same decoding through the
+model's own forward (``rollout.fast_decode=false``: an ablation row), the fastest mode of
 ``async_vs_sync.py`` (async, η=4) doing the same, and the adaptive-sampling pieces on top: dynamic
 sampling (DAPO), prompt selection (VADE, with the demo's number of terms as the prior's group key),
 adaptive budgets — each alone on the fast mode (an ablation row each), budgets with dynamic
@@ -47,6 +48,7 @@ DS, SELECT, BUDGET = ["rollout.dynamic_sampling=true"], ["data.selection=vade", 
 SYSTEMS = {
     "trl": None,
     "relayrl sync": ["run.mode=sync"],
+    "sync, the model's own decoding forward": ["run.mode=sync", "rollout.fast_decode=false"],
     "sync + budgets + dynamic sampling": ["run.mode=sync"] + BUDGET + DS,
     "relayrl async η=4": FAST,
     "async η=4 + dynamic sampling": FAST + DS,
