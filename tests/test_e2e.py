@@ -255,3 +255,20 @@ def test_eval_stop_at_ends_the_run_at_the_first_evaluation_that_reaches_it(tiny_
     assert sorted(p.name for p in (cfg.run_dir / "checkpoints").iterdir()) == ["latest", "step_000002"]
     with pytest.raises(Exception, match=r"eval.stop_at needs eval.every ≥ 1"):
         load_config(None, ["eval.stop_at=0.5"])
+
+
+@pytest.mark.slow
+def test_evaluating_inside_a_sync_run_does_not_change_what_it_trains(tiny_path, tmp_path):
+    """The evaluation samples from its own seeded numbers (SamplingParams.seed), not the engine's
+    stream: a sync run that evaluates every 2 steps trains bit for bit what the same run without
+    evaluations trains, and two evaluations of the same weights score the same."""
+    runs = {}
+    for name, extra in (("plain", []), ("evaluated", ["data.eval_path=builtin:demo-eval", "eval.every=2",
+                                                      "eval.size=16"])):
+        cfg = load_config(None, EASY + [f"model.path={tiny_path}", f"run.output_dir={tmp_path}", f"run.name={name}",
+                                        "run.mode=sync", "run.steps=4", "run.seed=3", *extra])
+        train(cfg)
+        runs[name] = _metrics(cfg.run_dir)
+    keys = ("reward_mean", "loss", "generated_tokens")
+    assert [[m[k] for k in keys] for m in runs["plain"]] == [[m[k] for k in keys] for m in runs["evaluated"]]
+    assert [("eval/accuracy" in m) for m in runs["evaluated"]] == [False, True, False, True]

@@ -84,6 +84,15 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+def trajectory_seed(seed: int | None, t: Trajectory) -> int | None:
+    """The sampling seed of one trajectory of a seeded run of episodes: a function of ``seed``, its
+    prompt and its sample index (the same episode draws the same numbers in every evaluation)."""
+    if seed is None:
+        return None
+    key = f"{seed}/{t.prompt.id}/{t.sample_idx}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
+
+
 def anchor(messages: list[dict]) -> int:
     """A stable id of an observation (GiGPO's anchor state): equal messages, equal ids."""
     blob = json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()
@@ -417,7 +426,9 @@ class EpisodeRunner:
             if train:
                 await self._go.wait()  # held (a checkpoint, a sync step's barrier): wait for release
             rid = f"{t.request_id}#{next(self._ids)}"  # unique: an aborted id may still be in the engine
-            req = GenRequest(rid, t.prompt_ids, dataclasses.replace(params, max_new_tokens=left), list(t.response_ids))
+            req = GenRequest(rid, t.prompt_ids, dataclasses.replace(params, max_new_tokens=left,
+                                                                     seed=trajectory_seed(params.seed, t)),
+                             list(t.response_ids))
             with self._lock:
                 self.inflight[rid] = t
                 self._turn_of[rid] = (len(t.response_ids) - start, t.finish_reason is not None, train)

@@ -33,10 +33,16 @@ class Prompt:
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """``seed``: sample this request from its own random numbers, not the engine's stream, so its
+    tokens do not depend on what else the engine decodes (the hf engine draws token i of a context
+    from (seed, i): a continued response goes on as if it had not been cut; vLLM seeds the request).
+    Episodes derive one per trajectory from it (``EpisodeRunner``); the evaluation sets it."""
+
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    seed: int | None = None
 
 
 @dataclass

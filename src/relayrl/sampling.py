@@ -64,3 +64,35 @@ def sampled_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, 
     if remove is not None:
         x = x.masked_fill(remove, REMOVED)
     return torch.gather(F.log_softmax(x, dim=-1), -1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (a bijection: two xor-shift-multiply rounds) on int64 tensors holding
+    32-bit values; the products stay below 2^63."""
+    mask = 0xFFFFFFFF
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & mask
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & mask
+    return x ^ (x >> 16)
+
+
+def seeded_uniform(seeds: Tensor, positions: Tensor) -> Tensor:
+    """One uniform number in (0, 1) per row, a function of its (seed, position) alone (int64 tensors;
+    seeds taken modulo 2^32): the same row draws the same number whatever else is in its batch."""
+    x = _mix32(_mix32(seeds & 0xFFFFFFFF) ^ (positions & 0xFFFFFFFF))
+    return ((x >> 8).double() + 0.5) / 2**24
+
+
+def sample_tokens(scores: Tensor, seeds: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
+    """A token per row from softmax(``scores``): from the global random stream, or (``seeds``) by
+    inverting the row's cumulative distribution at ``seeded_uniform(seed, position)``. Rows whose
+    seed is negative draw their number from the global stream."""
+    probs = torch.softmax(scores, dim=-1)
+    if seeds is None:
+        return torch.multinomial(probs, 1).squeeze(1)
+    u = seeded_uniform(seeds, positions)
+    own = seeds < 0
+    if own.any():
+        u = torch.where(own, torch.rand(len(u), dtype=u.dtype, device=u.device), u)
+    cdf = probs.double().cumsum(-1)
+    # scaled by the row's total (rounding leaves it a hair off 1): never past the last token with mass
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1).clamp(max=scores.shape[-1] - 1)

@@ -34,7 +34,7 @@ from relayrl.engine.base import Engine, EngineError, check_new, copy_weights
 from relayrl.engine.fast_decode import fast_decoder
 from relayrl.models import cache_kwarg
 from relayrl.records import Completion, FinishReason, GenRequest
-from relayrl.sampling import sampling_scores
+from relayrl.sampling import sample_tokens, sampling_scores
 
 
 class _Row:
@@ -346,10 +346,13 @@ class HFEngine(Engine):
             logits = self.model(input_ids=ids, attention_mask=att, position_ids=pos, **{self._cache_kw: cache},
                                 use_cache=True).logits[:, -1, :]
         pos = pos[:, -1]
+        seeded = any(r.req.params.seed is not None for r in live)  # (-1: a row on the engine's stream)
+        seeds = torch.tensor([-1 if r.req.params.seed is None else r.req.params.seed for r in live]) if seeded else None
+        at = torch.tensor([len(c) for c in ctx])  # the index in its context of the token a row samples next
         while True:
             scores = sampling_scores(logits, p.temperature, p.top_k, p.top_p)  # the trainer reproduces this
             if p.temperature > 0:
-                tok = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
+                tok = sample_tokens(scores, seeds, at)
             else:
                 tok = scores.argmax(-1)
             lps = torch.log_softmax(scores, dim=-1).gather(1, tok[:, None]).squeeze(1)
@@ -369,8 +372,9 @@ class HFEngine(Engine):
             if len(keep) < len(live):  # finished rows leave the batch and the KV cache
                 idx = torch.tensor(keep, device=self.device)
                 (cache.select if self._fast is not None else cache.batch_select_indices)(idx)
-                live, tok, att, pos = [live[i] for i in keep], tok[idx], att[idx], pos[idx]
-            pos = pos + 1
+                live, tok, att, pos, at = [live[i] for i in keep], tok[idx], att[idx], pos[idx], at[keep]
+                seeds = seeds[keep] if seeds is not None else None
+            pos, at = pos + 1, at + 1
             if self._fast is not None:
                 logits = self._fast.decode(tok, pos, cache)
                 continue

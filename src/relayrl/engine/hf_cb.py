@@ -76,7 +76,8 @@ class HFContinuousEngine(Engine):
 
     def _same_params(self, p: SamplingParams) -> bool:
         q = self.params
-        return (p.temperature, p.top_p, p.top_k) == (q.temperature, q.top_p, q.top_k)
+        # (a seeded request goes to relayrl's loop, which samples it from its own numbers)
+        return (p.temperature, p.top_p, p.top_k, p.seed) == (q.temperature, q.top_p, q.top_k, None)
 
     def submit(self, requests: list[GenRequest]) -> None:
         fallback = [r for r in requests if not self._same_params(r.params)]

@@ -142,7 +142,7 @@ class VLLMEngine(Engine):
 
         p = r.params
         sp = SamplingParams(max_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                            logprobs=0, stop_token_ids=self._eos, detokenize=False,
+                            logprobs=0, stop_token_ids=self._eos, detokenize=False, seed=p.seed,
                             output_kind=RequestOutputKind.DELTA)
         tokens, logprobs, versions, reason = [], [], [], FinishReason.ABORTED
         gen = None
