@@ -393,6 +393,10 @@ class EvalCfg(_Section):
     size: int = Field(256, ge=1, description="Held-out prompts evaluated.")
     every: int = Field(0, ge=0, description="Evaluate every N steps (0: only before and after training).")
     samples: int = Field(1, ge=1, le=1024, description="Sampled responses per prompt for sampled accuracy.")
+    seed: int = Field(
+        0, ge=0, description="Sampling seed of the evaluation: each episode draws from its own numbers, a function of "
+        "this, its prompt and its sample index (not run.seed: every evaluation of every run and seed draws the same "
+        "numbers, so what differs between two is the policy).")
     stop_at: float | None = Field(
         None, gt=0, le=1, description="Stop training at the first evaluation (every eval.every steps) whose sampled "
         "accuracy reaches this; that step's checkpoint is the final one (null: run all run.steps).")

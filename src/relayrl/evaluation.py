@@ -63,9 +63,9 @@ def evaluate(runner, tokenizer, prompts: list[Prompt], cfg: Config, when: str = 
     greedy one. With an environment, also the tool-call rate (sampled and greedy) and tool errors of
     the sampled ones. Episodes whose user code failed are left out of the means and counted
     (``accuracy_failed``). ``samples``: a list that gets every episode (``sample_record``).
-    Sampling is seeded per episode by ``run.seed``, its prompt and sample index: an evaluation draws
-    the same random numbers at every step (differences between evaluations are the policy's), and
-    takes none from the engine's stream (training rollouts sample as they would without it).
+    Sampling is seeded per episode by ``eval.seed``, its prompt and sample index: every evaluation
+    draws the same random numbers (differences between evaluations are the policy's), and takes
+    none from the engine's stream (training rollouts sample as they would without it).
     Runs through ``runner`` (episodes.EpisodeRunner) while the training episodes are held."""
     import asyncio
 
@@ -73,7 +73,7 @@ def evaluate(runner, tokenizer, prompts: list[Prompt], cfg: Config, when: str = 
     out = {"temperature": r.temperature, "prompts": len(prompts)}
     for key, temp, n in (("accuracy", r.temperature, cfg.eval.samples), ("accuracy_greedy", 0.0, 1)):
         groups = make_groups(prompts, tokenizer, n, f"eval-{key}-v{runner.engine.version}", cfg.data.prompt_format)
-        params = SamplingParams(r.max_new_tokens, temp, r.top_p, r.top_k, seed=cfg.run.seed)
+        params = SamplingParams(r.max_new_tokens, temp, r.top_p, r.top_k, seed=cfg.eval.seed)
 
         async def run_all():
             await asyncio.gather(*(runner.group(g, params, train=False) for g in groups))
