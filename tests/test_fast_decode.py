@@ -60,6 +60,9 @@ def test_what_it_does_not_decode():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
     assert "gpt2" in unsupported(gpt2)
     assert fast_decoder(gpt2) is None
+    odd = _model("llama")
+    odd.model.layers[0].self_attn.q_proj.bias = torch.nn.Parameter(torch.zeros(32))  # q biased, k and v not
+    assert "bias" in unsupported(odd)
 
 
 def test_a_model_it_does_not_reproduce_decodes_through_its_own_forward(monkeypatch):

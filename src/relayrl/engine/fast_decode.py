@@ -41,13 +41,17 @@ def unsupported(model) -> str | None:
     needed = ("q_proj", "k_proj", "v_proj", "o_proj")
     if not all(hasattr(layer.self_attn, n) for n in needed) or not hasattr(layer.mlp, "gate_proj"):
         return "its layers are not Llama's"
+    for group in ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                  (layer.mlp.gate_proj, layer.mlp.up_proj)):
+        if len({m.bias is None for m in group}) > 1:
+            return "projections fused together differ in having a bias"
     return None
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[Tensor, Tensor | None]:
     """One weight (and bias) for ``linears``; each module's parameter becomes a view into it."""
     weight = torch.cat([m.weight.data for m in linears])
-    biased = all(m.bias is not None for m in linears)
+    biased = linears[0].bias is not None  # (all or none: ``unsupported``)
     bias = torch.cat([m.bias.data for m in linears]) if biased else None
     at = 0
     for m in linears:
@@ -56,8 +60,6 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[Tensor, Tensor | None]:
         if biased:
             m.bias.data = bias[at : at + n]
         at += n
-    if not biased and any(m.bias is not None for m in linears):
-        raise ValueError("some of the fused projections have a bias and some do not")
     return weight, bias
 
 

@@ -9,7 +9,9 @@ runs wait for the next batch: joining them by re-prefilling the live rows was tr
 token each row's token, log-prob and policy version are recorded, rows finish (EOS, budget,
 abort) and stream out, and the loop passes a safe point where a pause holds it so weights can
 be swapped: tokens after a swap carry the new version; the KV cache computed under the old
-weights is kept (as in AReaL's interruptible generation).
+weights is kept (as in AReaL's interruptible generation). Llama-family models decode through
+relayrl's own forward (``fast_decode.py``, ``rollout.fast_decode``); seeded requests
+(``SamplingParams.seed``) sample from their own numbers (``sampling.sample_tokens``).
 
 ``driven=True``: no background thread; whoever waits for generation decodes, on its own thread,
 through ``serve`` (token by token, so it can stop as soon as what it waits for is there). For a
@@ -347,8 +349,9 @@ class HFEngine(Engine):
                                 use_cache=True).logits[:, -1, :]
         pos = pos[:, -1]
         seeded = any(r.req.params.seed is not None for r in live)  # (-1: a row on the engine's stream)
-        seeds = torch.tensor([-1 if r.req.params.seed is None else r.req.params.seed for r in live]) if seeded else None
-        at = torch.tensor([len(c) for c in ctx])  # the index in its context of the token a row samples next
+        seeds = torch.tensor([-1 if r.req.params.seed is None else r.req.params.seed for r in live],
+                             device=self.device) if seeded else None
+        at = torch.tensor([len(c) for c in ctx], device=self.device)  # where in its context a row samples next
         while True:
             scores = sampling_scores(logits, p.temperature, p.top_k, p.top_p)  # the trainer reproduces this
             if p.temperature > 0:
