@@ -272,3 +272,19 @@ def test_evaluating_inside_a_sync_run_does_not_change_what_it_trains(tiny_path, 
     keys = ("reward_mean", "loss", "generated_tokens")
     assert [[m[k] for k in keys] for m in runs["plain"]] == [[m[k] for k in keys] for m in runs["evaluated"]]
     assert [("eval/accuracy" in m) for m in runs["evaluated"]] == [False, True, False, True]
+
+
+@pytest.mark.slow
+def test_a_run_with_adaptive_budgets_and_dynamic_sampling_repeats_itself(tiny_path, tmp_path):
+    """Every episode samples from its own seeded numbers, so the default's second stages and
+    replacement groups, batched by the engine as timing decides, draw what they drew the last time:
+    two runs of the same config train the same."""
+    runs = []
+    for name in ("a", "b"):
+        cfg = load_config(None, [f"model.path={tiny_path}", f"run.output_dir={tmp_path}", f"run.name={name}",
+                                 "run.mode=sync", "run.steps=3", "data.eval_path=null", "run.progress=false",
+                                 "rollout.max_new_tokens=24", "reward.fn=tests.rewards_for_tests:digit_fraction",
+                                 "rollout.budget=adaptive", "rollout.dynamic_sampling=true"])
+        train(cfg)
+        runs.append([[m[k] for k in ("reward_mean", "loss", "generated_tokens", "samples")] for m in _metrics(cfg.run_dir)])
+    assert runs[0] == runs[1]

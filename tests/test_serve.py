@@ -576,3 +576,28 @@ def test_a_template_that_cannot_extend_a_session_stops_the_run(tok):
             run(runner, Trajectory(PROMPT, "g", 0, []))
     finally:
         runner.close()
+
+
+def test_parallel_identical_requests_of_a_seeded_episode_draw_their_own_numbers(tok):
+    """An agent asking for several samples of one conversation at once (its n, best-of-n): each is a
+    branch, and under seeded sampling (training and evaluation) each branch gets a seed of its own,
+    else the engine would return the same reply n times."""
+    seen = []
+
+    class Recording(ScriptedEngine):
+        def submit(self, requests):
+            seen.extend(r.params.seed for r in requests)
+            super().submit(requests)
+
+    async def n_samples(client, prompt):
+        await asyncio.gather(*(client.chat.completions.create(model="policy", messages=list(prompt.messages))
+                               for _ in range(3)))
+        return 1.0
+
+    agent = AgentEpisodes(AgentProgram("agent:test", n_samples, {}), "agent:test", "policy", context=None)
+    runner = EpisodeRunner(Recording(tok, lambda ctx: "4"), tok, None, EpisodeLimits(4, 4000), _score, agent=agent)
+    try:
+        run(runner, Trajectory(PROMPT, "g", 0, []), params=SamplingParams(100, 1.0, seed=7))
+    finally:
+        runner.close()
+    assert len(seen) == 3 and None not in seen and len(set(seen)) == 3

@@ -84,12 +84,13 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def trajectory_seed(seed: int | None, t: Trajectory) -> int | None:
-    """The sampling seed of one trajectory of a seeded run of episodes: a function of ``seed``, its
-    prompt and its sample index (the same episode draws the same numbers in every evaluation)."""
+def trajectory_seed(seed: int | None, t: Trajectory, train: bool) -> int | None:
+    """The sampling seed of one trajectory: a function of ``seed`` and, in training, its group id
+    (unique over the run, and checkpointed) and sample index; in an evaluation, its prompt and
+    sample index (every evaluation draws the same numbers)."""
     if seed is None:
         return None
-    key = f"{seed}/{t.prompt.id}/{t.sample_idx}".encode()
+    key = f"{seed}/{t.request_id if train else f'{t.prompt.id}/{t.sample_idx}'}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
 
 
@@ -427,7 +428,7 @@ class EpisodeRunner:
                 await self._go.wait()  # held (a checkpoint, a sync step's barrier): wait for release
             rid = f"{t.request_id}#{next(self._ids)}"  # unique: an aborted id may still be in the engine
             req = GenRequest(rid, t.prompt_ids, dataclasses.replace(params, max_new_tokens=left,
-                                                                     seed=trajectory_seed(params.seed, t)),
+                                                                     seed=trajectory_seed(params.seed, t, train)),
                              list(t.response_ids))
             with self._lock:
                 self.inflight[rid] = t

@@ -149,7 +149,11 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         trainer = make_trainer(cfg, policy, ref)  # (a critic.path that does not load closes what was started)
         undo.pop_all()
     r = cfg.rollout
-    params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k)
+    # every episode samples from its own numbers (SamplingParams.seed): what it draws does not depend on
+    # what else the engine decodes, so a run repeats itself. Not on vLLM: its per-request generators slow
+    # its sampler, and its batched kernels do not repeat bit for bit anyway.
+    seed = None if r.engine == "vllm" else cfg.run.seed
+    params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, seed=seed)
     return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params, runner)
 
 

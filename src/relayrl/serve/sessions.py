@@ -52,6 +52,7 @@ class Branch:
     text: str | None = ""  # text: prompt and completions so far (None: cannot be extended)
     turn: int = 0
     busy: bool = False
+    index: int = 0  # its place among the session's branches: seeded sampling draws its own numbers per branch
 
 
 @dataclass
@@ -76,6 +77,7 @@ class Session:
         self.generating = 0  # its requests the engine is generating
         self.max_turns, self.max_tokens, self.context = max_turns, max_tokens, context
         self.branches: list[Branch] = []
+        self.made = 0  # branches started (the next one's index)
         self.counts: Counter = Counter()
         self.last: tuple[Branch, str] | None = None  # the branch and client-visible text of the latest reply
         self.closed = False
@@ -131,7 +133,8 @@ class Session:
             raise ApiError(400, f"the prompt is {len(prompt_ids)} tokens; the model's context is {self.context}",
                            code="context_length_exceeded")
         e = self.episode
-        b = Branch(Trajectory(e.prompt, e.group_id, e.sample_idx, list(prompt_ids)), kind)
+        b = Branch(Trajectory(e.prompt, e.group_id, e.sample_idx, list(prompt_ids)), kind, index=self.made)
+        self.made += 1
         self.branches.append(b)
         return b, lambda: self.branches.remove(b)
 
@@ -168,7 +171,9 @@ class Session:
         p = self.params
         asked = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k}
         self.counts["sampling_overrides"] += any(client.get(k) is not None and client[k] != v for k, v in asked.items())
-        params = dataclasses.replace(p, max_new_tokens=int(limit))
+        # (two branches with one context, an agent's n samples, must not draw the same numbers)
+        params = dataclasses.replace(p, max_new_tokens=int(limit),
+                                     seed=None if p.seed is None else p.seed * 1_000_003 + b.index)
         cut: list[int] = []  # the text length a stop string left
 
         def watch() -> bool:
