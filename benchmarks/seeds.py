@@ -68,13 +68,14 @@ def spread(values: list[float]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--first", type=int, default=0, help="the first seed (seeds first .. first+seeds-1)")
     p.add_argument("--name", default="default")
     p.add_argument("--min-gain", type=float, default=0.20)
     p.add_argument("train_args", nargs="*")
     a = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for seed in range(a.seeds):
+        for seed in range(a.first, a.first + a.seeds):
             rows.append(run_seed(seed, a.train_args, Path(tmp)))
             r = rows[-1]
             print(f"seed {seed}: {r['eval_accuracy_before']:.1%} → {r['eval_accuracy_after']:.1%}, greedy "
