@@ -30,7 +30,8 @@ def machine_info() -> dict:
         mem = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (ValueError, OSError):
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem, "torch": torch.__version__,
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem, "gpu": gpu, "torch": torch.__version__,
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
 
 
@@ -44,7 +45,8 @@ def write_results(out: Path, name: str, header: list[str], rows: list[list[str]]
     out.mkdir(parents=True, exist_ok=True)
     m = data["machine"]
     table = markdown_table(header, rows)
-    note = f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, torch {m['torch']}, {m['date']}."
+    gpu = f", GPU {m['gpu']}" if m.get("gpu") else ""
+    note = f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB{gpu}, torch {m['torch']}, {m['date']}."
     (out / f"{name}.md").write_text(f"{table}\n\n{note}\n")
     (out / f"{name}.json").write_text(json.dumps({**data, "table": {"header": header, "rows": rows}}, indent=1))
     print(table)

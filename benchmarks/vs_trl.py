@@ -84,12 +84,12 @@ def child_relayrl(mode: str, model: str, steps: int, workdir: str) -> dict:
             "gen_seconds": sum(r["time/generate"] for r in rows)}
 
 
-def trl_config(workdir: str, steps: int, seed: int = 0):
-    """TRL's settings (the module docstring says why each)."""
+def trl_config(workdir: str, steps: int, seed: int = 0, device: str = "cpu"):
+    """TRL's settings (the module docstring says why each); ``device``: 'cuda' trains on the GPU (fp32)."""
     from trl import GRPOConfig
 
     return GRPOConfig(
-        output_dir=workdir, use_cpu=True, bf16=False, use_vllm=False, use_transformers_paged=False,
+        output_dir=workdir, use_cpu=device == "cpu", bf16=False, use_vllm=False, use_transformers_paged=False,
         per_device_train_batch_size=PROMPTS * G, num_generations=G, steps_per_generation=1,
         gradient_accumulation_steps=1, max_completion_length=MAX_NEW, temperature=TEMP, top_k=0, top_p=1.0,
         learning_rate=LR, lr_scheduler_type="constant_with_warmup", warmup_steps=WARMUP, adam_beta2=0.99,

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU checks (../shared/spec/gpu-checks.md), as one script for a lent GPU machine that has torch but
+# not all of relayrl's requirements: run from the source tree, with the missing wheels carried in .whl/
+# (see the README, "On a GPU"). Each stage is time-boxed and writes its log (and results) to $OUT.
+#
+#   bash benchmarks/gpu_checks.sh env tests tta engines trainer
+#
+# Stages: env (versions, GPU), tests (pytest -m gpu), tta (time to accuracy, relayrl vs TRL on the GPU),
+# engines (generated tokens/s on the GPU), trainer (one step of a Qwen2.5-0.5B-shaped model, fp32 and bf16).
+set -u
+OUT=${OUT:-benchmarks/results/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "wheels did not install"
+fi
+TTA_SEEDS=${TTA_SEEDS:-3}
+TTA_SYSTEMS=${TTA_SYSTEMS:-trl|relayrl sync|relayrl async η=4}
+stage() {  # name, seconds, command...
+  local name=$1 secs=$2; shift 2
+  echo "== $name (at most $secs s): $*"
+  local t0=$SECONDS
+  timeout -k 10 "$secs" "$@" >"$OUT/$name.log" 2>&1
+  echo "   rc=$? in $((SECONDS - t0)) s; last lines:"; tail -n 25 "$OUT/$name.log" | sed 's/^/   /'
+}
+for s in "$@"; do
+  case $s in
+    env) stage env 60 bash -c 'nvidia-smi -L; python3 -c "import torch, transformers, sys; print(sys.version);
+print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0));
+print(\"transformers\", transformers.__version__); import relayrl.pipeline, trl, pyarrow, datasets; print(\"trl\", trl.__version__, \"pyarrow\", pyarrow.__version__)"' ;;
+    tests) stage tests "${TESTS_S:-180}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_distributed.py \
+      tests/test_engine_hf.py tests/test_checkpoint_durability.py ;;
+    tta) IFS='|' read -ra sys <<<"$TTA_SYSTEMS"
+      stage tta "${TTA_S:-300}" python3 benchmarks/time_to_accuracy.py --seeds "$TTA_SEEDS" --device cuda \
+        --systems "${sys[@]}" --out "$OUT" --name tta_gpu ;;
+    engines) stage engines "${ENGINES_S:-150}" python3 benchmarks/engines.py --device cuda --repeats 2 \
+      --only "hf (" "hf-cb blocks 512" --out "$OUT" --name engines_gpu ;;
+    trainer) stage trainer "${TRAINER_S:-150}" python3 benchmarks/trainer_scale.py --device cuda --out "$OUT" \
+      --name trainer_gpu ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done
+rm -f "$OUT"/*.md  # the tables are in the logs; what comes back is limited in files
