@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_checks.sh env tests tta engines trainer
 #
 # Stages: env (versions, GPU), tests (pytest -m gpu), tta (time to accuracy, relayrl vs TRL on the GPU),
-# engines (generated tokens/s on the GPU), trainer (one step of a Qwen2.5-0.5B-shaped model, fp32 and bf16).
+# engines (generated tokens/s on the GPU), startup (an engine process's start, phase by phase), trainer (one step of a Qwen2.5-0.5B-shaped model, fp32 and bf16).
 set -u
 OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"
@@ -33,9 +33,12 @@ print(\"transformers\", transformers.__version__); import relayrl.pipeline, trl,
       tests/test_engine_hf.py tests/test_checkpoint_durability.py ;;
     tta) IFS='|' read -ra sys <<<"$TTA_SYSTEMS"
       stage tta "${TTA_S:-300}" python3 benchmarks/time_to_accuracy.py --seeds "$TTA_SEEDS" --device cuda \
+        --first-seed "${TTA_FIRST:-0}" \
         --systems "${sys[@]}" --out "$OUT" --name tta_gpu ;;
-    engines) stage engines "${ENGINES_S:-150}" python3 benchmarks/engines.py --device cuda --repeats 2 \
-      --only "hf (" "hf-cb blocks 512" --out "$OUT" --name engines_gpu ;;
+    engines) IFS='|' read -ra only <<<"${ENGINES_ONLY:-hf (|hf-cb blocks 512}"
+      stage engines "${ENGINES_S:-150}" python3 benchmarks/engines.py --device cuda --repeats 2 \
+        --requests ${ENGINES_REQUESTS:-64 256} --only "${only[@]}" --out "$OUT" --name engines_gpu ;;
+    startup) stage startup 90 python3 benchmarks/engine_startup.py --device cuda ;;
     trainer) stage trainer "${TRAINER_S:-150}" python3 benchmarks/trainer_scale.py --device cuda --out "$OUT" \
       --name trainer_gpu ;;
     *) echo "unknown stage $s" ;;

@@ -185,6 +185,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin:demo")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed+seeds-1")
     ap.add_argument("--target", type=float, default=0.70)
     ap.add_argument("--every", type=int, default=5, help="evaluate every N steps")
     ap.add_argument("--max-steps", type=int, default=100)
@@ -211,7 +212,7 @@ def main() -> None:
 
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     runs: dict[str, list[dict]] = {s: [] for s in a.systems}
-    for seed in range(a.seeds):
+    for seed in range(a.first_seed, a.first_seed + a.seeds):
         for s in a.systems if seed % 2 == 0 else reversed(a.systems):  # alternate the order
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 cmd = [sys.executable, __file__, "--child", s, "--seed", str(seed), "--result", f.name,
