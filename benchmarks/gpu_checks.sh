@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks (../shared/spec/gpu-checks.md), as one script for a lent GPU machine that has torch but
 # not all of relayrl's requirements: run from the source tree, with the missing wheels carried in .whl/
-# (see the README, "On a GPU"). Each stage is time-boxed and writes its log (and results) to $OUT.
+# (README, "Measured on a GPU"). Each stage is time-boxed and writes its log (and results) to $OUT.
+# The wheels, fetched here for the GPU machine's Python 3.12 (it has torch, transformers 5.17, accelerate,
+# pyarrow; relayrl needs transformers >= 5.19, pydantic, math-verify; the TRL rows need trl and datasets):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     transformers==5.24.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+#     math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 datasets==5.2.0 dill==0.4.1 \
+#     multiprocess==0.70.19 trl==1.16.0
 #
 #   bash benchmarks/gpu_checks.sh env tests tta engines trainer
 #

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,13 +72,15 @@ def main() -> int:
     p.add_argument("--first", type=int, default=0, help="the first seed (seeds first .. first+seeds-1)")
     p.add_argument("--name", default="default")
     p.add_argument("--min-gain", type=float, default=0.20)
+    p.add_argument("--jobs", type=int, default=1, help="seeds run at once (with run.threads=1 each, the results are "
+                   "those of one at a time; the seconds are not)")
     p.add_argument("train_args", nargs="*")
     a = p.parse_args()
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in range(a.first, a.first + a.seeds):
-            rows.append(run_seed(seed, a.train_args, Path(tmp)))
-            r = rows[-1]
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(a.jobs) as pool:
+        runs = pool.map(lambda seed: run_seed(seed, a.train_args, Path(tmp)), range(a.first, a.first + a.seeds))
+        for seed, r in zip(range(a.first, a.first + a.seeds), runs):
+            rows.append(r)
             print(f"seed {seed}: {r['eval_accuracy_before']:.1%} → {r['eval_accuracy_after']:.1%}, greedy "
                   f"{r['eval_greedy_accuracy_before']:.1%} → {r['eval_greedy_accuracy_after']:.1%} ({r['seconds']} s)",
                   flush=True)

@@ -154,6 +154,8 @@ def run_child(a) -> None:
     import torch
 
     warm_imports(a.model)
+    if a.device == "cuda":  # before the clock on both sides (TRL's evaluator initialises CUDA before it too)
+        torch.zeros(1, device="cuda")
     torch.manual_seed(a.seed)
     with tempfile.TemporaryDirectory() as d:
         res = child_trl(a.model, a, d) if a.child == "trl" else child_relayrl(a.child, a.model, a, d)

@@ -269,7 +269,10 @@ class AlgoCfg(_Section):
         None, ge=0, le=10, description="ε_high: ratio ceiling 1+ε_high (clip-higher), at most 10 (null: the loss's "
         "own: ppo_clip 0.28, gspo/gspo_token 4e-4, cispo 0.28).")
     dual_clip: float | None = Field(3.0, description="ppo_clip: dual-clip constant c > 1 for A < 0 (null: off).")
-    kl_coef: float = Field(0.0, ge=0, description="Coefficient β of KL to the frozen initial policy (0: off).")
+    kl_coef: float = Field(
+        0.05, ge=0, description="Coefficient β of KL to the frozen initial policy (0: off; a reference copy of the "
+        "policy is kept and run on every batch). 0.05 (GRPO's 0.04, rounded): without it one demo seed in ten "
+        "learned a degenerate continuation that cost greedy accuracy (README, Quick start).")
     kl_mode: Literal["loss", "reward"] = Field(
         "loss", description="Where the KL goes: 'loss' (a term β·KL of the policy loss, GRPO's) or 'reward' "
         "(−β·KL(π_old ‖ π_ref) on every token's reward before the advantages, PPO's).")
