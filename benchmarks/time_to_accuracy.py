@@ -17,7 +17,9 @@ model's own forward (``rollout.fast_decode=false``: an ablation row), the fastes
 ``async_vs_sync.py`` (async, η=4) doing the same, and the adaptive-sampling pieces on top: dynamic
 sampling (DAPO), prompt selection (VADE, with the demo's number of terms as the prior's group key),
 adaptive budgets — each alone on the fast mode (an ablation row each), budgets with dynamic
-sampling (sync and async), and all three.
+sampling (sync and async), and all three. The KL rows add relayrl's default KL term (β = 0.05, k3 in
+the loss) to sync, and the same β to TRL (its ``beta``, the same k3 term), each side with its frozen
+reference model.
 
     python benchmarks/time_to_accuracy.py                    # 3 seeds of every system (~40 min on 2 cores)
     python benchmarks/time_to_accuracy.py --seeds 5 --target 0.7 --systems trl "relayrl sync"
@@ -45,8 +47,12 @@ FAST = ["run.mode=async", "rollout.max_staleness=4"]
 # (shared_overrides turns all three off: TRL's work)
 DS, SELECT, BUDGET = ["rollout.dynamic_sampling=true"], ["data.selection=vade", "data.selection_key=terms"], \
     ["rollout.budget=adaptive"]
+KL = ["algo.kl_coef=0.05"]  # relayrl's default since 2026-11-26 (shared_overrides turns it off: TRL's default)
+TRL_SYSTEMS = {"trl": {}, "trl, KL β=0.05": {"beta": 0.05}}  # GRPOConfig fields changed
 SYSTEMS = {
     "trl": None,
+    "trl, KL β=0.05": None,
+    "relayrl sync + KL 0.05": ["run.mode=sync"] + KL,
     "relayrl sync": ["run.mode=sync"],
     "sync, the model's own decoding forward": ["run.mode=sync", "rollout.fast_decode=false"],
     "sync + budgets + dynamic sampling": ["run.mode=sync"] + BUDGET + DS,
@@ -108,7 +114,7 @@ class Evaluator:
         self.reward.close()
 
 
-def child_trl(model: str, a, workdir: str) -> dict:
+def child_trl(model: str, a, workdir: str, changed: dict) -> dict:
     import datasets
     from transformers import TrainerCallback
     from trl import GRPOTrainer
@@ -139,7 +145,7 @@ def child_trl(model: str, a, workdir: str) -> dict:
             excluded[0] += time.perf_counter() - t
             control.should_training_stop = acc >= a.target
 
-    args = trl_config(workdir, a.max_steps, a.seed, a.device)
+    args = trl_config(workdir, a.max_steps, a.seed, a.device, **changed)
     t0 = time.perf_counter()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, callbacks=[EvalEvery()])
     startup = time.perf_counter() - t0
@@ -158,7 +164,8 @@ def run_child(a) -> None:
         torch.zeros(1, device="cuda")
     torch.manual_seed(a.seed)
     with tempfile.TemporaryDirectory() as d:
-        res = child_trl(a.model, a, d) if a.child == "trl" else child_relayrl(a.child, a.model, a, d)
+        res = child_trl(a.model, a, d, TRL_SYSTEMS[a.child]) if a.child in TRL_SYSTEMS else \
+            child_relayrl(a.child, a.model, a, d)
     res["peak_rss_gib"] = peak_rss_gib()
     if torch.cuda.is_available():
         res["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30

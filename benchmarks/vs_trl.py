@@ -84,11 +84,12 @@ def child_relayrl(mode: str, model: str, steps: int, workdir: str) -> dict:
             "gen_seconds": sum(r["time/generate"] for r in rows)}
 
 
-def trl_config(workdir: str, steps: int, seed: int = 0, device: str = "cpu"):
-    """TRL's settings (the module docstring says why each); ``device``: 'cuda' trains on the GPU (fp32)."""
+def trl_config(workdir: str, steps: int, seed: int = 0, device: str = "cpu", **changed):
+    """TRL's settings (the module docstring says why each); ``device``: 'cuda' trains on the GPU (fp32);
+    ``changed``: GRPOConfig fields set otherwise (``beta=0.05``: a KL term)."""
     from trl import GRPOConfig
 
-    return GRPOConfig(
+    kw = dict(
         output_dir=workdir, use_cpu=device == "cpu", bf16=False, use_vllm=False, use_transformers_paged=False,
         per_device_train_batch_size=PROMPTS * G, num_generations=G, steps_per_generation=1,
         gradient_accumulation_steps=1, max_completion_length=MAX_NEW, temperature=TEMP, top_k=0, top_p=1.0,
@@ -97,6 +98,7 @@ def trl_config(workdir: str, steps: int, seed: int = 0, device: str = "cpu"):
         scale_rewards="group", num_iterations=1, max_steps=steps, logging_steps=1, report_to="none",
         save_strategy="no", seed=seed, data_seed=seed, disable_dropout=True, gradient_checkpointing=False,
     )
+    return GRPOConfig(**{**kw, **changed})
 
 
 def child_trl(model: str, steps: int, workdir: str) -> dict:

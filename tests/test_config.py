@@ -106,7 +106,7 @@ def test_updates_per_step_beyond_the_batch_names_both_fields():
     (["algo.tis_level=sequence"], "algo.tis_level", "algo.offpolicy=tis"),
     (["algo.m2po_tau=0.1"], "algo.m2po_tau", "algo.offpolicy=m2po"),
     (["algo.norm_len=64"], "algo.norm_len", "algo.agg=seq_mean_token_sum_norm"),
-    (["algo.kl_estimator=k1"], "algo.kl_estimator", "algo.kl_coef > 0"),
+    (["algo.kl_coef=0", "algo.kl_estimator=k1"], "algo.kl_estimator", "algo.kl_coef > 0"),
     (["rollout.engine_threads=1"], "rollout.engine_threads", "own process"),
     (["run.mode=async", "rollout.engine_process=false", "rollout.engine_threads=1"], "rollout.engine_threads",
      "own process"),

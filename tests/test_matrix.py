@@ -199,7 +199,7 @@ def test_pipeline_pairwise(tiny_path, tmp_path, run):
     (["algo.lam=0.9"], "algo.lam is set, but it only applies with a critic"),
     (["algo.gamma=0.9", "algo.advantage=rloo"], "algo.gamma is set, but it only applies with algo.advantage=gigpo, "
                                                 "reinforce_pp, gae or evpo"),
-    (["algo.kl_mode=reward"], "algo.kl_mode is set, but it only applies with algo.kl_coef > 0"),
+    (["algo.kl_coef=0", "algo.kl_mode=reward"], "algo.kl_mode is set, but it only applies with algo.kl_coef > 0"),
     (["algo.overlong_buffer=8"], "algo.overlong_buffer is set, but it only applies with algo.overlong=punish"),
     (["algo.overlong=punish", "algo.overlong_buffer=200"], "algo.overlong_buffer=200 is longer than the response "
                                                            "budget, rollout.max_new_tokens=128"),

@@ -236,7 +236,8 @@ def test_rows_with_zero_advantage_are_skipped_and_the_update_is_the_same(tiny_pa
     for skip in (True, False):
         model = load_policy(tiny_path)
         batch = build_batch(_trajs(load_tokenizer(tiny_path)), adv, 0)
-        tr = Trainer(model, TrainerCfg(lr=1e-2, warmup_steps=0, updates_per_step=updates), AlgoCfg(agg=agg), 1.0, 10, 16)
+        tr = Trainer(model, TrainerCfg(lr=1e-2, warmup_steps=0, updates_per_step=updates),
+                     AlgoCfg(agg=agg, kl_coef=0), 1.0, 10, 16)  # (a KL term sees every row: next test)
         if not skip:
             tr._contributing = lambda mini, ref: None
         torch.manual_seed(0)  # the same mini-batch split
