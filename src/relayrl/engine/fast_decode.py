@@ -87,10 +87,30 @@ class KVCache:
 
     @torch.inference_mode()
     def select(self, idx: Tensor) -> None:
-        """Keep only the rows ``idx`` (rows that finished leave the batch)."""
+        """The rows ``idx``, in that order, as a new cache (the prefill's G copies of a context)."""
         self.k = [t.index_select(0, idx) for t in self.k]
         self.v = [t.index_select(0, idx) for t in self.v]
         self.mask = self.mask.index_select(0, idx)
+
+    @torch.inference_mode()
+    def keep(self, rows: list[int]) -> list[int]:
+        """Keep ``rows`` (ascending; the others finished) and return their new order: row j is now
+        what row ``order[j]`` was. A finished row's slot among the first ``len(rows)`` takes a kept
+        row from past them, and the batch becomes the first ``len(rows)`` rows, a view: a few rows
+        are copied, not the whole cache (which cost 14% of the demo's decoding time, once per finish)."""
+        k, kept = len(rows), set(rows)
+        holes = [i for i in range(k) if i not in kept]
+        movers = [i for i in rows if i >= k]
+        order = list(range(k))
+        for h, m in zip(holes, movers):
+            order[h] = m
+        if holes:
+            dst, src = torch.tensor(holes, device=self.mask.device), torch.tensor(movers, device=self.mask.device)
+            for t in self.k + self.v:
+                t[dst, :, : self.n] = t[src, :, : self.n]
+            self.mask[dst] = self.mask[src]
+        self.k, self.v, self.mask = [t[:k] for t in self.k], [t[:k] for t in self.v], self.mask[:k]
+        return order
 
 
 class FastDecoder:
@@ -150,6 +170,17 @@ class FastDecoder:
         cache.mask[:, cache.n] = 0.0
         return self._forward(tokens[:, None], positions[:, None], cache)
 
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """Attention of ``q`` [rows, heads, S, head dim] over the cache. One new token per row (S = 1,
+        no grouped heads): two matrix products and a softmax, which on a CPU take about 10% less time
+        than ``scaled_dot_product_attention``'s flash kernel at the demo's size; else that kernel."""
+        if q.shape[2] == 1 and self.heads == self.kv_heads:
+            scores = torch.baddbmm(mask.expand(-1, self.heads, 1, -1).flatten(0, 1), q.flatten(0, 1),
+                                   k.flatten(0, 1).transpose(1, 2), alpha=self.scaling)
+            return torch.bmm(torch.softmax(scores, -1), v.flatten(0, 1)).view(q.shape)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
+                                              enable_gqa=self.heads != self.kv_heads)
+
     def _forward(self, ids: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
         b, s = ids.shape
         n0, n1 = cache.n, cache.n + s
@@ -173,9 +204,7 @@ class FastDecoder:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             cache.k[i][:, :, n0:n1] = self._rotate(k, cos, sin)
             cache.v[i][:, :, n0:n1] = v
-            out = F.scaled_dot_product_attention(
-                self._rotate(q, cos, sin), cache.k[i][:, :, :n1], cache.v[i][:, :, :n1], attn_mask=mask,
-                scale=self.scaling, enable_gqa=self.heads != self.kv_heads)
+            out = self._attend(self._rotate(q, cos, sin), cache.k[i][:, :, :n1], cache.v[i][:, :, :n1], mask)
             x = x + F.linear(out.transpose(1, 2).reshape(b, s, h_), attn.o_proj.weight, attn.o_proj.bias)
             gate, up = F.linear(self._norm(layer.post_attention_layernorm, x), gu_w, gu_b).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias)

@@ -373,8 +373,11 @@ class HFEngine(Engine):
             if not keep:
                 return
             if len(keep) < len(live):  # finished rows leave the batch and the KV cache
+                if self._fast is not None:
+                    keep = cache.keep(keep)  # (the rows reordered: a few moved, not the cache copied)
+                else:
+                    cache.batch_select_indices(torch.tensor(keep, device=self.device))
                 idx = torch.tensor(keep, device=self.device)
-                (cache.select if self._fast is not None else cache.batch_select_indices)(idx)
                 live, tok, att, pos, at = [live[i] for i in keep], tok[idx], att[idx], pos[idx], at[keep]
                 seeds = seeds[keep] if seeds is not None else None
             pos, at = pos + 1, at + 1
