@@ -19,7 +19,8 @@ sampling (DAPO), prompt selection (VADE, with the demo's number of terms as the 
 adaptive budgets — each alone on the fast mode (an ablation row each), budgets with dynamic
 sampling (sync and async), and all three. The KL rows add relayrl's default KL term (β = 0.05, k3 in
 the loss) to sync, and the same β to TRL (its ``beta``, the same k3 term), each side with its frozen
-reference model.
+reference model. The bf16 rows train in mixed precision on both sides (TRL's ``bf16=True``, relayrl's
+``trainer.bf16``: bfloat16 autocast around float32 weights; each decodes as before).
 
     python benchmarks/time_to_accuracy.py                    # 3 seeds of every system (~40 min on 2 cores)
     python benchmarks/time_to_accuracy.py --seeds 5 --target 0.7 --systems trl "relayrl sync"
@@ -48,10 +49,13 @@ FAST = ["run.mode=async", "rollout.max_staleness=4"]
 DS, SELECT, BUDGET = ["rollout.dynamic_sampling=true"], ["data.selection=vade", "data.selection_key=terms"], \
     ["rollout.budget=adaptive"]
 KL = ["algo.kl_coef=0.05"]  # relayrl's default since 2026-11-26 (shared_overrides turns it off: TRL's default)
-TRL_SYSTEMS = {"trl": {}, "trl, KL β=0.05": {"beta": 0.05}}  # GRPOConfig fields changed
+BF16 = ["trainer.bf16=true"]  # mixed precision, as TRL's bf16=True (its rows: the same flag)
+TRL_SYSTEMS = {"trl": {}, "trl, KL β=0.05": {"beta": 0.05}, "trl, bf16": {"bf16": True}}  # GRPOConfig fields changed
 SYSTEMS = {
     "trl": None,
     "trl, KL β=0.05": None,
+    "trl, bf16": None,
+    "relayrl sync, bf16": ["run.mode=sync"] + BF16,
     "relayrl sync + KL 0.05": ["run.mode=sync"] + KL,
     "relayrl sync": ["run.mode=sync"],
     "sync, the model's own decoding forward": ["run.mode=sync", "rollout.fast_decode=false"],

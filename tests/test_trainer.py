@@ -258,3 +258,34 @@ def test_no_row_is_skipped_when_a_term_sees_it(tiny):
     for algo in (AlgoCfg(kl_coef=0.1), AlgoCfg(entropy_coef=0.01), AlgoCfg(ess_lr_scale=True)):
         tr = Trainer(model, TrainerCfg(), algo, 1.0, 10, 16)
         assert tr.step(build_batch(_trajs(tok), adv, tok.pad_token_id))["rows_skipped"] == 0, algo
+
+
+def test_bf16_autocast_keeps_float32_logits_weights_and_log_probs_close(tiny):
+    """trainer.bf16: the step runs under bfloat16 autocast, but the weights (and their copies: the KL
+    reference, a deep copy) stay float32, the output projection returns float32 logits, and the
+    log-probs stay within bfloat16's rounding of the float32 ones."""
+    import copy
+
+    model, tok = tiny
+    batch = build_batch(_trajs(tok), torch.linspace(-1, 1, 8), tok.pad_token_id)
+    exact = Trainer(copy.deepcopy(model), TrainerCfg(), AlgoCfg(kl_coef=0.0), 1.0, 10, 16).logprobs(batch)
+    tr = Trainer(model, TrainerCfg(bf16=True, lr=1e-2, warmup_steps=0), AlgoCfg(kl_coef=0.1), 1.0, 10, 16)
+    with torch.autocast("cpu", torch.bfloat16):
+        lp = tr.logprobs(batch)
+        hidden = torch.randn(2, 3, model.config.hidden_size)
+        assert model.get_output_embeddings()(hidden).dtype == torch.float32
+        twin = copy.deepcopy(model)  # its head computes with its own weights
+        twin.get_output_embeddings().weight.data.zero_()
+        assert twin.get_output_embeddings()(hidden).abs().max() == 0
+        assert model.get_output_embeddings()(hidden).abs().max() > 0
+    err = (lp - exact).abs().max().item()
+    assert 0 < err < 0.05, err  # (autocast really ran, and rounded no further than bfloat16 does)
+    m = tr.step(batch)
+    assert all(p.dtype == torch.float32 for p in model.parameters()) and math.isfinite(m["loss"])
+
+
+def test_bf16_needs_float32_weights():
+    from relayrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="trainer.bf16=true needs model.dtype=float32"):
+        load_config(None, ["trainer.bf16=true", "model.dtype=bfloat16"])

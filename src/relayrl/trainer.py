@@ -6,8 +6,13 @@ how the batch is split into micro-batches (tested).
 
 Placement (``distributed.py``): the policy and the KL reference live on ``trainer.device``, each
 micro-batch is moved there, and everything returned (log-probs, metrics, ``full_state_dict``) is
-on the CPU. Weights and activations keep ``model.dtype`` (no autocast: the engine samples in that
-dtype, so the trainer's log-probs match its own; they are taken in float32 from the logits). With
+on the CPU. Weights and activations keep ``model.dtype`` (the engine samples in that dtype, so the
+trainer's log-probs match its own; they are taken in float32 from the logits), unless
+``trainer.bf16``: the forward and backward under bfloat16 autocast, the output
+projection in float32 (``_float32_head``: logits rounded to bfloat16's 8 bits would move every
+log-prob by up to a few hundredths; MiniMax-M1 traced a training-inference mismatch to it), and on
+a CPU the attention as matrix products (transformers' eager attention: the flash kernel's bfloat16
+backward took 2.4x its float32 time there). With
 ``trainer.fsdp`` the weights are sharded over the torchrun ranks and each rank runs its share of
 the micro-batches; rank 0 leads, sending each call to the other ranks first.
 """
@@ -19,6 +24,7 @@ import copy
 import dataclasses
 import math
 import time
+import types
 import warnings
 
 import torch
@@ -62,6 +68,18 @@ def lr_lambda(warmup_steps: int, schedule: str, total_steps: int):
     return f
 
 
+def _float32_head(model) -> None:
+    """The output projection of ``model`` in float32 under autocast (its weight: the float32 parameter
+    it has, tied or its own; only this module's forward changes, bound to it so that a deep copy's
+    is its copy's)."""
+    def forward(head, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return torch.nn.functional.linear(x.float(), head.weight, head.bias)
+
+    head = model.get_output_embeddings()
+    head.forward = types.MethodType(forward, head)
+
+
 class Trainer:
     """The policy's optimiser steps, and around them what the step composes by name (``relayrl.algos``):
     the advantage estimator (at training time, with the critic's values when it needs them), the
@@ -80,6 +98,12 @@ class Trainer:
         if acfg.kl_coef > 0:  # frozen reference: the given model, else a copy of the policy as it is now
             self.ref = (ref_model or copy.deepcopy(model)).eval().requires_grad_(False)
         self.device = distributed.resolve_device(tcfg.device)
+        if tcfg.bf16:
+            for m in (model, self.ref):
+                if m is not None:
+                    _float32_head(m)
+                    if self.device.type == "cpu":  # (the CPU's bfloat16 SDPA backward: 2.4x its float32 time)
+                        m.set_attn_implementation("eager")
         self.dp = distributed.setup(self.device) if tcfg.fsdp else None  # None: this process trains alone
         for m in (model, self.ref):
             if m is not None:
@@ -291,6 +315,22 @@ class Trainer:
         if self.dp is None:
             self.sharing.verify(self.model, batch)  # (once; in eval mode, where dropout cannot tell them apart)
         self.model.train()
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.tcfg.bf16):
+            totals, mismatch, est_metrics, batch = self._update(batch, version)
+        self.model.eval()
+        totals["rows_skipped"] = totals.pop("_skipped")
+        if self.critic is not None:
+            start = time.perf_counter()
+            totals.update(self.critic.step(batch))
+            # the critic's share of the step: its values' forward and its update
+            totals["time/critic"] = time.perf_counter() - start + est_metrics.pop("time/critic_values")
+        n = sum(x[2] for x in mismatch)
+        return {"logprob_mismatch_mean": sum(x[0] for x in mismatch) / n if n else None,  # None: nothing checkable
+                "logprob_mismatch_max": max(x[1] for x in mismatch) if n else None,
+                "logprob_mismatch_tokens": int(n), **est_metrics, **totals}
+
+    def _update(self, batch: TrainBatch, version: int | None):
+        """``step``'s policy part: (metrics, mismatch sums, the estimator's metrics, the batch with advantages)."""
         single = self.tcfg.updates_per_step == 1
         need_old = not single or self.correction.batch_mask is not None or self.kl_in_reward
         old_logp = self.logprobs(batch) if need_old else None
@@ -339,17 +379,8 @@ class Trainer:
             self.sched.step()
             for k, v in sums.items():
                 totals[k] = totals.get(k, 0.0) + v / len(chunks)
-        self.model.eval()
-        totals["rows_skipped"] = skipped
-        if self.critic is not None:
-            start = time.perf_counter()
-            totals.update(self.critic.step(batch))
-            # the critic's share of the step: its values' forward and its update
-            totals["time/critic"] = time.perf_counter() - start + est_metrics.pop("time/critic_values")
-        n = sum(x[2] for x in mismatch)
-        return {"logprob_mismatch_mean": sum(x[0] for x in mismatch) / n if n else None,  # None: nothing checkable
-                "logprob_mismatch_max": max(x[1] for x in mismatch) if n else None,
-                "logprob_mismatch_tokens": int(n), **est_metrics, **totals}
+        totals["_skipped"] = skipped
+        return totals, mismatch, est_metrics, batch
 
     def _contributing(self, mini: TrainBatch, ref_logp) -> list[int] | None:
         """The rows of ``mini`` whose gradient is not zero: a row whose every trained token has advantage 0
