@@ -20,7 +20,8 @@ adaptive budgets — each alone on the fast mode (an ablation row each), budgets
 sampling (sync and async), and all three. The KL rows add relayrl's default KL term (β = 0.05, k3 in
 the loss) to sync, and the same β to TRL (its ``beta``, the same k3 term), each side with its frozen
 reference model. The bf16 rows train in mixed precision on both sides (TRL's ``bf16=True``, relayrl's
-``trainer.bf16``: bfloat16 autocast around float32 weights; each decodes as before).
+``trainer.bf16``: bfloat16 autocast around float32 weights), and sync with bf16 — the fastest mode on
+an AVX512-BF16 CPU — gets the adaptive-sampling pieces each alone and all three (ablation rows).
 
     python benchmarks/time_to_accuracy.py                    # 3 seeds of every system (~40 min on 2 cores)
     python benchmarks/time_to_accuracy.py --seeds 5 --target 0.7 --systems trl "relayrl sync"
@@ -56,6 +57,10 @@ SYSTEMS = {
     "trl, KL β=0.05": None,
     "trl, bf16": None,
     "relayrl sync, bf16": ["run.mode=sync"] + BF16,
+    "sync, bf16 + dynamic sampling": ["run.mode=sync"] + BF16 + DS,
+    "sync, bf16 + selection": ["run.mode=sync"] + BF16 + SELECT,
+    "sync, bf16 + budgets": ["run.mode=sync"] + BF16 + BUDGET,
+    "sync, bf16 + all three": ["run.mode=sync"] + BF16 + DS + SELECT + BUDGET,
     "relayrl sync + KL 0.05": ["run.mode=sync"] + KL,
     "relayrl sync": ["run.mode=sync"],
     "sync, the model's own decoding forward": ["run.mode=sync", "rollout.fast_decode=false"],

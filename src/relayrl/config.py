@@ -366,7 +366,7 @@ class TrainerCfg(_Section):
         False, description="Mixed precision, as TRL's bf16: the trainer's forward and backward under bfloat16 "
         "autocast; weights, optimiser and the output projection stay float32 (log-probs from float32 logits), and "
         "the engine samples in model.dtype. On a CPU with AVX512-BF16 or AMX matrix products are about 4x faster; "
-        "elsewhere slower. Needs model.dtype=float32.")
+        "without them (emulated) they may be slower. Needs model.dtype=float32.")
     micro_batch_tokens: int = Field(
         1024, ge=1, description="Token budget per micro-batch (padded rows × longest row; with trainer.share_prefix, "
         "rows × longest response, the prompts forwarded apart). Smaller means less padding (rows are grouped by "

@@ -5,9 +5,10 @@ builds masks, walks 7 ``nn.Linear`` modules per layer and grows its KV cache wit
 at every token. This forward does the same arithmetic with fewer, larger calls: q/k/v as one
 matrix product and gate/up as another (their weights become views into one fused tensor, so
 ``load_state_dict`` still updates them in place and nothing is stored twice), a KV cache that
-grows in chunks and is written in place, an additive padding mask kept across tokens, and the
-G identical contexts of a prompt prefilled once (``benchmarks/engines.py``: 1.27x the tokens/s of
-the model's own forward on the demo task).
+grows in chunks and is written in place, rows that finish leaving it by a swap (``KVCache.keep``),
+an additive padding mask kept across tokens, and the G identical contexts of a prompt prefilled
+once (``benchmarks/engines.py``: 1.27x the tokens/s of the model's own forward on the demo task;
+the swap another 1.14x, ``benchmarks/decode_ab.py``).
 
 Supported: ``llama``, ``mistral`` and ``qwen2`` (full attention), ``qwen3`` (its q/k norms) — with
 any RoPE type (the model's own rotary module computes cos/sin). Anything else, or a model of these
