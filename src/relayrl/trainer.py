@@ -291,7 +291,8 @@ class Trainer:
             a = self.acfg
             rewards, m = fold_kl(rewards, old_logp, ref_logp, batch.loss_mask, a.kl_coef, a.kl_estimator)
         start = time.perf_counter()
-        values = self.critic.values(batch) if self.critic is not None else None
+        with torch.autocast(self.device.type, enabled=False):
+            values = self.critic.values(batch) if self.critic is not None else None
         if values is not None:
             m["time/critic_values"] = time.perf_counter() - start
         if batch.owner is not None and self.acfg.advantage in GROUP_BASELINE:  # (an agent episode's branches)
@@ -318,8 +319,7 @@ class Trainer:
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.tcfg.bf16):
             totals, mismatch, est_metrics, batch = self._update(batch, version)
         self.model.eval()
-        totals["rows_skipped"] = totals.pop("_skipped")
-        if self.critic is not None:
+        if self.critic is not None:  # (the critic predicts and trains in float32, outside the autocast)
             start = time.perf_counter()
             totals.update(self.critic.step(batch))
             # the critic's share of the step: its values' forward and its update
@@ -379,7 +379,7 @@ class Trainer:
             self.sched.step()
             for k, v in sums.items():
                 totals[k] = totals.get(k, 0.0) + v / len(chunks)
-        totals["_skipped"] = skipped
+        totals["rows_skipped"] = skipped
         return totals, mismatch, est_metrics, batch
 
     def _contributing(self, mini: TrainBatch, ref_logp) -> list[int] | None:
