@@ -35,7 +35,7 @@ MODES = {
 
 def run_mode(name: str, steps: int, delay: float, extra: list[str], out: Path) -> dict:
     from relayrl.config import load_config
-    from relayrl.pipeline import train
+    from relayrl.run.loop import train
 
     with tempfile.TemporaryDirectory() as d:
         cfg = load_config(str(ROOT / "examples" / "agent_demo.yaml"),

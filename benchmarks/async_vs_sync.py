@@ -42,7 +42,7 @@ def slug(mode: str) -> str:
 def run_mode(name: str, steps: int, extra: list[str], out: Path, setup: list[str] | None = None) -> dict:
     """One training run of the default task (``setup``: its overrides, default ``MODES[name]``)."""
     from relayrl.config import load_config
-    from relayrl.pipeline import train
+    from relayrl.run.loop import train
 
     with tempfile.TemporaryDirectory() as d:
         cfg = load_config(None, [f"run.output_dir={d}", f"run.name={slug(name)}", f"run.steps={steps}",

@@ -32,7 +32,7 @@ def child() -> None:
 
     import torch
 
-    from relayrl.data import load_prompts
+    from relayrl.data.datasets import load_prompts
     from relayrl.engine.hf import HFEngine
     from relayrl.models import load_policy, load_tokenizer, resolve_model_path
     from relayrl.records import GenRequest, SamplingParams

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import FIXED_GROUPS, machine_info, write_results  # noqa: E402
 
 from relayrl.config import load_config  # noqa: E402
-from relayrl.data import load_prompts  # noqa: E402
+from relayrl.data.datasets import load_prompts  # noqa: E402
 from relayrl.engine import make_engine  # noqa: E402
 from relayrl.models import (  # noqa: E402
     encode_prompt,
@@ -55,7 +55,7 @@ def peak(model_path: str, engine: str, batch: int, tokens: int, repeats: int) ->
 
 
 def achieved(steps: int, extra: list[str]) -> dict:
-    from relayrl.pipeline import train
+    from relayrl.run.loop import train
 
     with tempfile.TemporaryDirectory() as d:
         cfg = load_config(None, [f"run.output_dir={d}", f"run.steps={steps}", "run.progress=false",

@@ -43,12 +43,12 @@ def phases(spawned_at: float, device: str, model: str, q) -> None:
 
     mark("import transformers")
     from relayrl.config import load_config
-    from relayrl.placement import build_local_engine, engine_spec
+    from relayrl.engine.spec import build_local_engine, engine_spec
     from relayrl.records import GenRequest, SamplingParams
 
     mark("import relayrl")
     cfg = load_config(None, [f"model.path={model}", f"rollout.device={device}"])
-    eng = build_local_engine(engine_spec(cfg, model, model, 0, 0, 0))
+    eng = build_local_engine(engine_spec(cfg.rollout, cfg.model.dtype, model, model, 0, 0, 0))
     mark("build the engine (load, to the device, check)")
     eng.generate([GenRequest("w", [1, 2, 3], SamplingParams(8, 1.0))])
     mark("first generation (8 tokens)")
@@ -63,7 +63,8 @@ def main() -> None:
     a = ap.parse_args()
     from relayrl.config import load_config
     from relayrl.models import load_policy, resolve_model_path
-    from relayrl.placement import build_local_engine, engine_spec, open_engine
+    from relayrl.engine.placement import open_engine
+    from relayrl.engine.spec import build_local_engine, engine_spec
 
     model = resolve_model_path(a.model)
     ctx = mp.get_context("spawn")
@@ -80,11 +81,11 @@ def main() -> None:
     cfg = load_config(None, [f"model.path={model}", "run.mode=async", f"rollout.device={a.device}"])
     sd = load_policy(model).state_dict()
     t0 = time.perf_counter()
-    eng = open_engine(cfg, engine_spec(cfg, model, model, 0, 0, 1), state_dict=sd)
+    eng = open_engine(engine_spec(cfg.rollout, cfg.model.dtype, model, model, 0, 0, 1), cfg.run, cfg.ray, state_dict=sd)
     ready = time.perf_counter() - t0
     eng.close()
     t0 = time.perf_counter()
-    eng = build_local_engine(engine_spec(cfg, model, model, 0, 0, 0))
+    eng = build_local_engine(engine_spec(cfg.rollout, cfg.model.dtype, model, model, 0, 0, 0))
     local = time.perf_counter() - t0
     eng.close()
     print(f"ProcessEngine, construction to ready (what async mode waits for): {ready:.2f} s")

@@ -25,14 +25,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine_info, write_results  # noqa: E402
 
 from relayrl.config import load_config  # noqa: E402
-from relayrl.data import load_prompts  # noqa: E402
+from relayrl.data.datasets import load_prompts  # noqa: E402
 from relayrl.models import (  # noqa: E402
     encode_prompt,
     load_policy,
     load_tokenizer,
     resolve_model_path,
 )
-from relayrl.placement import build_local_engine, engine_spec  # noqa: E402
+from relayrl.engine.spec import build_local_engine, engine_spec  # noqa: E402
 from relayrl.records import GenRequest, SamplingParams  # noqa: E402
 
 # (label, overrides): cb settings from the measured "small" one up to a cache that holds every request
@@ -89,7 +89,7 @@ def measure(model_path: str, overrides: list[str] | None, n: int, group: int, re
         return measure_generate(model_path, n, group, repeats, device)
     cfg = load_config(None, overrides + [f"rollout.max_batch={n}", f"rollout.device={device}"])
     tok, model = load_tokenizer(model_path), load_policy(model_path)
-    eng = build_local_engine(engine_spec(cfg, model_path, model_path, 0, 0, 0), model=model, tokenizer=tok)
+    eng = build_local_engine(engine_spec(cfg.rollout, cfg.model.dtype, model_path, model_path, 0, 0, 0), model=model, tokenizer=tok)
     loop = asyncio.new_event_loop()
     front = AsyncEngine(eng, loop) if async_front else None
     prompts = load_prompts("builtin:demo", limit=n // group * repeats + 1)

@@ -35,7 +35,7 @@ for s in "$@"; do
   case $s in
     env) stage env 60 bash -c 'nvidia-smi -L; python3 -c "import torch, transformers, sys; print(sys.version);
 print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0));
-print(\"transformers\", transformers.__version__); import relayrl.pipeline, trl, pyarrow, datasets; print(\"trl\", trl.__version__, \"pyarrow\", pyarrow.__version__)"' ;;
+print(\"transformers\", transformers.__version__); import relayrl.run.loop, trl, pyarrow, datasets; print(\"trl\", trl.__version__, \"pyarrow\", pyarrow.__version__)"' ;;
     tests) stage tests "${TESTS_S:-180}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_distributed.py \
       tests/test_engine_hf.py tests/test_checkpoint_durability.py ;;
     tta) IFS='|' read -ra sys <<<"$TTA_SYSTEMS"

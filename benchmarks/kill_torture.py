@@ -40,7 +40,7 @@ completion, and is checked as such): reported in the notes and the summary line,
 failure of the resume. The processes of every try, re-planned ones included, must leave no
 orphans.
 
-Kill moments: most kills use ``RELAYRL_KILL_AT=phase:n`` (``relayrl.faults``: the process kills
+Kill moments: most kills use ``RELAYRL_KILL_AT=phase:n`` (``relayrl.fault_injection``: the process kills
 itself the n-th time it reaches generate = a completion received, train = a micro-batch,
 checkpoint = inside a checkpoint write before the atomic rename, eval = between the sampled and
 greedy halves of an evaluation) with n drawn from a range by ``--seed``; the others are an

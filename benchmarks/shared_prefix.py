@@ -32,11 +32,11 @@ PROMPTS, G, MAX_NEW = 8, 8, 128
 
 def rollouts(model, tok, seed: int, filler: list[int]):
     """8 groups of G responses to demo prompts (``filler`` tokens before each prompt), scored."""
-    from relayrl.data import load_prompts
+    from relayrl.data.datasets import load_prompts
     from relayrl.engine.hf import HFEngine
     from relayrl.models import encode_prompt
     from relayrl.records import FinishReason, GenRequest, Group, SamplingParams, Trajectory
-    from relayrl.rewards import math_reward
+    from relayrl.rewards.verifiers import math_reward
 
     torch.manual_seed(seed)
     engine = HFEngine(copy.deepcopy(model), tok, driven=True)
@@ -63,8 +63,8 @@ def step_seconds(model, batch, share: bool, threads: int, critic_path: str | Non
     """One step's seconds (with ``critic_path``: GAE, the critic's values and update included) and the
     policy it trained."""
     from relayrl.config import AlgoCfg, CriticCfg, TrainerCfg
-    from relayrl.critic import Critic, load_value_model
-    from relayrl.trainer import Trainer
+    from relayrl.train.critic import Critic, load_value_model
+    from relayrl.train.trainer import Trainer
 
     torch.set_num_threads(threads)
     m = copy.deepcopy(model)
@@ -91,7 +91,7 @@ def main() -> None:
     a = ap.parse_args()
     from relayrl.config import AlgoCfg
     from relayrl.models import load_policy, load_tokenizer, resolve_model_path
-    from relayrl.rollout import training_batch
+    from relayrl.rollout.groups import training_batch
 
     path = resolve_model_path(a.model)
     model, tok = load_policy(path), load_tokenizer(path)

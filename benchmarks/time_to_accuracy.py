@@ -80,7 +80,7 @@ HEADLINE = ["trl", "trl, bf16", "relayrl sync", "relayrl sync, bf16", "sync, bf1
 
 def child_relayrl(name: str, model: str, a, workdir: str) -> dict:
     from relayrl.config import load_config
-    from relayrl.pipeline import train
+    from relayrl.run.loop import train
 
     cfg = load_config(None, shared_overrides(model, a.max_steps, workdir, "bench") + SYSTEMS[name] + [
         "data.eval_path=builtin:demo-eval", f"eval.size={a.eval_size}", f"eval.every={a.every}",
@@ -101,11 +101,11 @@ class Evaluator:
 
     def __init__(self, model: str, a):
         from relayrl.config import load_config
-        from relayrl.data import load_prompts
+        from relayrl.data.datasets import load_prompts
         from relayrl.engine.hf import HFEngine
         from relayrl.models import load_policy, load_tokenizer
-        from relayrl.pipeline import make_reward_runner, make_runner
-        from relayrl.placement import eos_token_ids
+        from relayrl.run.build import eval_settings, make_reward_runner, make_runner
+        from relayrl.engine.spec import eos_token_ids
 
         self.cfg = load_config(None, [f"model.path={model}", f"eval.size={a.eval_size}",
                                       f"rollout.max_new_tokens={MAX_NEW}", f"rollout.temperature={TEMP}"])
@@ -116,10 +116,10 @@ class Evaluator:
         self.runner = make_runner(self.cfg, self.engine, self.tok, self.reward, None, eos_token_ids(model, self.tok))
 
     def __call__(self, model, step: int) -> float:
-        from relayrl.evaluation import evaluate
+        from relayrl.run.evaluation import evaluate
 
         self.engine.load_weights({k: v.detach() for k, v in model.state_dict().items()}, step)
-        return evaluate(self.runner, self.tok, self.prompts, self.cfg)["accuracy"]
+        return evaluate(self.runner, self.tok, self.prompts, eval_settings(self.cfg))["accuracy"]
 
     def close(self):
         self.runner.close()
@@ -132,8 +132,8 @@ def child_trl(model: str, a, workdir: str, changed: dict) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
-    from relayrl.data import load_prompts
-    from relayrl.rewards import math_reward
+    from relayrl.data.datasets import load_prompts
+    from relayrl.rewards.verifiers import math_reward
 
     prompts = load_prompts("builtin:demo", limit=PROMPTS * a.max_steps * 2)
     ds = datasets.Dataset.from_list([{"prompt": p.messages, "answer": p.answer} for p in prompts])

@@ -34,7 +34,7 @@ def batch(n: int, length: int, vocab: int, seed: int = 0):
     """``n`` responses, prompt 128 tokens, response lengths spread up to ``length`` (a long tail:
     half the rows at most a quarter of it), group advantages in [-1, 1]."""
     from relayrl.records import FinishReason, Prompt, Trajectory
-    from relayrl.trainer import build_batch
+    from relayrl.train.trainer import build_batch
 
     g = torch.Generator().manual_seed(seed)
     prompt_len = min(128, length // 4)
@@ -52,7 +52,7 @@ def measure(dtype: str, a) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from relayrl.config import AlgoCfg, TrainerCfg
-    from relayrl.trainer import Trainer
+    from relayrl.train.trainer import Trainer
 
     shape = SMALL if a.small else QWEN25_05B
     torch.manual_seed(0)

@@ -71,7 +71,7 @@ def shared_overrides(model: str, steps: int, out: str, name: str) -> list[str]:
 
 def child_relayrl(mode: str, model: str, steps: int, workdir: str) -> dict:
     from relayrl.config import load_config
-    from relayrl.pipeline import train
+    from relayrl.run.loop import train
 
     cfg = load_config(None, shared_overrides(model, steps, workdir, "bench") + RELAYRL_MODES[mode])
     t0 = time.perf_counter()
@@ -105,8 +105,8 @@ def child_trl(model: str, steps: int, workdir: str) -> dict:
     import datasets
     from trl import GRPOTrainer
 
-    from relayrl.data import load_prompts
-    from relayrl.rewards import math_reward
+    from relayrl.data.datasets import load_prompts
+    from relayrl.rewards.verifiers import math_reward
 
     prompts = load_prompts("builtin:demo", limit=PROMPTS * steps * 2)
     ds = datasets.Dataset.from_list([{"prompt": p.messages, "answer": p.answer} for p in prompts])
@@ -145,7 +145,7 @@ def child_trl(model: str, steps: int, workdir: str) -> dict:
 
 def evaluate_weights(path: str, eval_size: int) -> float:
     from relayrl.config import load_config
-    from relayrl.pipeline import evaluate_only
+    from relayrl.run.build import evaluate_only
 
     cfg = load_config(None, [f"model.path={path}", f"eval.size={eval_size}", f"rollout.max_new_tokens={MAX_NEW}",
                              f"rollout.temperature={TEMP}"])

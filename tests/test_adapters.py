@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.data import DataError, load_prompts
+from relayrl.data.datasets import DataError, load_prompts
+from relayrl.config import EnvCfg
 from relayrl.envs.base import make_env_factory
-from relayrl.episodes import EpisodeLimits, EpisodeRunner
+from relayrl.run.build import env_factory
+from relayrl.rollout.runner import EpisodeLimits, EpisodeRunner
 from relayrl.records import Prompt, SamplingParams, Trajectory
-from relayrl.rewards import RewardRunner
+from relayrl.rewards.verifiers import RewardRunner
 from tests.test_chat_template import chatml_tokenizer  # noqa: F401 - a fixture
 from tests.test_episodes import ScriptedEngine
 
@@ -104,8 +106,8 @@ def test_a_skyrl_gym_environment_runs_multi_turn(chatml_tokenizer):
     ("skyrl_gym", "skyrl", lambda: make_env_factory("skyrl:gsm8k", {})),
     ("reasoning_gym", "reasoning-gym", lambda: load_prompts("reasoning_gym:leg_counting?size=2")),
     ("reasoning_gym", "reasoning-gym", lambda: RewardRunner("reasoning_gym", workers=1)),
-    ("openai", "serve", lambda: make_env_factory(f"agent:{ROOT / 'examples' / 'openai_agent.py'}:run", {})),
-    ("fastapi", "serve", lambda: make_env_factory(f"agent:{ROOT / 'examples' / 'openai_agent.py'}:run", {})),
+    ("openai", "serve", lambda: env_factory(EnvCfg(name=f"agent:{ROOT / 'examples' / 'openai_agent.py'}:run"))),
+    ("fastapi", "serve", lambda: env_factory(EnvCfg(name=f"agent:{ROOT / 'examples' / 'openai_agent.py'}:run"))),
 ])
 def test_a_missing_package_stops_the_run_at_start_naming_its_extra(monkeypatch, module, extra, what):
     monkeypatch.setitem(sys.modules, module, None)  # (importing it raises ImportError)

@@ -138,7 +138,7 @@ def test_shipped_weights_load_and_match_the_recipe():
 
 
 def test_builtin_agent_model_and_datasets():
-    from relayrl.data import DataError, load_prompts
+    from relayrl.data.datasets import DataError, load_prompts
     from relayrl.models import ModelError, resolve_model_path
 
     assert resolve_model_path("builtin:agent-demo", log=lambda *_: None) == str(SHIPPED)

@@ -11,7 +11,7 @@ import pytest
 from relayrl.engine.base import Engine
 from relayrl.envs.base import Env, StepResult
 from relayrl.envs.chat import TemplateMismatch, next_turn_suffix, render_ids
-from relayrl.episodes import EpisodeLimits, EpisodeRunner
+from relayrl.rollout.runner import EpisodeLimits, EpisodeRunner
 from relayrl.records import Completion, FinishReason, Prompt, SamplingParams, Trajectory
 
 CHATML = (  # Qwen2.5's shape: every turn ends "<|im_end|>\n", tool results go in a user turn

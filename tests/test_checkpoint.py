@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from relayrl.checkpoint import (
+from relayrl.run.checkpoint import (
     CheckpointWriter,
     RunState,
     latest_checkpoint,
@@ -58,20 +58,22 @@ def test_a_failed_background_write_is_raised(tiny, tmp_path):
 def test_group_ids_continue_across_a_resume(tiny):
     """The async group-id counter restarted at 0 on resume, so a prompt drawn again in a later
     epoch could get the id of a group the checkpoint carries (and the engine refuses a pending id)."""
-    from types import SimpleNamespace
-
-    from relayrl.checkpoint import RunState
+    from relayrl.run.checkpoint import RunState
     from relayrl.config import Config
     from relayrl.records import Prompt
-    from relayrl.episode_rollout import new_groups
+    from relayrl.run.build import group_maker
 
     _, tok = tiny
-    cfg, c = Config(), SimpleNamespace(tokenizer=tok)
+    cfg = Config()
+
+    def new_groups(state, prompts):
+        return group_maker(cfg.rollout.group_size, cfg.data.prompt_format, tok, state)(prompts)
+
     p = Prompt("p0", [{"role": "user", "content": "Add 1 2"}])
     state = RunState()
-    before = {t.request_id for _ in range(3) for g in new_groups(cfg, c, state, [p]) for t in g.trajectories}
+    before = {t.request_id for _ in range(3) for g in new_groups(state, [p]) for t in g.trajectories}
     resumed = RunState.from_json(state.to_json())  # what the checkpoint holds
-    after = {t.request_id for g in new_groups(cfg, c, resumed, [p]) for t in g.trajectories}
+    after = {t.request_id for g in new_groups(resumed, [p]) for t in g.trajectories}
     assert len(before) == 3 * cfg.rollout.group_size and not before & after
 
 

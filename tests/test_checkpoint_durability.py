@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from relayrl import checkpoint
-from relayrl.checkpoint import (
+from relayrl.run import checkpoint
+from relayrl.run.checkpoint import (
     RunState,
     latest_checkpoint,
     load_run_state,

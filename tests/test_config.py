@@ -215,14 +215,14 @@ def test_cli_folds_multiline_messages(capsys):
 
 @pytest.mark.parametrize("error, kind, status", [
     ("relayrl.engine.base:EngineError", "engine", 1),
-    ("relayrl.resume:ResumeError", "resume", 2),
-    ("relayrl.data:DataError", "data", 2),
+    ("relayrl.run.resume:ResumeError", "resume", 2),
+    ("relayrl.data.datasets:DataError", "data", 2),
     ("relayrl.models:ModelError", "model", 2),
 ])
 def test_cli_maps_run_time_errors(monkeypatch, capsys, tmp_path, error, kind, status):
     import importlib
 
-    import relayrl.pipeline
+    import relayrl.run.loop
 
     module, name = error.split(":")
     exc = getattr(importlib.import_module(module), name)
@@ -230,7 +230,7 @@ def test_cli_maps_run_time_errors(monkeypatch, capsys, tmp_path, error, kind, st
     def fail(cfg, resume=False):
         raise exc("it went wrong\n  on two lines")
 
-    monkeypatch.setattr(relayrl.pipeline, "train", fail)
+    monkeypatch.setattr(relayrl.run.loop, "train", fail)
     assert main(["train", f"run.output_dir={tmp_path}"]) == status
     assert _one_error_line(capsys) == f"relayrl: {kind} error: it went wrong; on two lines"
 
@@ -242,12 +242,12 @@ def test_cli_escapes_control_characters(capsys, tmp_path):
 
 
 def test_cli_unexpected_errors_keep_their_traceback(monkeypatch):
-    import relayrl.pipeline
+    import relayrl.run.loop
 
     def bug(cfg, resume=False):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(relayrl.pipeline, "train", bug)
+    monkeypatch.setattr(relayrl.run.loop, "train", bug)
     with pytest.raises(KeyError):
         main(["train"])
 

@@ -6,12 +6,12 @@ continues exactly (weights, optimiser and scheduler of both models)."""
 import pytest
 import torch
 
-from relayrl.batch import build_batch
+from relayrl.train.batch import build_batch
 from relayrl.config import AlgoCfg, CriticCfg, TrainerCfg
-from relayrl.critic import Critic, load_value_model
+from relayrl.train.critic import Critic, load_value_model
 from relayrl.models import load_policy
-from relayrl.rollout import token_rewards
-from relayrl.trainer import Trainer
+from relayrl.rollout.groups import token_rewards
+from relayrl.train.trainer import Trainer
 from tests.test_trainer import _trajs
 
 STEP = {"lr": 1e-2, "warmup_steps": 0}
@@ -153,13 +153,13 @@ def test_building_the_critic_leaves_the_runs_random_stream(tiny_path):
     """A run with a critic draws the same samples as one without (the head has its own seeded generator,
     and loading the body draws nothing from the run's stream)."""
     from relayrl.config import load_config
-    from relayrl.critic import make_critic
+    from relayrl.train.critic import make_critic
 
     cfg = load_config(None, [f"model.path={tiny_path}", "algo.advantage=gae"])
     torch.manual_seed(0)
     want = torch.rand(3)
     torch.manual_seed(0)
-    critic = make_critic(cfg)
+    critic = make_critic(cfg.critic, cfg.trainer, cfg.model.path, cfg.model.dtype, cfg.run.seed, cfg.run.steps)
     assert torch.equal(torch.rand(3), want) and critic.num_parameters() > 0
 
 

@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from relayrl.data import DataError, PromptSampler, load_prompts
-from relayrl.rewards import RewardRunner, extract_answer, math_reward
+from relayrl.data.datasets import DataError, PromptSampler, load_prompts
+from relayrl.rewards.verifiers import RewardRunner, extract_answer, math_reward
 
 
 def test_jsonl_malformed_row_names_file_and_line(tmp_path):

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from relayrl import distributed
+from relayrl.train import distributed
 from relayrl.algos import NEEDS_CRITIC
 from relayrl.config import AlgoCfg, CriticCfg, TrainerCfg
-from relayrl.critic import Critic, load_value_model
+from relayrl.train.critic import Critic, load_value_model
 from relayrl.models import load_policy, load_tokenizer
-from relayrl.trainer import Trainer, build_batch
+from relayrl.train.trainer import Trainer, build_batch
 from tests.test_trainer import _stale_batch, _trajs
 
 ROOT = Path(__file__).parent.parent
@@ -251,7 +251,7 @@ def test_torchrun_fsdp_run_ends_with_the_single_process_checkpoint(tiny_path, tm
     from transformers import AutoModelForCausalLM
 
     from relayrl.config import load_config
-    from relayrl.pipeline import train
+    from relayrl.run.loop import train
 
     args = E2E + algo + [f"model.path={tiny_path}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "OMP_NUM_THREADS": "1"}

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from relayrl.config import load_config
-from relayrl.pipeline import train
+from relayrl.run.loop import train
 
 # Exact sample counts (steps × prompts × group_size) and bit-equal runs: every prompt its group_size responses,
 # nothing filtered. (The default's adaptive budgets and dynamic sampling: test_matrix, test_kill_torture.)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from relayrl.config import load_config
-from relayrl.pipeline import ResumeError, train
+from relayrl.run.loop import ResumeError, train
 from tests.test_e2e import EASY, SMALL, _metrics
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "agent_demo.yaml"

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from relayrl.config import load_config
-from relayrl.pipeline import train
+from relayrl.run.loop import train
 from tests.test_e2e import EASY
 
 

@@ -43,7 +43,7 @@ def test_the_agent_demo_learns_to_call_its_tool(tmp_path, mode):
     from pathlib import Path
 
     from relayrl.config import load_config
-    from relayrl.pipeline import train
+    from relayrl.run.loop import train
 
     example = Path(__file__).parent.parent / "examples" / "agent_demo.yaml"
     cfg = load_config(str(example), [f"run.output_dir={tmp_path}", f"run.mode={mode}", "run.steps=15",
@@ -63,7 +63,7 @@ def test_the_openai_sdk_agent_learns_through_the_endpoint(tmp_path):
     from pathlib import Path
 
     from relayrl.config import load_config
-    from relayrl.pipeline import train
+    from relayrl.run.loop import train
 
     root = Path(__file__).parent.parent
     cfg = load_config(str(root / "examples" / "openai_agent.yaml"),

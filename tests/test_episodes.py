@@ -13,10 +13,10 @@ from relayrl.engine.base import Engine
 from relayrl.envs.base import Env, StepResult, ToolEnv, load_env_class, make_env_factory
 from relayrl.envs.chat import render_ids
 from relayrl.envs.gym import GymTextEnv
-from relayrl.episodes import EpisodeLimits, EpisodeRunner
+from relayrl.rollout.runner import EpisodeLimits, EpisodeRunner
 from relayrl.failures import failed
 from relayrl.records import Completion, FinishReason, Prompt, SamplingParams, Trajectory
-from relayrl.rewards import last_boxed
+from relayrl.rewards.verifiers import last_boxed
 from tests.test_chat_template import chatml_tokenizer  # noqa: F401 - a fixture
 
 

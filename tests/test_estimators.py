@@ -11,7 +11,7 @@ from relayrl.algos.estimators import Knobs, evpo, reinforce_pp, reinforce_pp_bas
 from relayrl.algos.shaping import fold_kl, overlong_penalty
 from relayrl.algos.values import explained_variance, gae, masked_whiten, token_returns, value_loss
 from relayrl.records import Prompt, Trajectory
-from relayrl.rollout import token_rewards
+from relayrl.rollout.groups import token_rewards
 
 T = torch.tensor
 
@@ -150,7 +150,7 @@ def test_training_batch_overlong_filter_and_punish(tiny):
     the group baselines); 'punish' adds DAPO's penalty to the reward on the last token."""
     from relayrl.config import AlgoCfg
     from relayrl.records import FinishReason, Group
-    from relayrl.rollout import training_batch
+    from relayrl.rollout.groups import training_batch
     from tests.test_trainer import _trajs
 
     _, tok = tiny

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from relayrl.cli import main
-from relayrl.evaluation import pass_at_k
+from relayrl.run.evaluation import pass_at_k
 from relayrl.records import Prompt, Trajectory
 
 
@@ -54,7 +54,7 @@ def test_model_card_names_a_hub_base_model_and_says_which_checkpoint_it_is(tmp_p
     from huggingface_hub import ModelCard
 
     from relayrl.config import load_config, resolved_tree
-    from relayrl.model_card import render
+    from relayrl.run.model_card import render
 
     tree = resolved_tree(load_config(None, ["model.path=Qwen/Qwen2.5-0.5B-Instruct", "run.steps=10"]))
     before = {"accuracy": 0.25, "accuracy_greedy": 0.5, "temperature": 1.0}

@@ -20,11 +20,11 @@ from relayrl import failures
 from relayrl.config import AlgoCfg, TrainerCfg, load_config
 from relayrl.envs.base import Env, StepResult, ToolEnv
 from relayrl.envs.chat import TemplateMismatch, render_ids
-from relayrl.episodes import EpisodeLimits, EpisodeRunner
+from relayrl.rollout.runner import EpisodeLimits, EpisodeRunner
 from relayrl.failures import UserCodeError
 from relayrl.records import FinishReason, Group, SamplingParams, Trajectory
-from relayrl.rollout import drop_failed, training_batch
-from relayrl.trainer import Trainer, build_batch
+from relayrl.rollout.groups import drop_failed, training_batch
+from relayrl.train.trainer import Trainer, build_batch
 from tests.test_episodes import PROMPT, ScriptedEngine, add, calc_reply, make_runner, run, tok  # noqa: F401
 from tests.test_chat_template import chatml_tokenizer  # noqa: F401 - a fixture
 
@@ -192,7 +192,7 @@ def test_a_template_that_cannot_extend_the_conversation_stops_the_run(tok, monke
     def mismatch(*a, **k):
         raise TemplateMismatch("the chat template renders the conversation so far differently")
 
-    monkeypatch.setattr("relayrl.episodes.next_turn_suffix", mismatch)
+    monkeypatch.setattr("relayrl.rollout.runner.next_turn_suffix", mismatch)
     runner = make_runner(tok, calc_reply, lambda: ToolEnv([add]))
     try:
         with pytest.raises(UserCodeError, match="cannot extend a conversation token-in-token-out.*model.tokenizer"):
@@ -295,7 +295,7 @@ def test_a_verifier_that_appends_to_a_file_in_the_working_directory_trains_norma
     (work / "appends.py").write_text(APPENDS)
     monkeypatch.chdir(work)
     monkeypatch.syspath_prepend(str(ROOT))
-    from relayrl.pipeline import train
+    from relayrl.run.loop import train
 
     extra = [f"env.name={env}", "env.max_tokens=64"] if env else []
     cfg = load_config(None, EASY + extra + [f"model.path={tiny_path}", f"run.output_dir={tmp_path}/runs",
@@ -348,7 +348,7 @@ class SometimesHangs(ToolEnv):
 @pytest.mark.slow
 def test_a_run_whose_environment_sometimes_hangs_goes_on_without_those_episodes(tiny_path, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))
-    from relayrl.pipeline import train
+    from relayrl.run.loop import train
 
     threads_before = {t.name for t in threading.enumerate()}
     cfg = load_config(None, EASY + [f"model.path={tiny_path}", f"run.output_dir={tmp_path}", "run.steps=2",

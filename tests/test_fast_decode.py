@@ -122,11 +122,11 @@ def test_new_weights_reach_the_fused_projections(tiny):
 def test_the_config_switch(tiny_path):
     from relayrl.config import ConfigError, load_config
     from relayrl.models import load_tokenizer
-    from relayrl.placement import build_local_engine, engine_spec
+    from relayrl.engine.spec import build_local_engine, engine_spec
 
     for on in (True, False):
         cfg = load_config(None, [f"model.path={tiny_path}", f"rollout.fast_decode={str(on).lower()}"])
-        eng = build_local_engine(engine_spec(cfg, tiny_path, tiny_path, 0, 0, 0), tokenizer=load_tokenizer(tiny_path))
+        eng = build_local_engine(engine_spec(cfg.rollout, cfg.model.dtype, tiny_path, tiny_path, 0, 0, 0), tokenizer=load_tokenizer(tiny_path))
         assert (eng._fast is not None) == on
         eng.close()
     with pytest.raises(ConfigError, match="rollout.fast_decode"):

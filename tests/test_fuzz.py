@@ -528,9 +528,9 @@ _TOKENIZERS: dict = {}
 
 
 def test_fuzzed_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, monkeypatch):
-    import relayrl.pipeline
+    import relayrl.run.loop
 
-    monkeypatch.setattr(relayrl.pipeline, "build", _stand_in_for_build)
+    monkeypatch.setattr(relayrl.run.loop, "build", _stand_in_for_build)
     g = Gen(tmp_path, random.Random(SEED))
     cases = config_cases(g) + data_cases(g)
     capsys.readouterr()  # what writing the files printed (datasets' save_to_disk progress)

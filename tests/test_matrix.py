@@ -27,9 +27,9 @@ import torch
 
 from relayrl.algos import CORRECTIONS, ESTIMATORS, NEEDS_CRITIC, POLICY_LOSSES
 from relayrl.config import AlgoCfg, ConfigError, CriticCfg, TrainerCfg, load_config
-from relayrl.critic import Critic, load_value_model
+from relayrl.train.critic import Critic, load_value_model
 from relayrl.models import load_policy
-from relayrl.trainer import Trainer
+from relayrl.train.trainer import Trainer
 from tests.test_critic import reward_batch
 
 @pytest.fixture(autouse=True)
@@ -161,7 +161,7 @@ def test_pipeline_pairwise(tiny_path, tmp_path, run):
     from safetensors.torch import load_file
 
     from relayrl.models import resolve_model_path
-    from relayrl.pipeline import train
+    from relayrl.run.loop import train
 
     cfg = load_config(None, _args(run, tiny_path) + [f"run.output_dir={tmp_path}"])
     summary = train(cfg)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from relayrl.cli import main
-from relayrl.data import DataError
+from relayrl.data.datasets import DataError
 from relayrl.models import (
     ModelError,
     check_prompt_lengths,

@@ -6,9 +6,9 @@ import json
 import time
 
 from relayrl.engine.hf import HFEngine
-from relayrl.episodes import EpisodeRunner
+from relayrl.rollout.runner import EpisodeRunner
 from relayrl.records import FinishReason, Group, Prompt, SamplingParams, Trajectory, group_from_dict, group_to_dict
-from relayrl.rollout import make_groups
+from relayrl.rollout.groups import make_groups
 
 
 def _group(gid, n_done=1):
@@ -96,7 +96,7 @@ def test_hold_cuts_at_a_token_boundary_and_release_continues(tiny):
 def test_failed_responses_are_dropped_not_scored_or_trained():
     """FAILED generations used to get a reward and a place in the batch."""
     from relayrl.records import FinishReason, Group, Prompt, Trajectory
-    from relayrl.rollout import drop_failed
+    from relayrl.rollout.groups import drop_failed
 
     p = Prompt("p", [])
     reasons = [FinishReason.STOP, FinishReason.FAILED, FinishReason.LENGTH]

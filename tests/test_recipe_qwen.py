@@ -176,7 +176,7 @@ def test_math_verifier_takes_the_final_answer_after_hashes():
     """Hand-computed: the gold is what follows the last '####'. Before, math-verify parsed the
     whole solution and took the first anchored number ('Answer: ... 4'), so a right \\boxed{10}
     scored 0 here and a wrong \\boxed{4} scored 1."""
-    from relayrl.rewards import math_reward, reference_answer
+    from relayrl.rewards.verifiers import math_reward, reference_answer
 
     gold = "Answer: first we find x = 4.\nThen 4+6=<<4+6=10>>10\n#### 10"
     assert reference_answer(gold) == "10"
@@ -195,7 +195,7 @@ def test_math_verifier_takes_the_final_answer_after_hashes():
 def test_prepare_gsm8k_converts_rows_the_recipe_reads(tmp_path, monkeypatch):
     import datasets
 
-    from relayrl.data import load_prompts
+    from relayrl.data.datasets import load_prompts
 
     spec = importlib.util.spec_from_file_location("prepare_gsm8k", ROOT / "examples" / "prepare_gsm8k.py")
     prep = importlib.util.module_from_spec(spec)
@@ -243,7 +243,7 @@ def test_recipe_trains_the_tiny_qwen_through_the_cli_entry_point(tiny_qwen, tmp_
     run through the function ``relayrl train`` calls."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from relayrl.pipeline import train
+    from relayrl.run.loop import train
 
     path, bpe = tiny_qwen
     cfg = load_config(RECIPE, [

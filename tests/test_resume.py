@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from relayrl.config import load_config
-from relayrl.pipeline import ResumeError, train
+from relayrl.run.loop import ResumeError, train
 from tests.test_e2e import EASY, _metrics
 
 

@@ -12,9 +12,9 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relayrl.data import PromptSampler
-from relayrl.episode_rollout import EpisodeRollout, oldest_version
-from relayrl.episodes import EpisodeRunner
+from relayrl.data.datasets import PromptSampler
+from relayrl.rollout.driver import EpisodeRollout, oldest_version
+from relayrl.rollout.runner import EpisodeRunner
 from relayrl.records import (Completion, FinishReason, Group, Prompt, SamplingParams, Trajectory, group_from_dict,
                              group_to_dict)
 from tests.fake_engine import FakeEngine

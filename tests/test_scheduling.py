@@ -2,7 +2,7 @@
 
 import pytest
 
-from relayrl.scheduling import (
+from relayrl.rollout.scheduling import (
     LengthModel,
     Pending,
     expected_remaining,
@@ -54,7 +54,7 @@ def test_expected_remaining_and_gittins_by_hand():
 def test_a_step_barrier_submits_longest_expected_first():
     """The episode runner hands the engine one submission in ``rollout.schedule`` order: with
     longest_first the prompt with the longest history first, srpt the shortest."""
-    from relayrl.episodes import EpisodeRunner
+    from relayrl.rollout.runner import EpisodeRunner
     from relayrl.records import Group, Prompt, SamplingParams, Trajectory
     from tests.fake_engine import FakeEngine
     from tests.test_rollout_driver import Tok
@@ -84,7 +84,7 @@ def test_a_step_barrier_submits_longest_expected_first():
 
 def test_length_model_memory_is_bounded():
     """Per-group statistics were never forgotten in sync/periodic mode: memory grew every step."""
-    from relayrl.scheduling import LengthModel
+    from relayrl.rollout.scheduling import LengthModel
 
     m = LengthModel(max_groups=100, max_prompts=50)
     for i in range(10_000):

@@ -18,10 +18,10 @@ from relayrl.algos.estimators import ESTIMATORS, Knobs, over_episodes
 from relayrl.config import AlgoCfg
 from relayrl.envs.base import ToolEnv
 from relayrl.envs.chat import render_ids
-from relayrl.episode_rollout import expand_branches
-from relayrl.episodes import EpisodeLimits, EpisodeRunner
+from relayrl.rollout.driver import expand_branches
+from relayrl.rollout.runner import EpisodeLimits, EpisodeRunner
 from relayrl.records import FinishReason, Group, Prompt, SamplingParams, Trajectory
-from relayrl.rollout import training_batch
+from relayrl.rollout.groups import training_batch
 from relayrl.serve.agent import AgentEpisodes, AgentProgram
 from relayrl.serve.server import Endpoint
 from tests.test_episodes import PROMPT, ScriptedEngine, _score, add, calc_reply
@@ -477,20 +477,27 @@ def test_a_thousand_connections_are_bounded_and_nothing_crashes(tok, monkeypatch
 
 
 def test_agent_programs_load_by_file_or_module_with_clear_errors(tmp_path, monkeypatch):
+    from relayrl.config import EnvCfg
     from relayrl.envs.base import make_env_factory
+    from relayrl.run.build import env_factory
+
+    def load(spec, args):
+        return env_factory(EnvCfg(name=spec, args=args))
 
     (tmp_path / "prog.py").write_text("async def run(client, prompt, k=1):\n    return None\n"
                                       "def sync(client, prompt):\n    return None\n")
     monkeypatch.chdir(tmp_path)
-    p = make_env_factory("agent:prog.py:run", {"k": 2})
+    p = load("agent:prog.py:run", {"k": 2})
     assert isinstance(p, AgentProgram) and p.args == {"k": 2}
-    assert isinstance(make_env_factory("agent:prog:run", {}), AgentProgram)
+    assert isinstance(load("agent:prog:run", {}), AgentProgram)
     with pytest.raises(ValueError, match="must be an async function"):
-        make_env_factory("agent:prog.py:sync", {})
+        load("agent:prog.py:sync", {})
     with pytest.raises(ValueError, match="does not fit its signature"):
-        make_env_factory("agent:prog.py:run", {"nope": 1})
+        load("agent:prog.py:run", {"nope": 1})
     with pytest.raises(ValueError, match="no such file"):
-        make_env_factory("agent:missing.py:run", {})
+        load("agent:missing.py:run", {})
+    with pytest.raises(ValueError, match="names an agent program, not an environment"):
+        make_env_factory("agent:prog.py:run", {})  # (envs never import serve: the assembly loads programs)
 
 
 QWENISH = (  # CHATML, with assistant tool calls rendered as Qwen's templates render them

@@ -9,8 +9,8 @@ import torch
 
 from relayrl.config import AlgoCfg, TrainerCfg
 from relayrl.records import FinishReason, Prompt, Trajectory
-from relayrl.shared_prefix import PrefixSharing, cuts, worth_it
-from relayrl.trainer import Trainer, build_batch
+from relayrl.train.shared_prefix import PrefixSharing, cuts, worth_it
+from relayrl.train.trainer import Trainer, build_batch
 
 
 def test_cuts_by_hand():
@@ -169,7 +169,7 @@ def _rows(batch, tok):
 def test_the_critic_shares_prefixes_too(tiny_path, tiny, updates):
     """The critic's values and its update through the body's shared prefixes are the plain ones'."""
     from relayrl.config import CriticCfg
-    from relayrl.critic import Critic, load_value_model
+    from relayrl.train.critic import Critic, load_value_model
 
     _, tok = tiny
     batch = _groups(tok)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relayrl.staleness import StalenessManager
+from relayrl.rollout.staleness import StalenessManager
 
 
 def test_capacity_rule_by_hand():

@@ -1,6 +1,6 @@
 import json
 
-from relayrl.timeline import Timeline
+from relayrl.tracking.timeline import Timeline
 
 
 def test_busy_between_clips_intervals_and_writes_picture(tmp_path):

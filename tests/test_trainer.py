@@ -5,7 +5,7 @@ import torch
 
 from relayrl.config import AlgoCfg, TrainerCfg
 from relayrl.records import FinishReason, Prompt, Trajectory
-from relayrl.trainer import Trainer, build_batch, micro_batches
+from relayrl.train.trainer import Trainer, build_batch, micro_batches
 
 
 def _trajs(tok, n=8, seed=0):

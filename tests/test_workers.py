@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.rewards import RewardRunner
+from relayrl.rewards.verifiers import RewardRunner
 from relayrl.workers import NOBODY, CallFailed, ImportFailed, PoolError, SandboxUnavailable, WorkerPool
 
 F = "tests.workers_for_tests:"  # functions for the pool

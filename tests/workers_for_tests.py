@@ -118,7 +118,7 @@ def try_write(path):
 def trainer_main(marker: str, sandbox: str = "none") -> None:
     """A stand-in trainer for the kill -9 test: scores with a verifier that spawns a marked
     process and hangs, and waits to be killed."""
-    from relayrl.rewards import RewardRunner
+    from relayrl.rewards.verifiers import RewardRunner
 
     runner = RewardRunner("tests.rewards_for_tests:spawn_and_hang", timeout_s=60, sandbox=sandbox)
     runner.score([(marker, None, {})])

@@ -32,9 +32,9 @@ class UsageError(ValueError):
 ERRORS = [
     (__name__, "UsageError", "usage", 2),
     ("relayrl.config", "ConfigError", "config", 2),
-    ("relayrl.data", "DataError", "data", 2),
+    ("relayrl.data.datasets", "DataError", "data", 2),
     ("relayrl.models", "ModelError", "model", 2),
-    ("relayrl.resume", "ResumeError", "resume", 2),
+    ("relayrl.run.resume", "ResumeError", "resume", 2),
     ("relayrl.tracking.trackers", "TrackerError", "tracker", 2),
     ("relayrl.tracking.pictures", "PlotError", "plot", 2),
     ("relayrl.engine.base", "EngineError", "engine", 1),
@@ -148,7 +148,8 @@ def _run(argv: list[str] | None) -> int:
         overrides += [f"model.path={ns.checkpoint}"] if ns.checkpoint else []
         overrides += [f"eval.samples={ns.samples}"] if ns.samples is not None else []
     cfg = load_config(config, overrides)
-    from relayrl.pipeline import evaluate_only, train
+    from relayrl.run.build import evaluate_only
+    from relayrl.run.loop import train
 
     if ns.cmd == "train":
         train(cfg, resume=ns.resume)

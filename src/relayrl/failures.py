@@ -23,9 +23,16 @@ stops the run at its first occurrence: every multi-turn episode would fail the s
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 from relayrl.records import FinishReason, Trajectory
+
+def one_line(text: str) -> str:
+    """Multi-line messages (pydantic, YAML, library errors) folded into one line."""
+    # split on newlines only: a \r or \x1c inside a quoted value is not a line of the message
+    return "; ".join(line.strip() for line in re.split(r"\r?\n", str(text)) if line.strip())
+
 
 KINDS = ("reward", "reward_timeout", "env", "env_timeout", "engine")
 

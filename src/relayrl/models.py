@@ -162,7 +162,7 @@ def check_prompt_lengths(prompts, tokenizer, limit: int, prompt_format: str = "c
     with byte fallback), so a prompt whose content bytes plus the template's own tokens (the same
     messages with empty contents, plus one per message for a leading-space marker) fit in
     ``limit`` cannot exceed it. Only the others are tokenized (``_token_count``)."""
-    from relayrl.data import DataError
+    from relayrl.data.datasets import DataError
 
     if limit < 1:
         raise ValueError(f"no room for a prompt: the model's context minus rollout.max_new_tokens is {limit} tokens")
@@ -191,3 +191,17 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     logp = F.log_softmax(logits.float() / temperature, dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+def resolve_device(name: str, field: str = "trainer.device") -> torch.device:
+    """``trainer.device`` (or ``rollout.device``): 'auto' is CUDA when available, else the CPU. Under
+    torchrun each rank takes the GPU of its LOCAL_RANK."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"{field}={name!r}, but CUDA is not available here (torch {torch.__version__}, "
+                         f"{'a CPU-only build' if torch.version.cuda is None else 'no GPU visible'}): use "
+                         f"{field}=auto or cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

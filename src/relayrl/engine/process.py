@@ -27,30 +27,30 @@ import torch
 import torch.multiprocessing as mp
 
 from relayrl.engine.base import Engine, EngineError, check_new
+from relayrl.engine.spec import EngineSpec, build_local_engine
 from relayrl.records import Completion, GenRequest
 
 
-def _serve(spec: dict, shared: dict, cmd, out, ack) -> None:
+def _serve(spec: EngineSpec, parent: int, shared: dict, cmd, out, ack) -> None:
     """The child: build the engine, forward completions, apply commands in order."""
     from relayrl.workers import die_with_parent
 
-    die_with_parent(spec["parent"])  # a parent killed while this child loads the model takes it along
+    die_with_parent(parent)  # a parent killed while this child loads the model takes it along
     try:
-        if spec["threads"]:
-            torch.set_num_threads(spec["threads"])
-        torch.manual_seed(spec["seed"])
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        torch.manual_seed(spec.seed)
         import transformers
 
         transformers.utils.logging.disable_progress_bar()  # the parent draws the progress; errors still show
         transformers.utils.logging.set_verbosity_error()
-        from relayrl.placement import build_local_engine
 
         engine = build_local_engine(spec)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
         ack.put(("error", f"engine process failed to start: {e!r}"))
         return
     ack.put(("ready", None))
-    parent, stop = spec["parent"], threading.Event()
+    stop = threading.Event()
 
     def forward() -> None:
         while not stop.is_set():
@@ -95,18 +95,15 @@ def _serve(spec: dict, shared: dict, cmd, out, ack) -> None:
 
 
 class ProcessEngine(Engine):
-    def __init__(self, rollout_cfg, weights: str, tokenizer: str, dtype: str, state_dict: dict[str, torch.Tensor],
-                 version: int = 0, threads: int = 0, seed: int = 0, start_timeout: float = 300.0):
+    def __init__(self, spec: EngineSpec, state_dict: dict[str, torch.Tensor], start_timeout: float = 300.0):
         ctx = mp.get_context("spawn")
         self._cmd, self._out, self._ack = ctx.Queue(), ctx.Queue(), ctx.Queue()
         # the shared weight buffers, allocated once; every later update is an in-place copy
         self._shared = {k: v.detach().clone().share_memory_() for k, v in state_dict.items()}
-        spec = {"rollout": rollout_cfg, "weights": weights, "tokenizer": tokenizer, "dtype": dtype,
-                "version": version, "threads": threads, "seed": seed, "parent": os.getpid()}
-        self._proc = ctx.Process(target=_serve, args=(spec, self._shared, self._cmd, self._out, self._ack),
+        self._proc = ctx.Process(target=_serve, args=(spec, os.getpid(), self._shared, self._cmd, self._out, self._ack),
                                  name="relayrl-engine", daemon=True)
         self._proc.start()
-        self._version = version
+        self._version = spec.version
         self._pending: set[str] = set()
         self._lock = threading.Lock()
         self._expect("ready", start_timeout)

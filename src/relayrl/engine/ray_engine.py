@@ -23,18 +23,17 @@ from typing import Iterable
 import torch
 
 from relayrl.engine.base import Engine, EngineError, check_new, take
+from relayrl.engine.spec import EngineSpec, build_local_engine
 from relayrl.records import Completion, FinishReason, GenRequest
 
 
 class EngineActor:
-    """Runs in the Ray worker: the engine named by ``spec`` (see ``relayrl.placement``)."""
+    """Runs in the Ray worker: the engine named by ``spec`` (``relayrl.engine.spec``)."""
 
-    def __init__(self, spec: dict):
-        from relayrl.placement import build_local_engine
-
-        if spec.get("threads"):
-            torch.set_num_threads(spec["threads"])
-        torch.manual_seed(spec["seed"])
+    def __init__(self, spec: EngineSpec):
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        torch.manual_seed(spec.seed)
         self.engine = build_local_engine(spec)
         self._paused = contextlib.ExitStack()
 
@@ -77,13 +76,13 @@ class _Owed:
 
 
 class RayEngine(Engine):
-    def __init__(self, spec: dict, name: str, max_restarts: int = 3, start_timeout: float = 900):
+    def __init__(self, spec: EngineSpec, name: str, max_restarts: int = 3, start_timeout: float = 900):
         import ray
 
         self._ray = ray
         self._spec, self.name, self.max_restarts = spec, name, max_restarts
         self._timeout = start_timeout
-        self._version = spec["version"]
+        self._version = spec.version
         self._weights = None  # the last published weights, in Ray's object store
         self._owed: dict[str, _Owed] = {}
         self._paused = 0

@@ -185,13 +185,12 @@ ADAPTERS = {
 
 def make_env_factory(spec: str, args: dict):
     """A function making one environment per episode; fails now (naming the field) when the class
-    cannot be imported or does not take ``env.args``. ``agent:...`` gives an ``AgentProgram`` instead:
-    episodes that are sessions of the endpoint (``relayrl.serve``)."""
+    cannot be imported or does not take ``env.args``. (``agent:...`` is no environment: an agent
+    program's episodes are sessions of the endpoint, ``relayrl.serve.agent.AgentProgram``.)"""
     kind, _, name = spec.partition(":")
     if kind == "agent":
-        from relayrl.serve.agent import AgentProgram
-
-        return AgentProgram.load(spec, name, args)
+        raise ValueError(f"env.name={spec!r} names an agent program, not an environment: "
+                         "relayrl.serve.agent.AgentProgram.load runs it")
     if kind in ADAPTERS and name:
         cls = import_object(ADAPTERS[kind])
         cls.check(name)  # its package is there and knows the name: fails now, naming the extra to install

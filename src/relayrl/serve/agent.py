@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from relayrl.envs.base import import_object
+from relayrl.rollout.episode import EpisodeFailed, describe_error
 from relayrl.records import FinishReason, SamplingParams, Trajectory
 from relayrl.serve.sessions import Session, SessionTable
 
@@ -66,7 +67,7 @@ class AgentProgram:
 
 
 def _need(module: str) -> None:
-    from relayrl.envs.adapters import require
+    from relayrl.extras import require
 
     require(module, "serve", "env.name=agent:...")
 
@@ -113,8 +114,6 @@ class AgentEpisodes:
     async def episode(self, runner, t: Trajectory, params: SamplingParams, train: bool) -> None:
         """Run the program for ``t`` from its prompt; ``t`` gets the latest reply's branch, the other
         branches go in ``t.info["branches"]`` (``episode_rollout.expand_branches``)."""
-        from relayrl.episodes import _EnvFailed
-
         lim = runner.limits
         source = f"agent program {self.name} (env.name={lim.env_name})"
         t.response_ids, t.behav_logprobs, t.versions, t.mask, t.turns = [], [], [], [], []
@@ -125,7 +124,7 @@ class AgentEpisodes:
         try:
             try:
                 result = await _watch(task, s, lim, source)
-            except _EnvFailed:
+            except EpisodeFailed:
                 raise
             except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
                 raise
@@ -133,7 +132,7 @@ class AgentEpisodes:
                 if s.fatal is not None:
                     raise s.fatal from None
                 if s.limit_hit is None:
-                    raise _EnvFailed("env", source, _describe(e)) from None
+                    raise EpisodeFailed("env", source, describe_error(e)) from None
                 result = None  # ended at the episode's limits: scored as it stands
         finally:
             if not task.done():
@@ -145,15 +144,15 @@ class AgentEpisodes:
             raise s.fatal
         branches = s.trained()
         if not branches:
-            raise _EnvFailed("env", source, "it never asked the model anything: there is nothing to train")
+            raise EpisodeFailed("env", source, "it never asked the model anything: there is nothing to train")
         if result is not None and (isinstance(result, bool) or not isinstance(result, (int, float))):
-            raise _EnvFailed("env", source, f"returned {type(result).__name__} {result!r:.60}: run must return a "
+            raise EpisodeFailed("env", source, f"returned {type(result).__name__} {result!r:.60}: run must return a "
                                             "float or None")
         if result is not None and not math.isfinite(result):
-            raise _EnvFailed("env", source, f"returned a non-finite reward {result}")
+            raise EpisodeFailed("env", source, f"returned a non-finite reward {result}")
         final = s.last[1]
         if result is None:
-            result, t.failure = await runner._verified(final, t.prompt)
+            result, t.failure = await runner.verified(final, t.prompt)
             if t.failure is not None:
                 return
         main = branches[-1]
@@ -175,8 +174,6 @@ class AgentEpisodes:
 async def _watch(task: asyncio.Task, s: Session, lim, source: str):
     """The program's result, under its deadlines: the time it runs between requests (none in flight)
     counts, each stretch at most ``env.step_timeout_s``, all of them ``env.episode_timeout_s``."""
-    from relayrl.episodes import _EnvFailed
-
     budget = lim.episode_timeout_s
     while not task.done():
         s.activity.clear()
@@ -190,7 +187,7 @@ async def _watch(task: asyncio.Task, s: Session, lim, source: str):
         if not task.done() and not s.in_flight and not s.activity.is_set():
             which = "env.step_timeout_s" if allowed == lim.step_timeout_s else "env.episode_timeout_s"
             value = lim.step_timeout_s if which == "env.step_timeout_s" else lim.episode_timeout_s
-            raise _EnvFailed("env_timeout", source, f"no request to the model nor an answer within {allowed:.3g} s "
+            raise EpisodeFailed("env_timeout", source, f"no request to the model nor an answer within {allowed:.3g} s "
                                                     f"({which}={value:g})")
     return task.result()
 
@@ -201,8 +198,3 @@ async def _first(task: asyncio.Task, event: asyncio.Event, timeout: float | None
         await asyncio.wait({task, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         waiter.cancel()
-
-
-def _describe(e: BaseException) -> str:
-    text = str(e)
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__

@@ -24,7 +24,7 @@ import os
 import time
 from pathlib import Path
 
-from relayrl.tracking.trackers import Tracker, TrackerContext, TrackerError, _import, check_reachable, quietly
+from relayrl.tracking.base import Tracker, TrackerContext, TrackerError, _import, check_reachable, quietly
 
 
 def _plain(v):

@@ -16,16 +16,15 @@ from relayrl.tracking.trackers import TrackerContext, Trackers
 class RunReport:
     REDRAW_S = 120.0
 
-    def __init__(self, cfg, state, log):
+    def __init__(self, run, run_dir: Path, config: dict, state, log):
         """Opened once the run directory is ready and the held-out evaluation before training is done
         (``state.eval_before``: the trackers get it at step 0). ``state.step`` > 0: resuming from that
-        checkpoint, so metrics.jsonl drops the lines past it and the trackers continue their runs."""
-        from relayrl.config import resolved_tree
-
-        self.run_dir, self.log = cfg.run_dir, log
+        checkpoint, so metrics.jsonl drops the lines past it and the trackers continue their runs.
+        ``run``: the run section; ``config``: the resolved configuration the trackers record."""
+        self.run_dir, self.log = run_dir, log
         resume = state.step or None
-        self.trackers = Trackers.open(cfg.run.report_to, TrackerContext(
-            self.run_dir, cfg.run.name, cfg.run.project, resolved_tree(cfg), resume), log)
+        self.trackers = Trackers.open(run.report_to, TrackerContext(
+            self.run_dir, run.name, run.project, config, resume), log)
         self.jsonl = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=state.step)
         self.eval_before, self.drawn = state.eval_before, time.monotonic()
         if resume is None and state.eval_before:

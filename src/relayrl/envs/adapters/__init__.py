@@ -13,33 +13,6 @@ environments themselves do not run here (README: what did not run, and why).
 
 from __future__ import annotations
 
-import importlib
-from urllib.parse import parse_qsl
-
-import yaml
-
-
-def require(module: str, extra: str, field: str):
-    """``module``, imported; else a ``ValueError`` naming the field and the extra that installs it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ValueError(f"{field} needs the {module!r} package ({e}): pip install 'relayrl[{extra}]'") from None
-
-
-def parse_spec(spec: str, field: str) -> tuple[str, dict]:
-    """``prefix:NAME?key=value&...`` → (NAME, {key: value}), values read as YAML scalars (numbers, bools)."""
-    _, _, rest = spec.partition(":")
-    name, _, query = rest.partition("?")
-    if not name:
-        raise ValueError(f"{field}={spec!r}: name the task after the prefix, e.g. {spec.split(':')[0]}:NAME")
-    args = {}
-    for key, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
-        try:
-            args[key] = yaml.safe_load(value) if value else ""
-        except yaml.YAMLError:
-            args[key] = value
-    return name, args
 
 
 def rows(path: str) -> list[dict] | None:

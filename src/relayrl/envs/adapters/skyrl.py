@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
-from relayrl.envs.adapters import require
+from relayrl.extras import require
 from relayrl.envs.base import Env, StepResult
 from relayrl.records import Prompt
 

@@ -17,8 +17,9 @@ import asyncio
 import random
 import threading
 
-from relayrl.config import one_line
-from relayrl.envs.adapters import parse_spec, require
+from relayrl.failures import one_line
+from relayrl.envs.adapters.spec import parse_spec
+from relayrl.extras import require
 from relayrl.envs.base import Env, StepResult
 from relayrl.envs.gym import _seed
 from relayrl.records import Prompt

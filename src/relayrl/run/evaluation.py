@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from relayrl import failures
-from relayrl.config import Config
-from relayrl.faults import fault_point
+from relayrl.fault_injection import fault_point
 from relayrl.records import Prompt, SamplingParams
-from relayrl.rollout import make_groups
+from relayrl.rollout.groups import make_groups
 
 
 def episode_stats(trajs: list) -> dict:
@@ -56,7 +56,21 @@ def sample_record(t, tokenizer, kind: str) -> dict:
             **({"turns": t.info.get("turns"), "tool_calls": t.info.get("tool_calls", 0)} if t.info else {})}
 
 
-def evaluate(runner, tokenizer, prompts: list[Prompt], cfg: Config, when: str = "", samples: list | None = None
+@dataclass(frozen=True)
+class EvalSettings:
+    """What an evaluation reads of the config: eval.samples and eval.seed, the rollout's sampling
+    (rollout.temperature, max_new_tokens, top_p, top_k), data.prompt_format, run.max_failure_frac."""
+    samples: int
+    seed: int
+    temperature: float
+    max_new_tokens: int
+    top_p: float = 1.0
+    top_k: int = 0
+    prompt_format: str = "chat"
+    max_failure_frac: float = 0.5
+
+
+def evaluate(runner, tokenizer, prompts: list[Prompt], s: EvalSettings, when: str = "", samples: list | None = None
              ) -> dict:
     """``accuracy``: mean reward (pass@1) of ``eval.samples`` sampled episodes per prompt at
     ``rollout.temperature``, and with several, ``pass_at_k``; ``accuracy_greedy``: mean reward of the
@@ -69,11 +83,10 @@ def evaluate(runner, tokenizer, prompts: list[Prompt], cfg: Config, when: str = 
     Runs through ``runner`` (episodes.EpisodeRunner) while the training episodes are held."""
     import asyncio
 
-    r = cfg.rollout
-    out = {"temperature": r.temperature, "prompts": len(prompts)}
-    for key, temp, n in (("accuracy", r.temperature, cfg.eval.samples), ("accuracy_greedy", 0.0, 1)):
-        groups = make_groups(prompts, tokenizer, n, f"eval-{key}-v{runner.engine.version}", cfg.data.prompt_format)
-        params = SamplingParams(r.max_new_tokens, temp, r.top_p, r.top_k, seed=cfg.eval.seed)
+    out = {"temperature": s.temperature, "prompts": len(prompts)}
+    for key, temp, n in (("accuracy", s.temperature, s.samples), ("accuracy_greedy", 0.0, 1)):
+        groups = make_groups(prompts, tokenizer, n, f"eval-{key}-v{runner.engine.version}", s.prompt_format)
+        params = SamplingParams(s.max_new_tokens, temp, s.top_p, s.top_k, seed=s.seed)
 
         async def run_all():
             await asyncio.gather(*(runner.group(g, params, train=False) for g in groups))
@@ -82,7 +95,7 @@ def evaluate(runner, tokenizer, prompts: list[Prompt], cfg: Config, when: str = 
         fault_point("eval")
         every = [t for g in groups for t in g.trajectories]
         which = "sampled" if key == "accuracy" else "greedy"  # (too many failures: the run stops)
-        counts = failures.check(every, cfg.run.max_failure_frac, f"the evaluation{' ' + when if when else ''} ({which})")
+        counts = failures.check(every, s.max_failure_frac, f"the evaluation{' ' + when if when else ''} ({which})")
         trajs = [t for t in every if not failures.failed(t)]  # failed episodes are not scored 0
         out[key] = sum(t.reward for t in trajs) / max(1, len(trajs))
         out[f"{key}_failed"] = sum(counts.values())

@@ -25,21 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from relayrl.models import resolve_device  # noqa: F401 (the trainer's device, as the engine's)
+
 LAUNCH = "torchrun --nproc-per-node N -m relayrl.cli train ... trainer.fsdp=true"
-
-
-def resolve_device(name: str, field: str = "trainer.device") -> torch.device:
-    """``trainer.device`` (or ``rollout.device``): 'auto' is CUDA when available, else the CPU. Under
-    torchrun each rank takes the GPU of its LOCAL_RANK."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError(f"{field}={name!r}, but CUDA is not available here (torch {torch.__version__}, "
-                         f"{'a CPU-only build' if torch.version.cuda is None else 'no GPU visible'}): use "
-                         f"{field}=auto or cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def check_launch(tcfg, rollout_device: str = "auto") -> None:
@@ -165,19 +153,10 @@ def load_optimizer_state(model, opt, state: dict) -> None:
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
-def run_follower(make_trainer, cfg) -> dict:
-    """A follower rank's run (``pipeline.train`` on a torchrun rank > 0): its policy and trainer,
-    then rank 0's commands until it stops. ``make_trainer(policy, ref)`` builds the trainer as
-    rank 0 does; the weights loaded here are replaced by rank 0's when the trainer shards them."""
-    from relayrl.models import load_policy, resolve_model_path
-
-    torch.manual_seed(cfg.run.seed)
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    base = resolve_model_path(cfg.model.path, log=lambda *a, **k: None)
-    policy = load_policy(base, cfg.model.dtype)
-    ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 else None
-    trainer = make_trainer(policy, ref)
+def run_follower(trainer) -> dict:
+    """A follower rank's run (``run.loop.train`` on a torchrun rank > 0): ``trainer`` built as rank 0
+    builds its own (its weights are replaced by rank 0's when the trainer shards them), then rank 0's
+    commands until it stops."""
     return {"rank": trainer.dp.rank, "steps": follow(trainer)}
 
 

@@ -13,7 +13,7 @@ import os
 from concurrent.futures import Future
 
 from relayrl.envs.python_tool import PythonTool
-from relayrl.rewards import RewardRunner, RewardStats
+from relayrl.rewards.verifiers import RewardRunner, RewardStats
 
 
 class RewardActor:

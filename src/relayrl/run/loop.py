@@ -1,193 +1,33 @@
-"""Assembling the components, and the training loop.
+"""The training loop, the same for every mode:
 
     take a batch of groups (source) → reward → advantages → update → publish (v + 1) → checkpoint
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from rich.console import Console
 
-from relayrl import distributed, failures, model_card
-from relayrl.algos import NEEDS_CRITIC
-from relayrl.checkpoint import CheckpointWriter, RunState, restore_rng
+from relayrl import failures
 from relayrl.config import Config, dump_config, resolved_tree
-from relayrl.critic import make_critic
-from relayrl.data import PromptSampler, load_prompts
 from relayrl.engine import EngineError
-from relayrl.envs import python_tool
-from relayrl.envs.base import make_env_factory
-from relayrl.episode_rollout import EpisodeRollout, flatten, versions_behind
-from relayrl.episodes import EpisodeLimits, EpisodeRunner
-from relayrl.evaluation import episode_stats, evaluate, write_report
-from relayrl.models import check_prompt_lengths, load_policy, load_tokenizer, model_context, resolve_model_path
-from relayrl.placement import engine_counters, engine_spec, eos_token_ids, open_engine, start_ray, threads
-from relayrl.records import Group, SamplingParams, group_to_dict
-from relayrl.resume import ResumeError, check_compatible, data_fingerprint, prepare_run_dir, start_state
-from relayrl.rewards import RewardRunner
-from relayrl.rollout import drop_failed, training_batch
-from relayrl.serve.agent import AgentEpisodes, AgentProgram
-from relayrl.timeline import Timeline
+from relayrl.engine.placement import engine_counters
+from relayrl.records import Group, group_to_dict
+from relayrl.rollout.driver import flatten, versions_behind
+from relayrl.rollout.groups import drop_failed, training_batch
+from relayrl.run import model_card
+from relayrl.run.build import Components, build, follower_trainer, load_data, make_rollout, response_budget
+from relayrl.run.checkpoint import CheckpointWriter, RunState, restore_rng
+from relayrl.run.evaluation import episode_stats
+from relayrl.run.resume import ResumeError, check_compatible, data_fingerprint, prepare_run_dir, start_state
 from relayrl.tracking import MetricsLog, ProgressBar, RunReport, Timers, Trackers
-from relayrl.trainer import Trainer
+from relayrl.tracking.timeline import Timeline
+from relayrl.train import distributed
 
-
-__all__ = ["ResumeError", "evaluate_only", "train"]
-
-
-@dataclass
-class Components:
-    tokenizer: object
-    policy: object
-    engine: object
-    trainer: Trainer
-    reward: RewardRunner
-    sampler: PromptSampler
-    eval_prompts: list | None
-    params: SamplingParams
-    runner: EpisodeRunner  # episodes (single-turn, or with env.name's environment) on an asyncio loop
-
-    @property
-    def agents(self) -> bool:
-        return self.runner.multi_turn
-
-    def evaluate(self, cfg: Config, when: str = "") -> dict:
-        return evaluate(self.runner, self.tokenizer, self.eval_prompts, cfg, when)
-
-    def close(self) -> None:
-        self.runner.close()
-        self.engine.close()
-        self.reward.close()
-        python_tool.use_default()  # the shared python tool's workers (env.name=python) end with the run
-
-
-def make_reward_runner(cfg: Config) -> RewardRunner:
-    """The verifier's isolated worker pool: here, or in a Ray actor with ``run.backend=ray``."""
-    r = cfg.reward
-    kw = {"timeout_s": r.timeout_s, "workers": r.workers, "memory_mb": r.memory_mb, "sandbox": r.sandbox}
-    if cfg.run.backend == "ray":
-        from relayrl.ray_workers import RayRewardRunner
-
-        start_ray(cfg)
-        return RayRewardRunner(r.fn, **kw)
-    return RewardRunner(r.fn, **kw)
-
-
-def load_tokenizer_for(cfg: Config, base: str, log) -> tuple[object, str]:
-    """(tokenizer, its path): model.tokenizer if set, else the model's own."""
-    field = "model.tokenizer" if cfg.model.tokenizer else "model.path"
-    path = resolve_model_path(cfg.model.tokenizer, log=log, field=field) if cfg.model.tokenizer else base
-    return load_tokenizer(path, cfg.data.prompt_format, field=field), path
-
-
-def check_prompts_fit(cfg: Config, weights: str, tokenizer, prompts: list, eval_prompts: list | None) -> None:
-    """A prompt longer than the model's context leaves after rollout.max_new_tokens is an input
-    error now, naming the row, not a generation failure mid-run."""
-    context = model_context(weights)
-    if context is None:
-        return
-    limit, fmt = context - (cfg.env.max_tokens if cfg.env.name else cfg.rollout.max_new_tokens), cfg.data.prompt_format
-    if cfg.env.name and limit < 1:
-        raise ValueError(f"env.max_tokens={cfg.env.max_tokens} leaves no room for a prompt in the model's "
-                         f"context of {context} tokens: lower it")
-    check_prompt_lengths(prompts or [], tokenizer, limit, fmt, source=cfg.data.path)
-    if eval_prompts:
-        check_prompt_lengths(eval_prompts, tokenizer, limit, fmt, source=cfg.data.eval_path)
-
-
-def load_data(cfg: Config) -> tuple[list, list | None]:
-    """Training and held-out prompts (``DataError`` naming file and row on bad input)."""
-    d = cfg.data
-    fields = dict(prompt_field=d.prompt_field, answer_field=d.answer_field, id_field=d.id_field,
-                  metadata_fields=d.metadata_fields, system_prompt=cfg.model.system_prompt,
-                  prompt_format=d.prompt_format)
-    prompts = load_prompts(d.path, **fields)
-    eval_prompts = load_prompts(d.eval_path, limit=cfg.eval.size, **fields) if d.eval_path else None
-    return prompts, eval_prompts
-
-
-def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> Components:
-    """Everything the loop needs; from checkpoint ``ckpt`` when resuming. What was started is
-    closed again if a later part fails (a bad model path must not leave an engine process)."""
-    _, engine_threads, trainer_threads = threads(cfg)
-    torch.set_num_threads(trainer_threads)
-    torch.manual_seed(cfg.run.seed)
-    prompts, eval_prompts = data
-    d = cfg.data  # (first: a selection_key the prompts lack fails before anything starts)
-    sampler = PromptSampler(prompts, cfg.run.seed, d.shuffle, state.sampler, d.selection, d.selection_pool,
-                            d.selection_forget, d.selection_key, d.selection_prior)
-    with contextlib.ExitStack() as undo:
-        reward = make_reward_runner(cfg)  # first: a bad reward.fn fails before the model loads
-        undo.callback(reward.close)
-        reward.stats.failures, reward.stats.timeouts = state.reward_failures, state.reward_timeouts
-        make_env = make_env_factory(cfg.env.name, cfg.env.args) if cfg.env.name else None
-        if cfg.run.backend == "ray":  # the python tool's worker pool in a Ray actor too (at its first call)
-            from relayrl.ray_workers import RayPythonTool
-
-            python_tool.use_default(RayPythonTool)
-            undo.callback(python_tool.use_default)
-        base = resolve_model_path(cfg.model.path, log=log)
-        weights = str(ckpt) if ckpt else base
-        tokenizer, tok_path = load_tokenizer_for(cfg, base, log)
-        check_prompts_fit(cfg, weights, tokenizer, prompts, eval_prompts)
-        policy = load_policy(weights, cfg.model.dtype, field="checkpoint" if ckpt else "model.path")
-        ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 else None
-        # seeded per resume point, so a resumed run does not repeat its samples; in-process, one thread
-        # decodes and trains (HFEngine's driven): it decodes while it waits for episodes
-        spec = engine_spec(cfg, weights, tok_path, state.version, cfg.run.seed * 1_000_003 + state.step, engine_threads)
-        engine = open_engine(cfg, spec, policy.state_dict(), tokenizer, cfg.run.name)
-        undo.callback(engine.close)
-        runner = make_runner(cfg, engine, tokenizer, reward, make_env, eos_token_ids(weights, tokenizer),
-                             model_context(weights))
-        undo.callback(runner.close)
-        trainer = make_trainer(cfg, policy, ref)  # (a critic.path that does not load closes what was started)
-        undo.pop_all()
-    r = cfg.rollout
-    # every episode samples from its own numbers (SamplingParams.seed): what it draws does not depend on
-    # what else the engine decodes, so a run repeats itself. Not on vLLM: its per-request generators slow
-    # its sampler, and its batched kernels do not repeat bit for bit anyway.
-    seed = None if r.engine == "vllm" else cfg.run.seed
-    params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, seed=seed)
-    return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params, runner)
-
-
-def make_trainer(cfg: Config, policy, ref=None) -> Trainer:
-    """The trainer, with its critic when the advantage estimator needs one (on every torchrun rank
-    alike with trainer.fsdp: the critic is sharded as the policy is)."""
-    r = cfg.rollout
-    critic = make_critic(cfg) if cfg.algo.advantage in NEEDS_CRITIC else None
-    return Trainer(policy, cfg.trainer, cfg.algo, r.temperature, cfg.run.steps, cfg.algo.norm_len or r.max_new_tokens,
-                   ref_model=ref, top_p=r.top_p, top_k=r.top_k, critic=critic)
-
-
-def response_budget(cfg: Config) -> int:
-    """The tokens one response may take: an episode's budget with an environment, else one generation's."""
-    return cfg.env.max_tokens if cfg.env.name else cfg.rollout.max_new_tokens
-
-
-def make_runner(cfg: Config, engine, tokenizer, reward: RewardRunner, make_env=None, eos_ids=None,
-                context: int | None = None) -> EpisodeRunner:
-    """The episode runner over ``engine``: ``reward.fn`` verifies final turns, ``make_env`` (None:
-    single-turn) makes each episode's environment, or is an agent program (``relayrl.serve.agent``:
-    the endpoint starts, serving ``context`` tokens); ``eos_ids``: the ids the engine stops on."""
-    def score_batch(items):
-        return reward.score([(text, prompt.answer, dict(prompt.metadata)) for text, prompt in items])
-
-    e, agent = cfg.env, None
-    limits = EpisodeLimits(e.max_turns, e.max_tokens, e.step_timeout_s, e.episode_timeout_s, e.name) if make_env else None
-    if isinstance(make_env, AgentProgram):
-        s = cfg.serve
-        agent = AgentEpisodes(make_env, e.name, s.model_name, context, s.host, s.port, s.max_requests,
-                              s.max_connections)
-        make_env = None
-    return EpisodeRunner(engine, tokenizer, make_env, limits, schedule=cfg.rollout.schedule, score_batch=score_batch,
-                         eos_ids=eos_ids, agent=agent)
+__all__ = ["ResumeError", "train"]
 
 
 def step_metrics(groups: list[Group], generated: int, step_seconds: float, state: RunState) -> dict:
@@ -220,7 +60,7 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
     Returns the run summary."""
     distributed.check_launch(cfg.trainer, cfg.rollout.device)  # a device this machine lacks; torchrun without fsdp
     if distributed.is_follower(cfg.trainer):  # torchrun rank > 0: trains its share of rank 0's batches
-        return distributed.run_follower(lambda policy, ref: make_trainer(cfg, policy, ref), cfg)
+        return distributed.run_follower(follower_trainer(cfg))
     console = console or Console()
     log = console.print
     entered = time.perf_counter()
@@ -254,13 +94,13 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
     if state.eval_before is None and c.eval_prompts:
         state.eval_before = c.evaluate(cfg, "before training")
         log(f"eval before: {fmt_eval(state.eval_before)}")
-    metrics = RunReport(cfg, state, log)  # metrics.jsonl, the trackers of run.report_to, curves.png
+    metrics = RunReport(cfg.run, run_dir, resolved_tree(cfg), state, log)  # metrics.jsonl, the trackers of run.report_to, curves.png
     trained_log = MetricsLog(run_dir / "trained_prompts.jsonl", resume_step=state.step)
     timers, t_start, tl = Timers(), time.perf_counter() - state.wall_seconds, Timeline()
     startup = evaluating - entered  # loading, engines, workers (not the evaluation before training)
     writer = CheckpointWriter(run_dir, c.policy, c.tokenizer, cfg.run.keep_checkpoints, c.trainer.full_state_dict,
                               card=model_card.for_run(resolved_tree(cfg)))
-    source = EpisodeRollout.from_config(cfg, c, state, tl)
+    source = make_rollout(cfg, c, state, tl)
     if source.eta + source.slack:
         log(f"staleness bound: {source.eta + source.slack} policy versions (η={source.eta}"
             + (f" + ⌈{source.extra}/{source.batch}⌉ for the over-provisioned groups" if source.slack else "") + ")")
@@ -398,37 +238,3 @@ def finish(cfg: Config, c: Components, state: RunState, log, startup: float | No
     return summary
 
 
-def evaluate_only(cfg: Config, out_dir: str | Path | None = None) -> dict:
-    """Evaluate model.path on data.eval_path; with ``out_dir``, write eval.json and eval_samples.jsonl there."""
-    log = Console(stderr=True).print
-    d = cfg.data
-    if not d.eval_path:
-        raise ValueError("data.eval_path is not set: nothing to evaluate")
-    prompts = load_prompts(d.eval_path, d.prompt_field, d.answer_field, d.id_field, d.metadata_fields,
-                           cfg.model.system_prompt, limit=cfg.eval.size, prompt_format=d.prompt_format)
-    reward = make_reward_runner(cfg)
-    try:
-        path = resolve_model_path(cfg.model.path, log=log)
-        tokenizer, tok_path = load_tokenizer_for(cfg, path, log)
-        check_prompts_fit(cfg, path, tokenizer, [], prompts)
-        engine = open_engine(cfg, engine_spec(cfg, path, tok_path, 0, cfg.run.seed, threads(cfg)[1]), tokenizer=tokenizer)
-        runner = make_runner(cfg, engine, tokenizer, reward,
-                             make_env_factory(cfg.env.name, cfg.env.args) if cfg.env.name else None,
-                             eos_token_ids(path, tokenizer), model_context(path))
-        try:
-            samples: list[dict] = []
-            result = evaluate(runner, tokenizer, prompts, cfg, samples=samples)
-        finally:
-            runner.close()
-            engine.close()
-        if out_dir is not None:
-            from relayrl import __version__
-
-            about = {"model": cfg.model.path, "data": d.eval_path, "prompts": len(prompts), "samples": cfg.eval.samples,
-                     "temperature": cfg.rollout.temperature, "max_new_tokens": cfg.rollout.max_new_tokens,
-                     "reward": cfg.reward.fn, "env": cfg.env.name, "relayrl": __version__}
-            report, lines = write_report(out_dir, result, samples, about)
-            log(f"eval report: {report}; every response: {lines}")
-        return result
-    finally:
-        reward.close()

@@ -18,46 +18,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from relayrl.extras import require
+from relayrl.rewards.answers import extract_answer, last_boxed, reference_answer  # noqa: F401 (public here too)
 from relayrl.workers import CallFailed, ImportFailed, SandboxUnavailable, WorkerPool, load
 
 RewardFn = Callable[[str, "str | None", dict], float]
-
-_BOXED = re.compile(r"\\boxed\s*\{")
-_ANSWER_LINE = re.compile(r"(?:answer\s*(?:is)?\s*[:=]?|####)\s*([^\n]+)", re.IGNORECASE)
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...}, honouring nested braces."""
-    starts = [m.end() for m in _BOXED.finditer(text)]
-    if not starts:
-        return None
-    i, depth = starts[-1], 1
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
-    return None
-
-
-def extract_answer(text: str) -> str | None:
-    """Final answer: last \\boxed{}, else an 'Answer: ...' / '#### ...' line, else the last number."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    lines = _ANSWER_LINE.findall(text)
-    if lines:
-        return lines[-1].strip().rstrip(".")
-    nums = _NUMBER.findall(text)
-    return nums[-1] if nums else None
-
-
-def reference_answer(answer: str) -> str:
-    """The final answer of a reference solution: the text after its last '####' (GSM8K's
-    "reasoning ... #### 72" gives "72"), else ``answer`` as it is."""
-    _, mark, final = answer.rpartition("####")
-    return final.strip() if mark and final.strip() else answer
-
 
 def math_reward(completion: str, answer: str | None, metadata: dict) -> float:
     """1.0 if the extracted final answer is mathematically equivalent to ``answer`` (math-verify).
@@ -86,7 +51,7 @@ def exact_reward(completion: str, answer: str | None, metadata: dict) -> float:
 
 def reasoning_gym_reward(completion: str, answer: str | None, metadata: dict) -> float:
     """reasoning-gym's own scorer for rows of ``data.path=reasoning_gym:...`` (``envs.adapters.reasoning_gym``)."""
-    from relayrl.envs.adapters.reasoning_gym import score
+    from relayrl.rewards.reasoning_gym import score
 
     return score(completion, answer, metadata)
 
@@ -123,14 +88,14 @@ def _score_one(spec: str, completion: str, answer: str | None, metadata: dict) -
     return value
 
 
-_SCORE_ONE = "relayrl.rewards:_score_one"
+_SCORE_ONE = "relayrl.rewards.verifiers:_score_one"
 # (preload, imports, warm-up calls) the server runs once before forking, so workers start
 # warm: math-verify's first call (lazy imports, caches) costs far more than the next ones
 _WARM = {
-    "math": (["relayrl.rewards:math_reward"], ["math_verify"],
+    "math": (["relayrl.rewards.verifiers:math_reward"], ["math_verify"],
              [(_SCORE_ONE, ["math", r"\boxed{\frac{1}{2}}", "0.5", {}])]),
-    "exact": (["relayrl.rewards:exact_reward"], [], []),
-    "reasoning_gym": (["relayrl.rewards:reasoning_gym_reward"], ["reasoning_gym"], []),
+    "exact": (["relayrl.rewards.verifiers:exact_reward"], [], []),
+    "reasoning_gym": (["relayrl.rewards.verifiers:reasoning_gym_reward"], ["reasoning_gym"], []),
 }
 
 
@@ -153,8 +118,6 @@ class RewardRunner:
                  sandbox: str = "none"):
         _check_name(spec)  # fail fast, in the parent, on an unknown name
         if spec == "reasoning_gym":
-            from relayrl.envs.adapters import require
-
             require("reasoning_gym", "reasoning-gym", "reward.fn=reasoning_gym")
         self.spec, self.timeout_s, self.memory_mb = spec, timeout_s, memory_mb
         self.stats = RewardStats()

@@ -18,7 +18,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from relayrl.checkpoint import RunState, latest_checkpoint, load_run_state, remove_incomplete
+from relayrl.run.checkpoint import RunState, latest_checkpoint, load_run_state, remove_incomplete
 from relayrl.config import Config
 from relayrl.records import Prompt
 

@@ -18,11 +18,11 @@ import warnings
 import torch
 from torch import nn
 
-from relayrl import distributed
+from relayrl.train import distributed
 from relayrl.algos.values import value_loss
-from relayrl.batch import TrainBatch, micro_batches
+from relayrl.train.batch import TrainBatch, micro_batches
 from relayrl.models import DTYPES, _load
-from relayrl.shared_prefix import PrefixSharing
+from relayrl.train.shared_prefix import PrefixSharing
 
 
 class ValueModel(nn.Module):
@@ -52,25 +52,26 @@ def load_value_model(path: str, dtype: str = "float32", seed: int = 0, field: st
     return ValueModel(_load(AutoModel.from_pretrained, path, field, "model", dtype=DTYPES[dtype]), seed)
 
 
-def make_critic(cfg) -> "Critic":
-    """The run's critic (``cfg``: the whole config): ``critic.path`` or the policy's initial weights with a
-    fresh head seeded by ``run.seed``, placed as the policy is (``trainer.device``, ``trainer.fsdp``)."""
+def make_critic(ccfg, tcfg, model_path: str, dtype: str, seed: int, total_steps: int) -> "Critic":
+    """The run's critic (``ccfg``: the critic section, ``tcfg``: the trainer's): ``critic.path`` or the
+    policy's initial weights (``model_path``) with a fresh head seeded by ``seed``, placed as the policy
+    is (``trainer.device``, ``trainer.fsdp``)."""
     from relayrl.models import resolve_model_path
 
-    field = "critic.path" if cfg.critic.path else "model.path"
-    path = resolve_model_path(cfg.critic.path or cfg.model.path, log=lambda *a, **k: None, field=field)
-    device = distributed.resolve_device(cfg.trainer.device)
-    dp = distributed.setup(device) if cfg.trainer.fsdp else None
+    field = "critic.path" if ccfg.path else "model.path"
+    path = resolve_model_path(ccfg.path or model_path, log=lambda *a, **k: None, field=field)
+    device = distributed.resolve_device(tcfg.device)
+    dp = distributed.setup(device) if tcfg.fsdp else None
     with torch.random.fork_rng(devices=[]):  # building it draws no number from the run's random stream
-        model = load_value_model(path, cfg.model.dtype, cfg.run.seed, field)
-    return Critic(model, cfg.critic, cfg.trainer, cfg.run.steps, device, dp)
+        model = load_value_model(path, dtype, seed, field)
+    return Critic(model, ccfg, tcfg, total_steps, device, dp)
 
 
 class Critic:
     def __init__(self, model: ValueModel, ccfg, tcfg, total_steps: int, device: torch.device, dp=None):
         """``ccfg``: the critic section; ``tcfg``: the trainer's (betas, weight decay, schedule, micro-batch
         budget); ``dp``: the policy's data-parallel group (None: this process trains alone)."""
-        from relayrl.trainer import lr_lambda
+        from relayrl.train.trainer import lr_lambda
 
         self.model, self.ccfg, self.budget, self.device, self.dp = model, ccfg, tcfg.micro_batch_tokens, device, dp
         model.to(device)

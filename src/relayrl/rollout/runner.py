@@ -40,64 +40,22 @@ import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
-import hashlib
-import inspect
 import itertools
-import json
-import math
 import sys
 import threading
 import time
 import traceback
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from relayrl.engine.async_front import AsyncEngine
 from relayrl.engine.base import Engine, EngineError
 from relayrl.envs.base import Env
-from relayrl.envs.chat import TemplateMismatch, next_turn_suffix, render_ids
-from relayrl.envs.tools import tool_schemas
+from relayrl.envs.chat import TemplateMismatch
 from relayrl.failures import UserCodeError, fail
-from relayrl.faults import fault_point
+from relayrl.fault_injection import fault_point
 from relayrl.records import Completion, FinishReason, GenRequest, Group, SamplingParams, Trajectory
-from relayrl.scheduling import LengthModel, Pending, order
-
-
-@dataclass(frozen=True)
-class EpisodeLimits:
-    max_turns: int
-    max_tokens: int  # after the prompt: the policy's turns and the observations between them
-    step_timeout_s: float = 60.0  # each call of the environment: reset, step, close
-    episode_timeout_s: float = 600.0  # all of one episode's environment calls together
-    env_name: str = "env"  # how failures name the environment (env.name's value)
-
-
-class _EnvFailed(Exception):
-    def __init__(self, kind: str, source: str, error: str):
-        super().__init__(error)
-        self.kind, self.source, self.error = kind, source, error
-
-
-def _describe(e: BaseException) -> str:
-    text = str(e)
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def trajectory_seed(seed: int | None, t: Trajectory, train: bool) -> int | None:
-    """The sampling seed of one trajectory: a function of ``seed`` and, in training, its group id
-    (unique over the run, and checkpointed) and sample index; in an evaluation, its prompt and
-    sample index (every evaluation draws the same numbers)."""
-    if seed is None:
-        return None
-    key = f"{seed}/{t.request_id if train else f'{t.prompt.id}/{t.sample_idx}'}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
-
-
-def anchor(messages: list[dict]) -> int:
-    """A stable id of an observation (GiGPO's anchor state): equal messages, equal ids."""
-    blob = json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()
-    return int.from_bytes(hashlib.sha256(blob).digest()[:7], "little")
+from relayrl.rollout.episode import EpisodeFailed, EpisodeLimits, describe_error, env_episode, trajectory_seed
+from relayrl.rollout.scheduling import LengthModel, Pending, order
 
 
 class EpisodeRunner:
@@ -292,7 +250,7 @@ class EpisodeRunner:
             elif self.make_env is None:
                 await self._single(t, params, train)
             else:
-                await self._episode(t, params, train)
+                await env_episode(self, self.make_env, t, params, train)
         except (EngineError, UserCodeError, asyncio.CancelledError):
             raise
         except TemplateMismatch as e:
@@ -302,10 +260,10 @@ class EpisodeRunner:
                 "stops. Give a template that renders earlier turns unchanged once later ones follow (a Qwen3-style "
                 "template drops earlier reasoning: use one that keeps it) with model.tokenizer, or train single-turn"
             ) from None
-        except _EnvFailed as e:
+        except EpisodeFailed as e:
             fail(t, e.kind, e.source, e.error)
         except Exception as e:  # noqa: BLE001 - rendering the environment's messages, its tools' schemas
-            fail(t, "env", f"env.name={self.limits.env_name if self.limits else None}", _describe(e))
+            fail(t, "env", f"env.name={self.limits.env_name if self.limits else None}", describe_error(e))
         if t.failure is not None:
             self.error_count += 1
             if len(self.errors) < 5:
@@ -313,106 +271,13 @@ class EpisodeRunner:
         t.complete = True
 
     async def _single(self, t: Trajectory, params: SamplingParams, train: bool) -> None:
-        await self._turn(t, 0, 0, params.max_new_tokens, params, train)
+        await self.turn(t, 0, 0, params.max_new_tokens, params, train)
         if t.finish_reason == FinishReason.FAILED:  # the engine failed on it: not the policy's answer
             return
         t.text = self.tokenizer.decode(t.response_ids, skip_special_tokens=True)
-        t.reward, t.failure = await self._verified(t.text, t.prompt)
+        t.reward, t.failure = await self.verified(t.text, t.prompt)
 
-    async def _episode(self, t: Trajectory, params: SamplingParams, train: bool) -> None:
-        budget = [self.limits.episode_timeout_s]  # what is left of the episode's time in environment calls
-        try:
-            env = self.make_env()
-        except Exception as e:  # noqa: BLE001 - user code
-            raise _EnvFailed("env", f"env.name={self.limits.env_name} (constructor)", _describe(e)) from None
-        try:
-            await self._run_episode(env, t, params, train, budget)
-        finally:
-            if callable(getattr(env, "close", None)):  # skyrl-gym style: release what the episode held
-                await self._env_call(env, "close", (), budget, final=True)
-
-    async def _env_call(self, env, method: str, args: tuple, budget: list[float], final: bool = False):
-        """``env.<method>(*args)`` under its deadline (``env.step_timeout_s``, and what is left of
-        ``env.episode_timeout_s``); what goes wrong raises ``_EnvFailed`` naming the method."""
-        source = f"{type(env).__name__}.{method} (env.name={self.limits.env_name})"
-        lim = self.limits
-        timeout = min(lim.step_timeout_s, max(budget[0], 0.0 if not final else lim.step_timeout_s))
-        if timeout <= 0:
-            raise _EnvFailed("env_timeout", source, f"the episode's environment calls passed env.episode_timeout_s="
-                                                    f"{lim.episode_timeout_s:g}")
-        start = time.monotonic()
-        try:
-            out = getattr(env, method)(*args)
-            if inspect.isawaitable(out):
-                out = await asyncio.wait_for(out, timeout)
-            return out
-        except asyncio.TimeoutError:
-            which = "env.step_timeout_s" if timeout == lim.step_timeout_s else "env.episode_timeout_s"
-            raise _EnvFailed("env_timeout", source, f"no answer within {timeout:.3g} s ({which}="
-                                                    f"{getattr(lim, which.split('.')[1]):g})") from None
-        except (EngineError, UserCodeError, TemplateMismatch, asyncio.CancelledError):
-            raise
-        except Exception as e:  # noqa: BLE001 - user code
-            raise _EnvFailed("env", source, _describe(e)) from None
-        finally:
-            budget[0] -= time.monotonic() - start
-
-    async def _run_episode(self, env, t: Trajectory, params: SamplingParams, train: bool, budget: list[float]) -> None:
-        messages = list(await self._env_call(env, "reset", (t.prompt,), budget))
-        tools = tool_schemas(env.tools) if getattr(env, "tools", None) else None
-        prompt_ids = render_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
-        carried = bool(t.response_ids) and prompt_ids == t.prompt_ids and 0 not in t.mask
-        if not carried:  # a fresh episode, or one whose environment no longer renders its prompt
-            t.prompt_ids, t.finish_reason = prompt_ids, None
-            t.response_ids, t.behav_logprobs, t.versions, t.mask, t.turns = [], [], [], [], []
-        counts: Counter = Counter()
-        step_rewards, anchors = [], [anchor(messages)]
-        final: float | None = None
-        carry = 0.0
-        raised: str | None = None  # the first exception a tool raised (the failure report's example)
-        for turn in range(self.limits.max_turns):
-            start = len(t.response_ids) if turn else 0  # turn 0 may go on from carried tokens
-            if turn:
-                t.finish_reason = None
-            limit = min(params.max_new_tokens, self.limits.max_tokens - start)
-            text = await self._turn(t, turn, start, limit, params, train)
-            messages.append({"role": "assistant", "content": text})
-            if t.finish_reason == FinishReason.FAILED:  # the engine failed on it: not the policy's answer
-                return
-            if t.finish_reason != FinishReason.STOP:  # cut by its token budget: scored as it stands
-                break
-            result = await self._env_call(env, "step", (text,), budget)
-            if result.reward is not None and not math.isfinite(float(result.reward)):
-                raise _EnvFailed("env", f"{type(env).__name__}.step (env.name={self.limits.env_name})",
-                                 f"returned a non-finite reward {result.reward}")
-            counts.update(result.info)
-            raised = raised or (result.raised[0] if result.raised else None)
-            if result.done or turn + 1 == self.limits.max_turns:  # at the turn limit: that step's reward
-                final = result.reward
-                counts["turn_limit"] += int(not result.done)
-                break
-            suffix = next_turn_suffix(self.tokenizer, messages, result.messages, tools)
-            if t.response_ids[-1] != self.tokenizer.eos_token_id:  # stopped on another EOS id: end the turn
-                suffix = [self.tokenizer.eos_token_id] + suffix  # as the template does (not trained)
-            if len(t.response_ids) + len(suffix) >= self.limits.max_tokens:
-                t.finish_reason = FinishReason.LENGTH  # no room for the observations: this turn is the last,
-                carry = float(result.reward or 0.0)  # its step reward and the verifier's together (one step)
-                break
-            step_rewards.append(float(result.reward or 0.0))
-            self._append(t, suffix, [0.0] * len(suffix), [t.versions[-1]] * len(suffix), 0, turn)
-            messages += result.messages
-            anchors.append(anchor(result.messages))
-        if final is None:  # the verifier decides on the last turn
-            final, t.failure = await self._verified(messages[-1]["content"], t.prompt)
-            if t.failure is not None:
-                return
-        step_rewards.append(float(final) + carry)
-        t.reward = sum(step_rewards)
-        t.text = messages[-1]["content"]
-        t.info = {"turns": len(step_rewards), "step_rewards": step_rewards, "anchors": anchors[: len(step_rewards)],
-                  **{k: int(v) for k, v in counts.items()}, **({"tool_raised_example": raised} if raised else {})}
-
-    async def _turn(self, t: Trajectory, turn: int, start: int, limit: int, params: SamplingParams,
+    async def turn(self, t: Trajectory, turn: int, start: int, limit: int, params: SamplingParams,
                     train: bool, watch: Callable[[], bool] | None = None) -> str:
         """Generate turn ``turn`` (its tokens from index ``start``) onto ``t`` until it stops,
         continued across cuts; its text. A turn already finished (carried) is not generated.
@@ -459,7 +324,7 @@ class EpisodeRunner:
     def _take(self, t: Trajectory, c: Completion, turn: int, train: bool) -> None:
         if not len(c.token_ids) == len(c.logprobs) == len(c.versions):
             raise EngineError(f"the engine returned a ragged completion for {c.request_id}")
-        self._append(t, c.token_ids, c.logprobs, c.versions, 1, turn)
+        self.append(t, c.token_ids, c.logprobs, c.versions, 1, turn)
         if train:
             with self._lock:
                 self.generated += len(c.token_ids)
@@ -477,7 +342,7 @@ class EpisodeRunner:
                     return c
         raise EngineError(f"the engine's stream of {req.request_id} ended without a finish reason")
 
-    async def _verified(self, text: str, prompt) -> tuple[float, dict | None]:
+    async def verified(self, text: str, prompt) -> tuple[float, dict | None]:
         """The verifier's (reward, failure or None) for a final turn, off the loop; the calls made in one loop
         iteration (episodes whose last tokens arrived together) go to it as one batch."""
         fut = self.loop.create_future()
@@ -511,7 +376,7 @@ class EpisodeRunner:
         return [by_id[p.request_id] for p in order(pending, self.schedule, self.lengths)]
 
     @staticmethod
-    def _append(t: Trajectory, ids, logprobs, versions, mask: int, turn: int) -> None:
+    def append(t: Trajectory, ids, logprobs, versions, mask: int, turn: int) -> None:
         t.response_ids += list(ids)
         t.behav_logprobs += list(logprobs)
         t.versions += list(versions)

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from relayrl.sampler import SamplerState
-from relayrl.faults import fault_point
+from relayrl.data.sampler import SamplerState
+from relayrl.fault_injection import fault_point
 
 
 @dataclass

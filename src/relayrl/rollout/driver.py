@@ -66,14 +66,12 @@ import threading
 from collections import deque
 from typing import Callable
 
-from relayrl import selection
-from relayrl.config import Config, budget_bounds
+from relayrl.data import selection
 from relayrl.engine.base import EngineError
 from relayrl.failures import UserCodeError, failed
-from relayrl.records import FinishReason, Group, SamplingParams, Trajectory, group_from_dict
-from relayrl.rollout import make_groups
-from relayrl.staleness import StalenessManager
-from relayrl.timeline import Timeline
+from relayrl.records import FinishReason, Group, SamplingParams, Trajectory
+from relayrl.rollout.staleness import StalenessManager
+from relayrl.tracking.timeline import Timeline
 
 
 def oldest_version(g: Group) -> int | None:
@@ -88,14 +86,6 @@ def versions_behind(g: Group, version: int) -> int:
 
 def flatten(groups: list[Group]) -> list[Trajectory]:
     return [t for g in groups for t in g.trajectories]
-
-
-def new_groups(cfg: Config, c, state, prompts: list) -> list[Group]:
-    """Empty groups for ``prompts``, with ids unique over the whole run: the counter is part of the
-    checkpoint, so a resumed run never reuses the id of a group it carries."""
-    tag = f"g{state.groups_made}"
-    state.groups_made += 1
-    return make_groups(prompts, c.tokenizer, cfg.rollout.group_size, tag, cfg.data.prompt_format)
 
 
 class EpisodeRollout:
@@ -153,22 +143,6 @@ class EpisodeRollout:
         self.trained = {"long": 0, "short": 0}
         self.wake = self.runner.run(_event())
         self.admission = self.runner.submit(self._admit())
-
-    @classmethod
-    def from_config(cls, cfg: Config, c, state, tl: Timeline) -> EpisodeRollout:
-        r, mode = cfg.rollout, cfg.run.mode
-        extra = math.ceil((r.over_provision - 1) * r.prompts_per_step) if r.partial and mode != "async" else 0
-        return cls(c.runner, c.sampler.take, lambda prompts: new_groups(cfg, c, state, prompts), c.params,
-                   r.prompts_per_step, {"sync": 0, "periodic": 1, "async": r.max_staleness}[mode],
-                   partial=r.partial, extra=extra,
-                   park_while_training=mode == "sync", drain_before_publish=mode == "periodic",
-                   version=state.version, carried=[group_from_dict(d) for d in state.partial_buffer], timeline=tl,
-                   counters=state.staleness, max_groups=(cfg.run.steps - state.step) * r.prompts_per_step,
-                   filter_groups=r.dynamic_sampling, filter_max=r.dynamic_sampling_max,
-                   budget=(*budget_bounds(r), r.group_size) if r.budget == "adaptive" else None,
-                   observe=lambda g, v: c.sampler.observe(g.prompt, [t.reward for t in g.trajectories
-                                                                     if not failed(t)], v),
-                   sampler_state=c.sampler.snapshot)
 
     # -- trainer side --------------------------------------------------------------------------
     def next_batch(self) -> tuple[list[Group], int]:

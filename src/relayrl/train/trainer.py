@@ -29,7 +29,7 @@ import warnings
 
 import torch
 
-from relayrl import distributed
+from relayrl.train import distributed
 from relayrl.algos import AGGREGATIONS, CORRECTIONS, ESTIMATORS, NEEDS_CRITIC, POLICY_LOSSES, kl_penalty, lookup
 from relayrl.algos.estimators import GROUP_BASELINE, over_episodes
 from relayrl.algos.estimators import Knobs as EstimatorKnobs
@@ -37,12 +37,12 @@ from relayrl.algos.losses import count_seqs
 from relayrl.algos.offpolicy import Knobs as CorrectionKnobs
 from relayrl.algos.offpolicy import ess_lr_scale
 from relayrl.algos.shaping import fold_kl
-from relayrl.batch import TrainBatch, build_batch, micro_batches
+from relayrl.train.batch import TrainBatch, build_batch, micro_batches
 from relayrl.config import AlgoCfg, TrainerCfg
-from relayrl.faults import fault_point
+from relayrl.fault_injection import fault_point
 from relayrl.models import entropy_from_logits
-from relayrl.sampling import sampled_logprobs
-from relayrl.shared_prefix import PrefixSharing
+from relayrl.algos.sampling import sampled_logprobs
+from relayrl.train.shared_prefix import PrefixSharing
 
 __all__ = ["Trainer", "TrainBatch", "build_batch", "micro_batches", "lr_lambda"]
 

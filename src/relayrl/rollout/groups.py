@@ -9,7 +9,7 @@ import torch
 from relayrl.algos import STEP_ADVANTAGES
 from relayrl.algos.agents import discounted_returns, gigpo, steps_to_tokens
 from relayrl.algos.shaping import overlong_penalty
-from relayrl.batch import TrainBatch, build_batch
+from relayrl.train.batch import TrainBatch, build_batch
 from relayrl.failures import failed
 from relayrl.models import encode_prompt
 from relayrl.records import FinishReason, Group, Prompt, Trajectory

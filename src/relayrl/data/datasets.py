@@ -16,9 +16,9 @@ import math
 from pathlib import Path
 from typing import Any, Iterator
 
-from relayrl.config import one_line
+from relayrl.failures import one_line
 from relayrl.records import Prompt
-from relayrl.sampler import PromptSampler, SamplerState  # noqa: F401 (the sampler of these prompts)
+from relayrl.data.sampler import PromptSampler, SamplerState  # noqa: F401 (the sampler of these prompts)
 
 
 class DataError(ValueError):

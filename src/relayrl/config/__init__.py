@@ -1,0 +1,11 @@
+"""The one typed, validated configuration (``section.field``): the sections (``sections``), the root
+and its validation (``schema``, ``rules``), loading from YAML and the command line (``load``)."""
+
+from relayrl.config.load import describe, dump_config, load_config, parse_override, resolved_tree  # noqa: F401
+from relayrl.config.rules import APPLIES_ONLY, budget_bounds, inapplicable_set  # noqa: F401
+from relayrl.config.schema import Config  # noqa: F401
+from relayrl.config.sections import (  # noqa: F401
+    AlgoCfg, ConfigError, CriticCfg, DataCfg, EnvCfg, EvalCfg, ModelCfg, RayCfg, RewardCfg, RolloutCfg, RunCfg,
+    ServeCfg, TrainerCfg,
+)
+from relayrl.failures import one_line  # noqa: F401

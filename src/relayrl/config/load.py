@@ -1,0 +1,176 @@
+"""Loading the configuration: YAML, dotted overrides, clear errors that name the key and where it
+was set; the resolved tree a run records, and the ``--help`` text.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import ValidationError
+
+from relayrl.config.rules import APPLIES_ONLY
+from relayrl.config.schema import Config
+from relayrl.config.sections import ConfigError
+from relayrl.failures import one_line
+
+
+def _check_keys(tree: dict, source: str) -> None:
+    """Reject unknown sections/fields with the valid choices (before pydantic, for clearer errors)."""
+    sections = Config.model_fields
+    for sec, body in tree.items():
+        if sec not in sections:
+            raise ConfigError(f"{source}: unknown section {str(sec)!r:.80}. Valid sections: {', '.join(sections)}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{source}: '{sec}' must be a mapping of fields, got {type(body).__name__}")
+        fields = sections[sec].annotation.model_fields
+        for key in body:
+            if key not in fields:
+                near = difflib.get_close_matches(str(key), fields, n=1)
+                hint = f" Did you mean '{sec}.{near[0]}'?" if near else ""
+                raise ConfigError(
+                    f"{source}: unknown key '{sec}.{str(key):.80}'.{hint} Valid keys in '{sec}': {', '.join(fields)}"
+                )
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r:.80} must look like section.key=value")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"override key {key!r:.80} must be section.key (two levels), e.g. trainer.lr=1e-5")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """' at line L column C: problem' (PyYAML's own text quotes the source over several lines)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or getattr(e, "context", None)
+    if mark is None or problem is None:
+        return f": {one_line(e)}"
+    context = getattr(e, "context", None)
+    return f" at line {mark.line + 1} column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
+
+
+def _read_yaml(p: Path) -> tuple[dict, dict[tuple[str, str], str]]:
+    """The file's sections, and the text of every scalar as written (see ``_coerce``)."""
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {p}") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read the config file: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not a UTF-8 text file (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+    try:
+        tree, node = yaml.safe_load(text), yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML{_yaml_problem(e)}") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: not valid YAML: nested too deeply") from None
+    if tree is None:
+        raise ConfigError(f"{p}: the config file is empty (no sections)")
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(tree).__name__}")
+    tree = {sec: {} if body is None else body for sec, body in tree.items()}  # `run:` with nothing under it
+    _check_keys(tree, str(p))
+    texts = {}
+    for sec, body in node.value:
+        if isinstance(body, yaml.MappingNode):
+            texts.update({(sec.value, k.value): v.value for k, v in body.value if isinstance(v, yaml.ScalarNode)})
+    return tree, texts
+
+
+def _scalar_type(annotation) -> type | None:
+    """str, int or float for a field of that type (or that type | None); else None."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        annotation = args[0] if len(args) == 1 else None
+    return annotation if annotation in (str, int, float) else None
+
+
+def _coerce(tree: dict, texts: dict[tuple[str, str], str], origin: dict[tuple[str, str], str]) -> None:
+    """YAML types values before we know the field: `run.name=2024` would arrive as an int. A string
+    field keeps the value's text as written (`1e3` stays "1e3", `007` stays "007"); a number field
+    refuses a bool (pydantic would take `true` as 1)."""
+    for sec, body in tree.items():
+        fields = Config.model_fields[sec].annotation.model_fields
+        for key, value in body.items():
+            kind = _scalar_type(fields[key].annotation)
+            if kind is str and value is not None and not isinstance(value, (str, list, dict)):
+                body[key] = texts.get((sec, key), str(value))
+            elif kind in (int, float) and isinstance(value, bool):
+                raise ConfigError(f"{origin[sec, key]}: {sec}.{key} must be a number, got {value!r}")
+
+
+def _describe(err: dict, origin: dict[tuple[str, str], str]) -> str:
+    loc = [str(x) for x in err["loc"]]
+    msg = err["msg"].removeprefix("Value error, ")
+    if len(loc) < 2:  # a section's or the whole config's own check: its message names the fields
+        return msg
+    where = origin.get((loc[0], loc[1]))
+    return f"{'.'.join(loc)}: {msg} (got {err.get('input')!r:.80}{', from ' + where if where else ''})"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    tree: dict = {}
+    texts: dict[tuple[str, str], str] = {}
+    if path is not None:
+        tree, texts = _read_yaml(Path(path))
+    origin = {(sec, key): str(path) for sec, body in tree.items() for key in body}
+    for item in overrides:
+        (sec, key), value = parse_override(item)
+        _check_keys({sec: {key: value}}, "command line")
+        tree.setdefault(sec, {})[key] = value
+        texts[sec, key], origin[sec, key] = item.split("=", 1)[1].strip(), "command line"
+    _coerce(tree, texts, origin)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError("invalid configuration: " + "; ".join(_describe(x, origin) for x in e.errors())) from None
+
+
+def resolved_tree(cfg: Config) -> dict:
+    """The resolved config as plain data (section -> field -> value), without the fields the
+    configuration ignores: what config.yaml holds and the trackers get as the run's parameters."""
+    tree = cfg.model_dump(mode="json")
+    for field, (applies, _, _) in APPLIES_ONLY.items():
+        if not applies(cfg):
+            sec, key = field.split(".")
+            del tree[sec][key]
+    return tree
+
+
+def dump_config(cfg: Config, path: Path) -> None:
+    """The resolved config; fields the configuration ignores are left out, so the file loads back
+    (``relayrl train runs/<name>/config.yaml``) without tripping the check on them."""
+    path.write_text(yaml.safe_dump(resolved_tree(cfg), sort_keys=False))
+
+
+def describe() -> str:
+    """Every field with type, default and doc: the body of ``--help``."""
+    out = []
+    for sec, info in Config.model_fields.items():
+        cls = info.annotation
+        out.append(f"{sec}:  {(cls.__doc__ or '').strip()}")
+        for name, f in cls.model_fields.items():
+            default = f.default_factory() if f.default_factory else f.default
+            if get_origin(f.annotation) is Literal:
+                typ = "one of " + "|".join(map(str, get_args(f.annotation)))
+            elif get_origin(f.annotation) is list and get_origin(get_args(f.annotation)[0]) is Literal:
+                typ = "a list of " + "|".join(map(str, get_args(get_args(f.annotation)[0])))
+            else:
+                typ = getattr(f.annotation, "__name__", None) or str(f.annotation).replace("typing.", "")
+            out.append(f"  {sec}.{name} ({typ}, default {default!r})\n      {f.description}")
+    return "\n".join(out)
+

@@ -1,0 +1,204 @@
+"""Rules across sections: combinations that cannot work, and fields set where the chosen mode
+ignores them (``APPLIES_ONLY``: setting one would silently do nothing, so it is an error).
+Called by ``Config``'s validator; every message names the fields.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from relayrl.config.sections import CriticCfg, RolloutCfg
+
+if TYPE_CHECKING:
+    from relayrl.config.schema import Config
+
+
+def check(c: "Config") -> None:
+    """Every rule, in order; the first broken one raises ``ValueError`` naming its fields."""
+    _adaptive_sampling_where_it_applies(c)
+    r, t = c.rollout, c.trainer
+    batch = r.prompts_per_step * r.group_size
+    if t.updates_per_step > batch:  # each optimiser step needs at least one response
+        raise ValueError(
+            f"trainer.updates_per_step={t.updates_per_step} is more than the batch it splits: "
+            f"rollout.prompts_per_step × rollout.group_size = {r.prompts_per_step} × {r.group_size} = {batch}")
+    if r.vllm_sleep and (c.run.mode != "sync" or c.run.backend != "local"):
+        raise ValueError(f"rollout.vllm_sleep=true needs run.mode=sync and run.backend=local (here run.mode="
+                         f"{c.run.mode}, run.backend={c.run.backend}): an engine asleep cannot generate "
+                         "while the trainer steps")
+    if t.bf16 and c.model.dtype != "float32":
+        raise ValueError(f"trainer.bf16=true needs model.dtype=float32 (here {c.model.dtype}): "
+                         "autocast computes in bfloat16 around float32 weights")
+    if c.eval.every > c.run.steps:
+        raise ValueError(f"eval.every={c.eval.every} is more than run.steps={c.run.steps}: it would never "
+                         "evaluate during training (0: only before and after)")
+    if r.budget == "adaptive":
+        lo, hi = budget_bounds(r)
+        if not lo <= r.group_size <= hi:
+            raise ValueError(f"rollout.budget=adaptive needs rollout.budget_min ≤ rollout.group_size ≤ "
+                             f"rollout.budget_max, got {lo} ≤ {r.group_size} ≤ {hi}")
+    if c.eval.stop_at is not None and not c.eval.every:
+        raise ValueError("eval.stop_at needs eval.every ≥ 1: it is checked at the evaluations during training")
+    if c.algo.advantage == "gigpo" and c.env.name is None:
+        raise ValueError("algo.advantage='gigpo' needs an environment (env.name): its step-level credit is "
+                         "over the turns of an episode")
+    _check_algo(c)
+    for field in inapplicable_set(c):
+        applies, when, deciding = APPLIES_ONLY[field]
+        now = ", ".join(f"{d}={_show(c.get(d))}" for d in deciding)
+        raise ValueError(f"{field} is set, but it only applies {when} (here {now}): remove it")
+
+
+def _adaptive_sampling_where_it_applies(c: Config) -> None:
+    """rollout.budget and rollout.dynamic_sampling, where the user left them unset: 'adaptive' and true with a
+    group baseline over ≥ 2 responses (their signal is a group's reward variance; the default run learns on every
+    seed with them, not without: the seeds table under the README's Quick start), else 'fixed' and false."""
+    from relayrl.algos.estimators import GROUP_BASELINE
+
+    r = c.rollout
+    groups = c.algo.advantage in GROUP_BASELINE and r.group_size >= 2
+    if "budget" not in r.model_fields_set:
+        r.budget = "adaptive" if groups else "fixed"
+    if "dynamic_sampling" not in r.model_fields_set:
+        r.dynamic_sampling = groups
+
+
+def budget_bounds(r: RolloutCfg) -> tuple[int, int]:
+    """(responses a group gets first, most it gets) with rollout.budget=adaptive."""
+    return (r.budget_min if r.budget_min is not None else max(2, r.group_size // 2),
+            r.budget_max if r.budget_max is not None else 2 * r.group_size)
+
+
+def _check_algo(c: Config) -> None:
+    """Combinations of the algorithm's choices that cannot work, by name."""
+    a, r = c.algo, c.rollout
+    if a.advantage == "gigpo" and a.kl_mode == "reward" and a.kl_coef > 0:
+        raise ValueError("algo.kl_mode='reward' does not combine with algo.advantage='gigpo': GiGPO's step credit "
+                         "is computed from the episodes' step rewards when the batch is built, before any KL is "
+                         "known; use algo.kl_mode=loss")
+    if a.advantage == "evpo" and a.evpo_level == "group" and r.group_size == 1:
+        raise ValueError("algo.evpo_level='group' needs rollout.group_size > 1: a group of one response has one "
+                         "return, no variance for the critic to explain")
+    budget, which = (c.env.max_tokens, "env.max_tokens") if c.env.name else (r.max_new_tokens, "rollout.max_new_tokens")
+    if a.overlong == "punish" and a.overlong_buffer > budget:
+        raise ValueError(f"algo.overlong_buffer={a.overlong_buffer} is longer than the response budget, {which}="
+                         f"{budget}")
+    batch = r.prompts_per_step * r.group_size
+    if _critic(c) and c.critic.updates_per_step > batch:
+        raise ValueError(f"critic.updates_per_step={c.critic.updates_per_step} is more than the batch it splits: "
+                         f"rollout.prompts_per_step × rollout.group_size = {batch}")
+
+
+def _critic(c: Config) -> bool:
+    from relayrl.algos import NEEDS_CRITIC
+
+    return c.algo.advantage in NEEDS_CRITIC
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else repr(value)
+
+
+def own_engine_process(r: RolloutCfg, run) -> bool:
+    """Does the hf engine run in a process of its own? Null ``rollout.engine_process`` means yes for the
+    overlapped modes; several engines or Ray actors always have processes of their own (a router needs
+    engines with threads of their own). ``engine.placement`` places engines by this."""
+    own = r.engine_process if r.engine_process is not None else run.mode != "sync"
+    return own or r.engines > 1 or run.backend == "ray"
+
+
+_ASYNC = (lambda c: c.run.mode == "async", "with run.mode=async", ("run.mode",))
+_CB = (lambda c: c.rollout.engine == "hf-cb", "with rollout.engine=hf-cb", ("rollout.engine",))
+_TIS = (lambda c: c.algo.offpolicy == "tis", "with algo.offpolicy=tis", ("algo.offpolicy",))
+_EVAL = (lambda c: c.data.eval_path is not None, "when data.eval_path is set", ("data.eval_path",))
+_ENV = (lambda c: c.env.name is not None, "with an environment (env.name set)", ("env.name",))
+_SERVE = (lambda c: (c.env.name or "").startswith("agent:"), "with an agent program (env.name=agent:...)",
+          ("env.name",))
+_VLLM = (lambda c: c.rollout.engine == "vllm", "with rollout.engine=vllm", ("rollout.engine",))
+_RAY = (lambda c: c.run.backend == "ray", "with run.backend=ray", ("run.backend",))
+_PROJECT_TRACKERS = ("wandb", "mlflow", "trackio", "swanlab")
+_BUDGET = (lambda c: c.rollout.budget == "adaptive", "with rollout.budget=adaptive", ("rollout.budget",))
+_SELECT = (lambda c: c.data.selection != "uniform", "with data.selection=vade or cures", ("data.selection",))
+_CRITIC = (_critic, "with a critic (algo.advantage=gae or evpo)", ("algo.advantage",))
+
+# Fields that the chosen mode/options ignore: field -> (does it apply?, when it applies, the fields
+# that decide). Setting one where it does not apply would silently do nothing, so it is an error
+# (only when set explicitly: defaults are always present).
+APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] = {
+    "rollout.max_staleness": _ASYNC,
+    "rollout.cb_num_blocks": _CB,
+    "rollout.cb_page_size": _CB,
+    "rollout.cb_max_batch_tokens": _CB,
+    "rollout.engine_threads": (lambda c: own_engine_process(c.rollout, c.run), "when the engine runs in its own process "
+                               "(rollout.engine_process=true, or null with run.mode=periodic or async; or "
+                               "rollout.engines > 1; or run.backend=ray)",
+                               ("rollout.engine_process", "run.mode", "rollout.engines", "run.backend")),
+    "rollout.dynamic_sampling_max": (lambda c: c.rollout.dynamic_sampling, "with rollout.dynamic_sampling=true",
+                                     ("rollout.dynamic_sampling",)),
+    "rollout.budget_min": _BUDGET,
+    "rollout.budget_max": _BUDGET,
+    "data.selection_pool": _SELECT,
+    "data.selection_forget": _SELECT,
+    "data.selection_key": _SELECT,
+    "data.selection_prior": _SELECT,
+    "rollout.fast_decode": (lambda c: c.rollout.engine == "hf", "with rollout.engine=hf", ("rollout.engine",)),
+    "rollout.device": (lambda c: c.rollout.engine != "vllm", "with rollout.engine=hf or hf-cb (vLLM places "
+                       "itself)", ("rollout.engine",)),
+    "trainer.share_prefix": (lambda c: not c.trainer.fsdp, "with trainer.fsdp=false (the sharded ranks forward "
+                             "every row whole)", ("trainer.fsdp",)),
+    "rollout.vllm_max_model_len": _VLLM,
+    "rollout.vllm_gpu_memory_utilization": _VLLM,
+    "rollout.vllm_sleep": _VLLM,
+    "run.project": (lambda c: any(t in _PROJECT_TRACKERS for t in c.run.report_to),
+                    f"when run.report_to names a tracker with projects ({', '.join(_PROJECT_TRACKERS)})",
+                    ("run.report_to",)),
+    "ray.address": _RAY,
+    "ray.num_cpus": _RAY,
+    "ray.max_engine_restarts": _RAY,
+    "algo.tis_cap": _TIS,
+    "algo.tis_level": _TIS,
+    "algo.m2po_tau": (lambda c: c.algo.offpolicy == "m2po", "with algo.offpolicy=m2po", ("algo.offpolicy",)),
+    "algo.norm_len": (lambda c: c.algo.agg == "seq_mean_token_sum_norm", "with algo.agg=seq_mean_token_sum_norm",
+                      ("algo.agg",)),
+    "algo.kl_estimator": (lambda c: c.algo.kl_coef > 0, "with algo.kl_coef > 0", ("algo.kl_coef",)),
+    "model.system_prompt": (lambda c: c.data.prompt_format == "chat", "with data.prompt_format=chat (a raw prompt "
+                            "has no messages)", ("data.prompt_format",)),
+    "env.args": _ENV,
+    "env.max_turns": _ENV,
+    "env.max_tokens": _ENV,
+    "env.step_timeout_s": _ENV,
+    "env.episode_timeout_s": _ENV,
+    "serve.host": _SERVE,
+    "serve.port": _SERVE,
+    "serve.model_name": _SERVE,
+    "serve.max_requests": _SERVE,
+    "serve.max_connections": _SERVE,
+    "algo.gamma": (lambda c: c.algo.advantage in ("gigpo", "reinforce_pp", "gae", "evpo"),
+                   "with algo.advantage=gigpo, reinforce_pp, gae or evpo", ("algo.advantage",)),
+    "algo.lam": _CRITIC,
+    "algo.evpo_level": (lambda c: c.algo.advantage == "evpo", "with algo.advantage=evpo", ("algo.advantage",)),
+    "algo.kl_mode": (lambda c: c.algo.kl_coef > 0, "with algo.kl_coef > 0", ("algo.kl_coef",)),
+    "algo.dual_clip": (lambda c: c.algo.loss == "ppo_clip", "with algo.loss=ppo_clip (the other losses have no "
+                       "dual clip)", ("algo.loss",)),
+    "algo.overlong_buffer": (lambda c: c.algo.overlong == "punish", "with algo.overlong=punish", ("algo.overlong",)),
+    **{f"critic.{k}": _CRITIC for k in CriticCfg.model_fields},
+    "algo.gigpo_omega": (lambda c: c.algo.advantage == "gigpo", "with algo.advantage=gigpo", ("algo.advantage",)),
+    "rollout.over_provision": (lambda c: c.rollout.partial and c.run.mode != "async",
+                               "with rollout.partial=true in run.mode=sync or periodic (async over-provisions "
+                               "by its staleness bound)", ("rollout.partial", "run.mode")),
+    "eval.size": _EVAL,
+    "eval.every": _EVAL,
+    "eval.samples": _EVAL,
+    "eval.stop_at": _EVAL,
+}
+
+
+def inapplicable_set(cfg: Config) -> list[str]:
+    """Fields set explicitly (pydantic's ``model_fields_set``) where the configuration ignores them."""
+    out = []
+    for field, (applies, _, _) in APPLIES_ONLY.items():
+        sec, key = field.split(".")
+        if key in getattr(cfg, sec).model_fields_set and not applies(cfg):
+            out.append(field)
+    return out
+

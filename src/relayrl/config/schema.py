@@ -1,0 +1,50 @@
+"""The one typed, validated configuration. Two levels: ``section.field``.
+
+Each field is documented where it is defined (``config.sections``); ``relayrl train --help`` prints
+these docs. Load order (``config.load``): defaults < YAML file < dotted command-line overrides
+(``trainer.lr=1e-5``). Unknown keys, wrong types, out-of-range values and settings the chosen mode
+ignores (``config.rules``) fail before any work starts, naming the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from relayrl.config.rules import check
+from relayrl.config.sections import (
+    AlgoCfg, CriticCfg, DataCfg, EnvCfg, EvalCfg, ModelCfg, RayCfg, RewardCfg, RolloutCfg, RunCfg, ServeCfg,
+    TrainerCfg,
+)
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run: RunCfg = Field(default_factory=RunCfg)
+    model: ModelCfg = Field(default_factory=ModelCfg)
+    data: DataCfg = Field(default_factory=DataCfg)
+    rollout: RolloutCfg = Field(default_factory=RolloutCfg)
+    reward: RewardCfg = Field(default_factory=RewardCfg)
+    algo: AlgoCfg = Field(default_factory=AlgoCfg)
+    critic: CriticCfg = Field(default_factory=CriticCfg)
+    trainer: TrainerCfg = Field(default_factory=TrainerCfg)
+    eval: EvalCfg = Field(default_factory=EvalCfg)
+    env: EnvCfg = Field(default_factory=EnvCfg)
+    serve: ServeCfg = Field(default_factory=ServeCfg)
+    ray: RayCfg = Field(default_factory=RayCfg)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+    def get(self, dotted: str) -> Any:
+        sec, key = dotted.split(".")
+        return getattr(getattr(self, sec), key)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Config":
+        check(self)
+        return self

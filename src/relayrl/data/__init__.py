@@ -1,0 +1,1 @@
+"""Prompts: datasets (files, folders, the built-in tasks), the seeded sampler, prompt selection."""

@@ -1,0 +1,96 @@
+"""Where generation runs: which engine, how many, in which process, on which cores.
+
+    rollout.engine    hf | hf-cb | vllm        what decodes
+    rollout.engines   N                        data-parallel engines behind ``EngineRouter``
+    run.backend       local | ray              child processes here, or Ray actors (restarted)
+
+``open_engine`` builds the one ``Engine`` the rollout talks to from an ``EngineSpec``
+(``engine.spec``), which the engines that run elsewhere build from in their own process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from relayrl.config.rules import own_engine_process
+from relayrl.config.sections import RayCfg, RolloutCfg, RunCfg
+from relayrl.engine.base import Engine
+from relayrl.engine.spec import EngineSpec, build_local_engine
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def threads(r: RolloutCfg, run: RunCfg) -> tuple[bool, int, int]:
+    """(hf engine in its own process?, engine threads, trainer threads). Overlapped modes put the
+    engine in its own process and split the cores between the two; otherwise both use all cores."""
+    own, n = own_engine_process(r, run), cores()
+    if not (own and run.mode != "sync"):
+        return own, r.engine_threads, run.threads or n
+    engine = r.engine_threads or max(1, n // 2)
+    return own, engine, run.threads or max(1, n - engine)
+
+
+def open_engine(spec: EngineSpec, run: RunCfg, ray_cfg: RayCfg, state_dict=None, tokenizer=None) -> Engine:
+    """The engine the rollout uses. ``state_dict``: the policy's weights, when they are already in
+    memory (an hf engine process shares them)."""
+    own, _, _ = threads(spec.rollout, run)
+    with contextlib.ExitStack() as undo:  # engines started before one that fails are closed again
+        engines = []
+        for i in range(spec.rollout.engines):
+            seeded = spec.reseeded(spec.seed + 1_000_000_007 * i)  # (engine 0: the spec's seed)
+            e = _one(seeded, run, ray_cfg, own, state_dict, tokenizer, f"relayrl-{run.name}-engine-{i}")
+            undo.callback(e.close)
+            engines.append(e)
+        undo.pop_all()
+    if len(engines) == 1:
+        return engines[0]
+    from relayrl.engine.router import EngineRouter
+
+    return EngineRouter(engines)
+
+
+def _one(spec: EngineSpec, run: RunCfg, ray_cfg: RayCfg, own: bool, state_dict, tokenizer, name: str) -> Engine:
+    if run.backend == "ray":
+        from relayrl.engine.ray_engine import RayEngine
+
+        start_ray(ray_cfg)
+        import ray  # the driver's job id in the name: two runs of one run.name on a shared cluster do not collide
+
+        return RayEngine(spec, f"{name}-job{ray.get_runtime_context().get_job_id()}",
+                         max_restarts=ray_cfg.max_engine_restarts)
+    if spec.rollout.engine == "vllm":  # (vLLM's engine core is a process of its own already)
+        return build_local_engine(spec, tokenizer=tokenizer)
+    if own:
+        from relayrl.engine.process import ProcessEngine
+        from relayrl.models import load_policy
+
+        if state_dict is None:
+            state_dict = load_policy(spec.weights, spec.dtype).state_dict()
+        return ProcessEngine(spec, state_dict)
+    return build_local_engine(spec, driven=True, tokenizer=tokenizer)
+
+
+def start_ray(ray_cfg: RayCfg) -> None:
+    """Join ``ray.address``, or start a local cluster (once per process)."""
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("run.backend=ray: Ray is not installed; pip install -e '.[ray]'") from None
+    if ray.is_initialized():
+        return
+    if ray_cfg.address:
+        kw = {"address": ray_cfg.address}
+    else:  # a local cluster of this process only: no token to hand around
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        kw = {"num_cpus": ray_cfg.num_cpus or cores()}
+    ray.init(include_dashboard=False, log_to_driver=False, namespace="relayrl", **kw)
+
+
+def engine_counters(engine) -> dict:
+    """Restarts of dead engine actors and the requests they re-ran, summed over a router's engines."""
+    engines = getattr(engine, "engines", [engine])
+    return {"engine_restarts_total": sum(getattr(e, "restarts", 0) for e in engines),
+            "engine_requeued_total": sum(getattr(e, "requeued", 0) for e in engines)}

@@ -1,0 +1,70 @@
+"""What an engine is built from, wherever it runs: ``EngineSpec`` (picklable: it travels to an engine
+process or a Ray actor) and ``build_local_engine``, which builds one engine in the calling process.
+Engines that run elsewhere (``process``, ``ray_engine``) are handed a spec and build from it here,
+so they never import ``placement``, which decides where engines run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+from relayrl.config.sections import RolloutCfg
+from relayrl.engine import make_engine
+from relayrl.engine.base import Engine
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    rollout: RolloutCfg  # the rollout section: engine kind, batch, sampling and vLLM settings
+    weights: str  # the policy's weights (a folder ``from_pretrained`` reads)
+    tokenizer: str
+    dtype: str  # model.dtype
+    version: int = 0  # the policy version the weights are
+    threads: int = 0  # torch threads of the engine's process (0: leave as is)
+    seed: int = 0
+    max_model_len: int = 2048  # vLLM's context
+
+    def reseeded(self, seed: int) -> "EngineSpec":
+        return dataclasses.replace(self, seed=seed)
+
+
+def engine_spec(rollout: RolloutCfg, dtype: str, weights: str, tokenizer_path: str, version: int, seed: int,
+                engine_threads: int) -> EngineSpec:
+    """The spec of the run's engines (``rollout``: the config's rollout section, ``dtype``: model.dtype)."""
+    from relayrl.models import model_context
+
+    return EngineSpec(rollout, weights, tokenizer_path, dtype, version, engine_threads, seed,
+                      rollout.vllm_max_model_len or model_context(weights) or 2048)
+
+
+def eos_token_ids(weights: str, tokenizer) -> list[int]:
+    """The ids that end a response: the model's generation config, else the tokenizer's EOS."""
+    from transformers import GenerationConfig
+
+    eos = None
+    with contextlib.suppress(Exception):
+        eos = GenerationConfig.from_pretrained(weights).eos_token_id
+    eos = eos if eos is not None else tokenizer.eos_token_id
+    return [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+
+
+def build_local_engine(spec: EngineSpec, driven: bool = False, model=None, tokenizer=None) -> Engine:
+    """One engine, in the calling process (``model``/``tokenizer``: already loaded, else from the spec)."""
+    from relayrl.models import load_policy, load_tokenizer
+
+    r = spec.rollout
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(spec.tokenizer)
+    if r.engine == "vllm":
+        from relayrl.engine.vllm import VLLMEngine
+
+        return VLLMEngine(spec.weights, eos_token_ids(spec.weights, tokenizer), dtype=spec.dtype,
+                          version=spec.version, max_model_len=spec.max_model_len, seed=spec.seed,
+                          gpu_memory_utilization=r.vllm_gpu_memory_utilization, max_num_seqs=r.max_batch,
+                          sleep=r.vllm_sleep)
+    from relayrl.models import resolve_device
+
+    model = model if model is not None else load_policy(spec.weights, spec.dtype)
+    model = model.to(resolve_device(r.device, "rollout.device"))
+    return make_engine(r, model, tokenizer, version=spec.version, driven=driven)

@@ -1,0 +1,182 @@
+"""The episode, and the public interface every kind of episode is written on.
+
+An episode runs one ``Trajectory`` to its end on an ``EpisodeRunner`` (``rollout.runner``), through
+three public calls (AReaL's ``RolloutWorkflow`` is the model):
+
+    text = await runner.turn(t, turn, start, limit, params, train)   generate a turn onto ``t`` (mask 1)
+    runner.append(t, ids, logprobs, versions, mask, turn)             record tokens that are not the policy's
+    reward, failure = await runner.verified(text, t.prompt)           the verifier, batched, off the loop
+
+and raises ``EpisodeFailed`` when user code fails it (counted, left out of training). Three kinds
+use it: single-turn (``EpisodeRunner``), with an environment (``env_episode`` here), and an agent
+program's sessions of the OpenAI-compatible endpoint (``relayrl.serve.agent``).
+
+    with an environment:  messages = await env.reset(prompt)
+        loop: generate a turn (the engine's tokens, mask 1) → env.step(text) → observations
+              → the template's suffix for them (mask 0) → the next turn ... until done
+
+The tokens between turns (tool results, headers, separators) come from the chat template
+(``envs.chat.next_turn_suffix``) and are not trained. An environment whose ``reset``/``step``/``close``
+raises or passes its deadline (``env.step_timeout_s`` each call, ``env.episode_timeout_s`` for all of
+an episode's calls) fails its episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from relayrl.engine.base import EngineError
+from relayrl.envs.base import Env
+from relayrl.envs.chat import TemplateMismatch, next_turn_suffix, render_ids
+from relayrl.envs.tools import tool_schemas
+from relayrl.failures import UserCodeError
+from relayrl.records import FinishReason, SamplingParams, Trajectory
+
+if TYPE_CHECKING:
+    from relayrl.rollout.runner import EpisodeRunner
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int
+    max_tokens: int  # after the prompt: the policy's turns and the observations between them
+    step_timeout_s: float = 60.0  # each call of the environment: reset, step, close
+    episode_timeout_s: float = 600.0  # all of one episode's environment calls together
+    env_name: str = "env"  # how failures name the environment (env.name's value)
+
+
+class EpisodeFailed(Exception):
+    """User code (an environment, an agent program) failed this episode: it is left out of training and
+    counted by ``kind`` (``relayrl.failures``); ``source`` names the code, ``error`` what happened."""
+
+    def __init__(self, kind: str, source: str, error: str):
+        super().__init__(error)
+        self.kind, self.source, self.error = kind, source, error
+
+
+def describe_error(e: BaseException) -> str:
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def trajectory_seed(seed: int | None, t: Trajectory, train: bool) -> int | None:
+    """The sampling seed of one trajectory: a function of ``seed`` and, in training, its group id
+    (unique over the run, and checkpointed) and sample index; in an evaluation, its prompt and
+    sample index (every evaluation draws the same numbers)."""
+    if seed is None:
+        return None
+    key = f"{seed}/{t.request_id if train else f'{t.prompt.id}/{t.sample_idx}'}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
+
+
+def anchor(messages: list[dict]) -> int:
+    """A stable id of an observation (GiGPO's anchor state): equal messages, equal ids."""
+    blob = json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:7], "little")
+
+
+async def env_episode(runner: "EpisodeRunner", make_env: Callable[[], Env], t: Trajectory, params: SamplingParams,
+                      train: bool) -> None:
+    """An episode with an environment (``env.name``): reset, then turns and steps until done; the
+    verifier decides on the last turn unless the environment gave the final reward."""
+    budget = [runner.limits.episode_timeout_s]  # what is left of the episode's time in environment calls
+    try:
+        env = make_env()
+    except Exception as e:  # noqa: BLE001 - user code
+        raise EpisodeFailed("env", f"env.name={runner.limits.env_name} (constructor)", describe_error(e)) from None
+    try:
+        await _run_env_episode(runner, env, t, params, train, budget)
+    finally:
+        if callable(getattr(env, "close", None)):  # skyrl-gym style: release what the episode held
+            await env_call(runner, env, "close", (), budget, final=True)
+
+async def env_call(runner: "EpisodeRunner", env, method: str, args: tuple, budget: list[float], final: bool = False):
+    """``env.<method>(*args)`` under its deadline (``env.step_timeout_s``, and what is left of
+    ``env.episode_timeout_s``); what goes wrong raises ``EpisodeFailed`` naming the method."""
+    source = f"{type(env).__name__}.{method} (env.name={runner.limits.env_name})"
+    lim = runner.limits
+    timeout = min(lim.step_timeout_s, max(budget[0], 0.0 if not final else lim.step_timeout_s))
+    if timeout <= 0:
+        raise EpisodeFailed("env_timeout", source, f"the episode's environment calls passed env.episode_timeout_s="
+                                                f"{lim.episode_timeout_s:g}")
+    start = time.monotonic()
+    try:
+        out = getattr(env, method)(*args)
+        if inspect.isawaitable(out):
+            out = await asyncio.wait_for(out, timeout)
+        return out
+    except asyncio.TimeoutError:
+        which = "env.step_timeout_s" if timeout == lim.step_timeout_s else "env.episode_timeout_s"
+        raise EpisodeFailed("env_timeout", source, f"no answer within {timeout:.3g} s ({which}="
+                                                f"{getattr(lim, which.split('.')[1]):g})") from None
+    except (EngineError, UserCodeError, TemplateMismatch, asyncio.CancelledError):
+        raise
+    except Exception as e:  # noqa: BLE001 - user code
+        raise EpisodeFailed("env", source, describe_error(e)) from None
+    finally:
+        budget[0] -= time.monotonic() - start
+
+async def _run_env_episode(runner: "EpisodeRunner", env, t: Trajectory, params: SamplingParams, train: bool,
+                           budget: list[float]) -> None:
+    messages = list(await env_call(runner, env, "reset", (t.prompt,), budget))
+    tools = tool_schemas(env.tools) if getattr(env, "tools", None) else None
+    prompt_ids = render_ids(runner.tokenizer, messages, add_generation_prompt=True, tools=tools)
+    carried = bool(t.response_ids) and prompt_ids == t.prompt_ids and 0 not in t.mask
+    if not carried:  # a fresh episode, or one whose environment no longer renders its prompt
+        t.prompt_ids, t.finish_reason = prompt_ids, None
+        t.response_ids, t.behav_logprobs, t.versions, t.mask, t.turns = [], [], [], [], []
+    counts: Counter = Counter()
+    step_rewards, anchors = [], [anchor(messages)]
+    final: float | None = None
+    carry = 0.0
+    raised: str | None = None  # the first exception a tool raised (the failure report's example)
+    for turn in range(runner.limits.max_turns):
+        start = len(t.response_ids) if turn else 0  # turn 0 may go on from carried tokens
+        if turn:
+            t.finish_reason = None
+        limit = min(params.max_new_tokens, runner.limits.max_tokens - start)
+        text = await runner.turn(t, turn, start, limit, params, train)
+        messages.append({"role": "assistant", "content": text})
+        if t.finish_reason == FinishReason.FAILED:  # the engine failed on it: not the policy's answer
+            return
+        if t.finish_reason != FinishReason.STOP:  # cut by its token budget: scored as it stands
+            break
+        result = await env_call(runner, env, "step", (text,), budget)
+        if result.reward is not None and not math.isfinite(float(result.reward)):
+            raise EpisodeFailed("env", f"{type(env).__name__}.step (env.name={runner.limits.env_name})",
+                             f"returned a non-finite reward {result.reward}")
+        counts.update(result.info)
+        raised = raised or (result.raised[0] if result.raised else None)
+        if result.done or turn + 1 == runner.limits.max_turns:  # at the turn limit: that step's reward
+            final = result.reward
+            counts["turn_limit"] += int(not result.done)
+            break
+        suffix = next_turn_suffix(runner.tokenizer, messages, result.messages, tools)
+        if t.response_ids[-1] != runner.tokenizer.eos_token_id:  # stopped on another EOS id: end the turn
+            suffix = [runner.tokenizer.eos_token_id] + suffix  # as the template does (not trained)
+        if len(t.response_ids) + len(suffix) >= runner.limits.max_tokens:
+            t.finish_reason = FinishReason.LENGTH  # no room for the observations: this turn is the last,
+            carry = float(result.reward or 0.0)  # its step reward and the verifier's together (one step)
+            break
+        step_rewards.append(float(result.reward or 0.0))
+        runner.append(t, suffix, [0.0] * len(suffix), [t.versions[-1]] * len(suffix), 0, turn)
+        messages += result.messages
+        anchors.append(anchor(result.messages))
+    if final is None:  # the verifier decides on the last turn
+        final, t.failure = await runner.verified(messages[-1]["content"], t.prompt)
+        if t.failure is not None:
+            return
+    step_rewards.append(float(final) + carry)
+    t.reward = sum(step_rewards)
+    t.text = messages[-1]["content"]
+    t.info = {"turns": len(step_rewards), "step_rewards": step_rewards, "anchors": anchors[: len(step_rewards)],
+              **{k: int(v) for k, v in counts.items()}, **({"tool_raised_example": raised} if raised else {})}

@@ -1,0 +1,2 @@
+"""A run: assembling the components (``build``), the training loop (``loop``), checkpoints, resume,
+evaluation, the model card."""

@@ -1,0 +1,276 @@
+"""Assembling a run: data, the verifier's pool, the model and tokenizer, the engines, the episode
+runner, the trainer (and its critic). The whole ``Config`` stops here (and in the loop that calls
+it): every component is handed the sections it reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from relayrl.algos import NEEDS_CRITIC
+from relayrl.config import Config, EnvCfg, budget_bounds
+from relayrl.data.datasets import PromptSampler, load_prompts
+from relayrl.engine.placement import open_engine, start_ray, threads
+from relayrl.engine.spec import engine_spec, eos_token_ids
+from relayrl.envs import python_tool
+from relayrl.envs.base import make_env_factory
+from relayrl.models import check_prompt_lengths, load_policy, load_tokenizer, model_context, resolve_model_path
+from relayrl.failures import failed
+from relayrl.records import SamplingParams, group_from_dict
+from relayrl.rewards import RewardRunner
+from relayrl.rollout.runner import EpisodeLimits, EpisodeRunner
+from relayrl.run.checkpoint import RunState
+from relayrl.rollout.driver import EpisodeRollout
+from relayrl.rollout.groups import make_groups
+from relayrl.run.evaluation import EvalSettings, evaluate, write_report
+from relayrl.serve.agent import AgentEpisodes, AgentProgram
+from relayrl.train.critic import make_critic
+from relayrl.tracking.timeline import Timeline
+from relayrl.train.trainer import Trainer
+
+
+@dataclass
+class Components:
+    tokenizer: object
+    policy: object
+    engine: object
+    trainer: Trainer
+    reward: RewardRunner
+    sampler: PromptSampler
+    eval_prompts: list | None
+    params: SamplingParams
+    runner: EpisodeRunner  # episodes (single-turn, or with env.name's environment) on an asyncio loop
+
+    @property
+    def agents(self) -> bool:
+        return self.runner.multi_turn
+
+    def evaluate(self, cfg: Config, when: str = "") -> dict:
+        return evaluate(self.runner, self.tokenizer, self.eval_prompts, eval_settings(cfg), when)
+
+    def close(self) -> None:
+        self.runner.close()
+        self.engine.close()
+        self.reward.close()
+        python_tool.use_default()  # the shared python tool's workers (env.name=python) end with the run
+
+
+def eval_settings(cfg: Config) -> EvalSettings:
+    r = cfg.rollout
+    return EvalSettings(cfg.eval.samples, cfg.eval.seed, r.temperature, r.max_new_tokens, r.top_p, r.top_k,
+                        cfg.data.prompt_format, cfg.run.max_failure_frac)
+
+
+def group_maker(group_size: int, prompt_format: str, tokenizer, state: RunState):
+    """A function making empty groups for prompts, with ids unique over the whole run: the counter is
+    part of the checkpoint, so a resumed run never reuses the id of a group it carries."""
+    def new_groups(prompts: list) -> list:
+        tag = f"g{state.groups_made}"
+        state.groups_made += 1
+        return make_groups(prompts, tokenizer, group_size, tag, prompt_format)
+
+    return new_groups
+
+
+def make_rollout(cfg: Config, c: Components, state: RunState, tl: Timeline) -> EpisodeRollout:
+    """The rollout driver of ``run.mode`` over the run's runner, sampler and state."""
+    r, mode = cfg.rollout, cfg.run.mode
+    extra = math.ceil((r.over_provision - 1) * r.prompts_per_step) if r.partial and mode != "async" else 0
+    return EpisodeRollout(
+        c.runner, c.sampler.take, group_maker(r.group_size, cfg.data.prompt_format, c.tokenizer, state), c.params, r.prompts_per_step,
+        {"sync": 0, "periodic": 1, "async": r.max_staleness}[mode], partial=r.partial, extra=extra,
+        park_while_training=mode == "sync", drain_before_publish=mode == "periodic", version=state.version,
+        carried=[group_from_dict(d) for d in state.partial_buffer], timeline=tl, counters=state.staleness,
+        max_groups=(cfg.run.steps - state.step) * r.prompts_per_step, filter_groups=r.dynamic_sampling,
+        filter_max=r.dynamic_sampling_max, budget=(*budget_bounds(r), r.group_size) if r.budget == "adaptive" else None,
+        observe=lambda g, v: c.sampler.observe(g.prompt, [t.reward for t in g.trajectories if not failed(t)], v),
+        sampler_state=c.sampler.snapshot)
+
+
+def env_factory(env: EnvCfg):
+    """What makes an episode's environment (``env.name``): None (single-turn), a function making one
+    environment per episode, or an ``AgentProgram`` (``env.name=agent:...``: sessions of the endpoint)."""
+    if not env.name:
+        return None
+    kind, _, name = env.name.partition(":")
+    if kind == "agent":
+        return AgentProgram.load(env.name, name, env.args)
+    return make_env_factory(env.name, env.args)
+
+
+def make_reward_runner(cfg: Config) -> RewardRunner:
+    """The verifier's isolated worker pool: here, or in a Ray actor with ``run.backend=ray``."""
+    r = cfg.reward
+    kw = {"timeout_s": r.timeout_s, "workers": r.workers, "memory_mb": r.memory_mb, "sandbox": r.sandbox}
+    if cfg.run.backend == "ray":
+        from relayrl.run.ray_pools import RayRewardRunner
+
+        start_ray(cfg.ray)
+        return RayRewardRunner(r.fn, **kw)
+    return RewardRunner(r.fn, **kw)
+
+
+def load_tokenizer_for(cfg: Config, base: str, log) -> tuple[object, str]:
+    """(tokenizer, its path): model.tokenizer if set, else the model's own."""
+    field = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+    path = resolve_model_path(cfg.model.tokenizer, log=log, field=field) if cfg.model.tokenizer else base
+    return load_tokenizer(path, cfg.data.prompt_format, field=field), path
+
+
+def check_prompts_fit(cfg: Config, weights: str, tokenizer, prompts: list, eval_prompts: list | None) -> None:
+    """A prompt longer than the model's context leaves after rollout.max_new_tokens is an input
+    error now, naming the row, not a generation failure mid-run."""
+    context = model_context(weights)
+    if context is None:
+        return
+    limit, fmt = context - (cfg.env.max_tokens if cfg.env.name else cfg.rollout.max_new_tokens), cfg.data.prompt_format
+    if cfg.env.name and limit < 1:
+        raise ValueError(f"env.max_tokens={cfg.env.max_tokens} leaves no room for a prompt in the model's "
+                         f"context of {context} tokens: lower it")
+    check_prompt_lengths(prompts or [], tokenizer, limit, fmt, source=cfg.data.path)
+    if eval_prompts:
+        check_prompt_lengths(eval_prompts, tokenizer, limit, fmt, source=cfg.data.eval_path)
+
+
+def load_data(cfg: Config) -> tuple[list, list | None]:
+    """Training and held-out prompts (``DataError`` naming file and row on bad input)."""
+    d = cfg.data
+    fields = dict(prompt_field=d.prompt_field, answer_field=d.answer_field, id_field=d.id_field,
+                  metadata_fields=d.metadata_fields, system_prompt=cfg.model.system_prompt,
+                  prompt_format=d.prompt_format)
+    prompts = load_prompts(d.path, **fields)
+    eval_prompts = load_prompts(d.eval_path, limit=cfg.eval.size, **fields) if d.eval_path else None
+    return prompts, eval_prompts
+
+
+def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> Components:
+    """Everything the loop needs; from checkpoint ``ckpt`` when resuming. What was started is
+    closed again if a later part fails (a bad model path must not leave an engine process)."""
+    _, engine_threads, trainer_threads = threads(cfg.rollout, cfg.run)
+    torch.set_num_threads(trainer_threads)
+    torch.manual_seed(cfg.run.seed)
+    prompts, eval_prompts = data
+    d = cfg.data  # (first: a selection_key the prompts lack fails before anything starts)
+    sampler = PromptSampler(prompts, cfg.run.seed, d.shuffle, state.sampler, d.selection, d.selection_pool,
+                            d.selection_forget, d.selection_key, d.selection_prior)
+    with contextlib.ExitStack() as undo:
+        reward = make_reward_runner(cfg)  # first: a bad reward.fn fails before the model loads
+        undo.callback(reward.close)
+        reward.stats.failures, reward.stats.timeouts = state.reward_failures, state.reward_timeouts
+        make_env = env_factory(cfg.env)
+        if cfg.run.backend == "ray":  # the python tool's worker pool in a Ray actor too (at its first call)
+            from relayrl.run.ray_pools import RayPythonTool
+
+            python_tool.use_default(RayPythonTool)
+            undo.callback(python_tool.use_default)
+        base = resolve_model_path(cfg.model.path, log=log)
+        weights = str(ckpt) if ckpt else base
+        tokenizer, tok_path = load_tokenizer_for(cfg, base, log)
+        check_prompts_fit(cfg, weights, tokenizer, prompts, eval_prompts)
+        policy = load_policy(weights, cfg.model.dtype, field="checkpoint" if ckpt else "model.path")
+        ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 else None
+        # seeded per resume point, so a resumed run does not repeat its samples; in-process, one thread
+        # decodes and trains (HFEngine's driven): it decodes while it waits for episodes
+        spec = engine_spec(cfg.rollout, cfg.model.dtype, weights, tok_path, state.version, cfg.run.seed * 1_000_003 + state.step, engine_threads)
+        engine = open_engine(spec, cfg.run, cfg.ray, policy.state_dict(), tokenizer)
+        undo.callback(engine.close)
+        runner = make_runner(cfg, engine, tokenizer, reward, make_env, eos_token_ids(weights, tokenizer),
+                             model_context(weights))
+        undo.callback(runner.close)
+        trainer = make_trainer(cfg, policy, ref)  # (a critic.path that does not load closes what was started)
+        undo.pop_all()
+    r = cfg.rollout
+    # every episode samples from its own numbers (SamplingParams.seed): what it draws does not depend on
+    # what else the engine decodes, so a run repeats itself. Not on vLLM: its per-request generators slow
+    # its sampler, and its batched kernels do not repeat bit for bit anyway.
+    seed = None if r.engine == "vllm" else cfg.run.seed
+    params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, seed=seed)
+    return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params, runner)
+
+
+def make_trainer(cfg: Config, policy, ref=None) -> Trainer:
+    """The trainer, with its critic when the advantage estimator needs one (on every torchrun rank
+    alike with trainer.fsdp: the critic is sharded as the policy is)."""
+    r = cfg.rollout
+    critic = make_critic(cfg.critic, cfg.trainer, cfg.model.path, cfg.model.dtype, cfg.run.seed, cfg.run.steps) \
+        if cfg.algo.advantage in NEEDS_CRITIC else None
+    return Trainer(policy, cfg.trainer, cfg.algo, r.temperature, cfg.run.steps, cfg.algo.norm_len or r.max_new_tokens,
+                   ref_model=ref, top_p=r.top_p, top_k=r.top_k, critic=critic)
+
+
+def follower_trainer(cfg: Config) -> Trainer:
+    """A torchrun follower rank's trainer (``trainer.fsdp``), built as rank 0 builds its own."""
+    torch.manual_seed(cfg.run.seed)
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    base = resolve_model_path(cfg.model.path, log=lambda *a, **k: None)
+    policy = load_policy(base, cfg.model.dtype)
+    ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 else None
+    return make_trainer(cfg, policy, ref)
+
+
+def response_budget(cfg: Config) -> int:
+    """The tokens one response may take: an episode's budget with an environment, else one generation's."""
+    return cfg.env.max_tokens if cfg.env.name else cfg.rollout.max_new_tokens
+
+
+def make_runner(cfg: Config, engine, tokenizer, reward: RewardRunner, make_env=None, eos_ids=None,
+                context: int | None = None) -> EpisodeRunner:
+    """The episode runner over ``engine``: ``reward.fn`` verifies final turns, ``make_env`` (None:
+    single-turn) makes each episode's environment, or is an agent program (``relayrl.serve.agent``:
+    the endpoint starts, serving ``context`` tokens); ``eos_ids``: the ids the engine stops on."""
+    def score_batch(items):
+        return reward.score([(text, prompt.answer, dict(prompt.metadata)) for text, prompt in items])
+
+    e, agent = cfg.env, None
+    limits = EpisodeLimits(e.max_turns, e.max_tokens, e.step_timeout_s, e.episode_timeout_s, e.name) if make_env else None
+    if isinstance(make_env, AgentProgram):
+        s = cfg.serve
+        agent = AgentEpisodes(make_env, e.name, s.model_name, context, s.host, s.port, s.max_requests,
+                              s.max_connections)
+        make_env = None
+    return EpisodeRunner(engine, tokenizer, make_env, limits, schedule=cfg.rollout.schedule, score_batch=score_batch,
+                         eos_ids=eos_ids, agent=agent)
+
+
+def evaluate_only(cfg: Config, out_dir: str | Path | None = None) -> dict:
+    """Evaluate model.path on data.eval_path; with ``out_dir``, write eval.json and eval_samples.jsonl there."""
+    log = Console(stderr=True).print
+    d = cfg.data
+    if not d.eval_path:
+        raise ValueError("data.eval_path is not set: nothing to evaluate")
+    prompts = load_prompts(d.eval_path, d.prompt_field, d.answer_field, d.id_field, d.metadata_fields,
+                           cfg.model.system_prompt, limit=cfg.eval.size, prompt_format=d.prompt_format)
+    reward = make_reward_runner(cfg)
+    try:
+        path = resolve_model_path(cfg.model.path, log=log)
+        tokenizer, tok_path = load_tokenizer_for(cfg, path, log)
+        check_prompts_fit(cfg, path, tokenizer, [], prompts)
+        engine = open_engine(engine_spec(cfg.rollout, cfg.model.dtype, path, tok_path, 0, cfg.run.seed,
+                                         threads(cfg.rollout, cfg.run)[1]), cfg.run, cfg.ray, tokenizer=tokenizer)
+        runner = make_runner(cfg, engine, tokenizer, reward,
+                             env_factory(cfg.env),
+                             eos_token_ids(path, tokenizer), model_context(path))
+        try:
+            samples: list[dict] = []
+            result = evaluate(runner, tokenizer, prompts, eval_settings(cfg), samples=samples)
+        finally:
+            runner.close()
+            engine.close()
+        if out_dir is not None:
+            from relayrl import __version__
+
+            about = {"model": cfg.model.path, "data": d.eval_path, "prompts": len(prompts), "samples": cfg.eval.samples,
+                     "temperature": cfg.rollout.temperature, "max_new_tokens": cfg.rollout.max_new_tokens,
+                     "reward": cfg.reward.fn, "env": cfg.env.name, "relayrl": __version__}
+            report, lines = write_report(out_dir, result, samples, about)
+            log(f"eval report: {report}; every response: {lines}")
+        return result
+    finally:
+        reward.close()
