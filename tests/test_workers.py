@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -393,3 +394,51 @@ def test_under_bwrap_the_filesystem_stays_read_only(tmp_path, monkeypatch):
         r.close()
     assert _scored(out) == ["failed"] and "Read-only file system" in out[0][1]["error"]
     assert not (work / "calls.txt").exists()
+
+
+PEEK = ("def score(completion, answer, metadata):\n"
+        "    try:\n"
+        "        with open(completion) as f:\n"
+        "            f.read()\n"
+        "    except OSError:\n"
+        "        return 0.0\n"
+        "    return 1.0\n")
+
+
+@pytest.fixture
+def home_and_work(monkeypatch):
+    """A home folder holding a token and a working folder holding a secret and the verifier,
+    outside /tmp (the sandbox's /tmp is private, so a folder there would be invisible anyway)."""
+    if not os.access("/var/tmp", os.W_OK):
+        pytest.skip("/var/tmp is not writable: no place outside /tmp for a home folder")
+    top = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="relayrl-test-verifier-"))
+    home, work = top / "home", top / "work"
+    (home / ".cache" / "huggingface").mkdir(parents=True)
+    (home / ".cache" / "huggingface" / "token").write_text("hf_secret")
+    (work / "pkg").mkdir(parents=True)
+    (work / "secret.txt").write_text("secret")
+    (work / "peek.py").write_text(PEEK)
+    (work / "pkg" / "__init__.py").write_text("")
+    (work / "pkg" / "peek.py").write_text(PEEK)
+    for folder in (top, home, work):
+        folder.chmod(0o755)  # as root the workers are uid 65534: hidden by the sandbox, not by modes
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    yield home, work
+    shutil.rmtree(top, ignore_errors=True)
+
+
+@needs_bwrap
+@pytest.mark.parametrize("spec", ["peek:score", "peek.py:score", "pkg.peek:score"])
+def test_under_bwrap_a_verifier_cannot_read_the_home_or_working_folder(home_and_work, spec):
+    """As the python tool's sandbox does, the verifier's hides the home folder (tokens) and the
+    working folder; the verifier's own module, which lies in the latter, still loads and scores."""
+    home, work = home_and_work
+    own = work / spec.partition(":")[0].replace(".py", "").replace(".", "/")
+    r = RewardRunner(spec, timeout_s=10, workers=1, sandbox="bwrap")
+    try:
+        out = r.score([(str(home / ".cache" / "huggingface" / "token"), None, {}), (str(work / "secret.txt"), None, {}),
+                       (f"{own}.py", None, {}), ("/etc/hostname", None, {})])
+    finally:
+        r.close()
+    assert _scored(out) == [0.0, 0.0, 1.0, float(os.path.exists("/etc/hostname"))]

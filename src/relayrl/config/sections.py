@@ -235,8 +235,15 @@ class RewardCfg(_Section):
     workers: int = Field(0, ge=0, description="Verifier calls run at once, each in its own process (0: the cores).")
     memory_mb: int = Field(4096, ge=64, description="Memory (address space) one verifier call may use, in MiB.")
     sandbox: Literal["none", "bwrap"] = Field(
-        "none", description="'bwrap': verifiers run under bubblewrap (no network, read-only filesystem, private "
-        "/tmp); fails at start if bwrap is not installed. 'none': plain processes with resource limits.")
+        "none", description="Both modes: per call the wall deadline reward.timeout_s, reward.memory_mb of address "
+        "space, CPU time (the deadline + 1 s), 64 MiB files, no core dumps; as root the workers run as uid 65534 "
+        "with a process limit and no_new_privs; the trainer's environment variables (tokens included) are passed. "
+        "'bwrap': verifiers run under bubblewrap (fails at start if it is missing or cannot run): no network, "
+        "own pid/IPC namespaces, the host read-only, a private /tmp, and the home folder and the working folder "
+        "hidden (empty) but for the Python installation, relayrl and the verifier's own file or top-level package "
+        "(not its neighbours there); as root the workers keep CAP_DAC_READ_SEARCH (read any file the sandbox "
+        "shows). 'none': resource control only, no security boundary: network, and the verifier reads and writes "
+        "what the trainer can (as root through CAP_DAC_READ_SEARCH and CAP_DAC_OVERRIDE: any file).")
 
 
 class AlgoCfg(_Section):

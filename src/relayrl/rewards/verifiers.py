@@ -21,6 +21,7 @@ from typing import Callable
 from relayrl.extras import require
 from relayrl.rewards.answers import extract_answer, last_boxed, reference_answer  # noqa: F401 (public here too)
 from relayrl.workers import CallFailed, ImportFailed, SandboxUnavailable, WorkerPool, load
+from relayrl.workers.isolation import _private_folders
 
 RewardFn = Callable[[str, "str | None", dict], float]
 
@@ -111,8 +112,10 @@ class RewardRunner:
     """Scores completions in an isolated worker pool (see ``relayrl.workers``).
 
     ``workers``: calls at once (0: the cores); ``memory_mb``: address space one call may add;
-    ``sandbox``: "none" or "bwrap" (no network, read-only filesystem; an error if bubblewrap
-    is missing, never a silent fallback)."""
+    ``sandbox``: "none" or "bwrap" (no network, read-only filesystem, the working folder and
+    the home folder hidden as the ``python`` tool hides them, the verifier's own module kept
+    readable; an error if bubblewrap is missing, never a silent fallback). What each mode
+    guarantees: ``RewardCfg.sandbox`` (relayrl.config)."""
 
     def __init__(self, spec: str, timeout_s: float = 5.0, workers: int = 0, memory_mb: int = 4096,
                  sandbox: str = "none"):
@@ -125,7 +128,8 @@ class RewardRunner:
         preload, imports, warmup = _WARM.get(spec, ([spec], [], []))
         try:
             self._pool = WorkerPool([_SCORE_ONE, *preload], workers=workers, timeout_s=timeout_s,
-                                    memory_mb=memory_mb, sandbox=sandbox, imports=imports, warmup=warmup)
+                                    memory_mb=memory_mb, sandbox=sandbox, imports=imports, warmup=warmup,
+                                    hide_paths=_private_folders() if sandbox == "bwrap" else ())
         except SandboxUnavailable as e:
             raise RuntimeError(f"reward.sandbox={sandbox} but {e}") from None
         except ImportFailed as e:

@@ -74,8 +74,10 @@ Isolation, per worker (and so per call):
   /proc, pid and IPC namespaces, a new session; as root only the capabilities the server
   needs to set workers up are kept. Asked for and unavailable is an error, never a fallback.
   ``hide_paths=[...]`` covers folders (the project, a run directory) with empty read-only
-  tmpfs mounts so sandboxed code cannot read them; the Python installation and the relayrl
-  package stay visible beneath. ``tmp_size_mb`` caps the private /tmp (it is memory).
+  tmpfs mounts so sandboxed code cannot read them; the Python installation, the relayrl
+  package and the preloaded functions' own modules stay visible beneath (``RewardRunner`` hides
+  the working folder and the home folder, as the ``python`` tool does). ``tmp_size_mb`` caps
+  the private /tmp (it is memory).
 
 Limits of the guarantees: ``sandbox="none"`` is resource control, not a security boundary
 (the code can read and write what the trainer can, and signal what uid 65534 owns). Calls of one worker share a process, so module state

@@ -4,6 +4,7 @@ functions by spec, and ``_poll``. See ``relayrl.workers`` for the design."""
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import math
 import os
@@ -79,6 +80,27 @@ def _import_file(path: str):
     sys.modules[name] = module  # dataclasses and pickle look the module up by name
     spec.loader.exec_module(module)
     return module
+
+
+def locate(spec: str, cwd: str) -> list[str]:
+    """Where ``load(spec, cwd)`` would find the function's module, found without running it (a
+    user's module must not run in the trainer): the file of a file spec or of a top-level
+    module, the folder(s) of the top-level package of a dotted one (its submodules import one
+    another); [] for a module that is not a file (built-in) or not found (``load`` says so)."""
+    target = spec.rpartition(":")[0]
+    if not target:
+        return []
+    if target.endswith(".py") or "/" in target:
+        path = os.path.join(cwd, os.path.expanduser(target))
+        return [os.path.realpath(path)] if os.path.isfile(path) else []
+    try:
+        found = importlib.machinery.PathFinder.find_spec(target.partition(".")[0], [cwd, *sys.path])
+    except (ImportError, ValueError):  # a malformed name: load() reports it
+        found = None
+    if found is None:
+        return []
+    places = list(found.submodule_search_locations or []) or ([found.origin] if found.has_location else [])
+    return [os.path.realpath(p) for p in places if p and os.path.exists(p)]
 
 
 def _describe(e: BaseException) -> str:

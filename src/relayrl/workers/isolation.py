@@ -274,6 +274,13 @@ def _python_paths() -> list[str]:
     return sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
 
 
+def _private_folders() -> list[str]:
+    """What a sandbox for model-written code hides by default: the folder the trainer runs in
+    (the project, its runs and checkpoints) and the home folder (tokens: ~/.cache/huggingface,
+    ~/.ssh, ~/.netrc), where they are folders other than /."""
+    return [p for p in (os.getcwd(), os.path.expanduser("~")) if os.path.isdir(p) and os.path.realpath(p) != "/"]
+
+
 def _check_bwrap(prefix: list[str]) -> None:
     """A trial run: bwrap may be installed yet unable to sandbox (no user namespaces, seccomp)."""
     try:

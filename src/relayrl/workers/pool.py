@@ -14,7 +14,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable
 
-from relayrl.workers.common import CallFailed, ImportFailed, PoolError, _poll
+from relayrl.workers.common import CallFailed, ImportFailed, PoolError, _poll, locate
 from relayrl.workers.isolation import NOBODY, _bwrap_prefix, _check_bwrap, _count_tasks, _python_paths
 
 # the server's entry point, run as ``python -c _BOOT cfg_json package_root``
@@ -115,8 +115,10 @@ class WorkerPool:
     folders (existing ones) the sandbox covers with an empty read-only tmpfs, so that code in
     it cannot read them (the project, a run directory, a home); what the pool needs beneath one
     stays visible, read-only: the Python installation and the relayrl package (so functions to
-    run must live there or outside the hidden folders). ``tmp_size_mb`` (bwrap only): size
-    limit of the sandbox's private /tmp, which is memory (default: the kernel's, half the RAM)."""
+    run must live there or outside the hidden folders, or be preloaded: a preloaded function's
+    own file, or its top-level package, stays visible too, but not the rest of the folder it lies
+    in). ``tmp_size_mb`` (bwrap only): size limit of the sandbox's private /tmp, which is memory
+    (default: the kernel's, half the RAM)."""
 
     def __init__(self, preload: Iterable[str] = (), *, workers: int = 0, timeout_s: float = 5.0,
                  memory_mb: int = 4096, sandbox: str = "none", imports: Iterable[str] = (),
@@ -237,17 +239,22 @@ class WorkerPool:
         """Folders bwrap must show although they lie under the private /tmp: the cwd, the folders
         of file specs, this Python installation and the relayrl package (a virtual environment or
         a checkout under /tmp, as in a fresh CI clone), read-only like the rest of the host."""
-        folders = {self.cwd, _package_root(), *_python_paths()} | {
+        folders = {self.cwd, _package_root(), *_python_paths(), *self._spec_paths()} | {
             os.path.dirname(os.path.join(self.cwd, s.rpartition(":")[0]))
             for s in self._preload if s.rpartition(":")[0].endswith(".py")}
         under = sorted(os.path.realpath(f) for f in folders if f == "/tmp" or f.startswith("/tmp/"))
         return [f for f in under if not any(f.startswith(g + "/") for g in under)]  # outermost only
 
     def _kept(self) -> list[str]:
-        """What must stay visible under a hidden folder: Python and the relayrl package."""
+        """What must stay visible under a hidden folder: Python, the relayrl package and the
+        preloaded functions' own modules (a verifier in the hidden working folder: its file, or
+        its package, and nothing else there)."""
         if not self.hide_paths:
             return []
-        return _python_paths() + [os.path.realpath(os.path.join(_package_root(), "relayrl"))]
+        return _python_paths() + [os.path.realpath(os.path.join(_package_root(), "relayrl"))] + self._spec_paths()
+
+    def _spec_paths(self) -> list[str]:
+        return sorted({p for spec in self._preload for p in locate(spec, self.cwd)})
 
     def _spawn(self) -> _Server:
         req_r, req_w = os.pipe()
