@@ -257,6 +257,9 @@ def test_cli_unexpected_errors_keep_their_traceback(monkeypatch):
     (["algo.advantage=gigpo"], "algo.advantage='gigpo' needs an environment"),
     (["env.name=calculator", "algo.gamma=0.9"], "algo.gamma is set, but it only applies with algo.advantage=gigpo"),
     (["env.name=calculator", "run.mode=async", "rollout.stale=discard"], "rollout.stale"),  # removed: never stale
+    # an agent program's extra branches would count as episodes, and its episodes carry no anchor states
+    (["env.name=agent:my_agent.py:run", "algo.advantage=gigpo"],
+     "algo.advantage='gigpo' does not combine with env.name=agent:my_agent.py:run"),
 ])
 def test_agent_settings_that_do_not_apply_are_rejected(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

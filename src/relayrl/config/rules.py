@@ -42,6 +42,11 @@ def check(c: "Config") -> None:
     if c.algo.advantage == "gigpo" and c.env.name is None:
         raise ValueError("algo.advantage='gigpo' needs an environment (env.name): its step-level credit is "
                          "over the turns of an episode")
+    if c.algo.advantage == "gigpo" and c.env.name.startswith("agent:"):
+        raise ValueError(f"algo.advantage='gigpo' does not combine with env.name={c.env.name}: an agent "
+                         "program's episodes carry no anchor states to group its steps by, and the extra "
+                         "branches of its session would count as episodes of their group; use an episode-level "
+                         "advantage (grpo, rloo, ...)")
     _check_algo(c)
     for field in inapplicable_set(c):
         applies, when, deciding = APPLIES_ONLY[field]
