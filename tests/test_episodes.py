@@ -371,3 +371,43 @@ def test_the_python_environment_runs_the_models_code_in_the_sandbox(tok):
     assert t.reward == 1.0 and t.info["tool_calls"] == 1 and t.info.get("tool_errors", 0) == 0
     out = seen[0].split()
     assert out[0] == "42" and (os.getuid() != 0 or out[1] == "65534")  # as root the code runs as nobody
+
+
+def test_a_hold_on_an_engine_that_never_returns_its_aborted_requests_fails_with_a_deadline(tok):
+    """A checkpoint holds the training episodes and waits for the engine to return what it aborted;
+    a hung engine returns nothing: the wait ends at its deadline with an error, not never."""
+    from relayrl.engine.base import EngineError
+    from tests.fake_engine import FakeEngine
+
+    class Hung(FakeEngine):
+        def get(self, timeout=None):  # takes requests and aborts, returns nothing ever
+            time.sleep(0.005)
+            return []
+
+    eng = Hung(0)
+    runner = EpisodeRunner(eng, tok, None, None, _score)
+    runner.ABORT_WAIT_S = 0.5
+    try:
+        fut = runner.submit(runner.episode(Trajectory(PROMPT, "g", 0, [1, 2]), SamplingParams(100, 1.0)))
+        t0 = time.monotonic()
+        while not eng.live and time.monotonic() - t0 < 10:
+            time.sleep(0.002)
+        assert eng.live, "the request never reached the engine"
+        raised = []
+        holding = threading.Thread(target=lambda: raised.append(_raised(runner.hold)), daemon=True)
+        holding.start()
+        holding.join(timeout=5)
+        assert not holding.is_alive(), "hold() still waits for the hung engine after 5 s"
+        assert isinstance(raised[0], EngineError), raised
+        assert "did not return its 1 aborted request within 0.5 s" in str(raised[0])
+        assert eng.aborted == set(eng.live) and not fut.done()  # it was asked to abort; nothing came back
+    finally:
+        runner.close()
+
+
+def _raised(fn) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - what the test looks at
+        return e
+    return None

@@ -66,6 +66,12 @@ class EpisodeRunner:
     tokenized, ``Trajectory.prompt_ids``)."""
 
     BLOCKED_GRACE_S = 10.0  # how much longer than env.step_timeout_s the loop may be away before check_alive stops
+    # How long ``hold`` waits for the engine to return the requests it aborted. An abort takes effect
+    # at the engine's next step (milliseconds; seconds for a long prefill), so this only ends the
+    # wait on an engine that is hung or stopped decoding, which would stall a checkpoint (or a sync
+    # step's barrier) forever; 5 minutes leave room for a slow step, a recompile or a full batch's
+    # prefill on a slow device. (No config field bounds the rollout's time this could follow.)
+    ABORT_WAIT_S = 300.0
 
     def __init__(self, engine: Engine, tokenizer, make_env: Callable[[], Env] | None, limits: EpisodeLimits | None,
                  score: Callable[[str, object], tuple[float, dict | None]] | None = None, schedule: str = "fifo",
@@ -188,8 +194,17 @@ class EpisodeRunner:
     async def _hold(self) -> None:
         self._go.clear()
         self.abort_inflight()
-        while any(self._turn_of.get(rid, (0, False, True))[2] for rid in list(self.inflight)):
+        deadline = time.monotonic() + self.ABORT_WAIT_S
+        while waiting := [rid for rid in list(self.inflight) if self._turn_of.get(rid, (0, False, True))[2]]:
+            if time.monotonic() > deadline:
+                raise EngineError(self._abort_timeout(len(waiting)))
             await asyncio.sleep(0.002)
+
+    def _abort_timeout(self, n: int) -> str:
+        return (f"the engine ({type(self.engine.engine).__name__}) did not return its {n} aborted "
+                f"request{'s' if n != 1 else ''} within {self.ABORT_WAIT_S:g} s, which a checkpoint or a sync "
+                "step's barrier waits for: it is hung or has stopped decoding; check the engine's log, that its "
+                "process (or Ray actor) is alive, and its device (nvidia-smi: busy, out of memory?)")
 
     def mark_engine(self) -> None:
         """Record the engine lane up to now (a busy period not ended yet too), so a step's idle
