@@ -1,0 +1,141 @@
+"""The package's shape, kept by tests: no import circles among relayrl's modules, few modules at the
+top, no long files, and the whole ``Config`` only where a run is assembled. The import graph is
+built from the source's AST (every ``import``, at the top or inside a function; not those under
+``if TYPE_CHECKING:``, which never run)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PKG = SRC / "relayrl"
+# where the whole Config may go: the command line, the assembly and the loop that drives it, and resume
+# (which compares a checkpoint's recorded config with the new one: the whole config by nature)
+ASSEMBLY = {"relayrl.cli", "relayrl.run.build", "relayrl.run.loop", "relayrl.run.resume"}
+
+
+def modules(root: Path = PKG) -> dict[str, tuple[Path, bool]]:
+    out = {}
+    for p in root.rglob("*.py"):
+        parts = list(p.relative_to(root.parent).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_pkg else parts)] = (p, is_pkg)
+    return out
+
+
+def _runtime_nodes(tree: ast.AST):
+    skip = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.If) and getattr(n.test, "id", getattr(n.test, "attr", None)) == "TYPE_CHECKING":
+            skip.update(id(x) for s in n.body for x in ast.walk(s))
+    return [n for n in ast.walk(tree) if id(n) not in skip]
+
+
+def import_graph(root: Path = PKG) -> dict[str, set[str]]:
+    """module -> the relayrl modules it imports (a name imported from a package counts as the
+    submodule when there is one, else as the package)."""
+    mods = modules(root)
+
+    def resolve(name: str) -> str:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, (path, is_pkg) in mods.items():
+        base = m if is_pkg else m.rpartition(".")[0]
+        for node in _runtime_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    parts = base.split(".")[: len(base.split(".")) - node.level + 1]
+                    mod = ".".join(parts + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                # a submodule imported by name counts as that module; any other name as the module it is in
+                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod for a in node.names]
+            else:
+                continue
+            for target in targets:
+                if target.split(".")[0] == root.name and (r := resolve(target)) and r != m:
+                    graph[m].add(r)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each as a closed path."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                found.append(sorted(scc))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    found = cycles(import_graph())
+    assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_cycle_finder_finds_a_circle(tmp_path):
+    pkg = tmp_path / "relayrl"
+    (pkg / "a").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a" / "__init__.py").write_text("from relayrl.a.x import f\n")
+    (pkg / "a" / "x.py").write_text("def f():\n    from relayrl.b import g\n")
+    (pkg / "b.py").write_text("from relayrl.a import x\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from relayrl import b\n")
+    (pkg / "d.py").write_text("from relayrl import c\n")
+    graph = import_graph(pkg)
+    assert graph["relayrl.d"] == {"relayrl.c"} and graph["relayrl.c"] == set()
+    assert cycles(graph) == [["relayrl.a.x", "relayrl.b"]]
+
+
+def test_few_modules_at_the_top_and_no_long_files():
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(top) <= 8, f"{len(top)} modules directly in src/relayrl: {top}"
+    long = {str(p.relative_to(SRC)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, f"files over 500 lines: {long}"
+
+
+def test_the_whole_config_reaches_only_the_assembly():
+    """Components take the sections they read (``RolloutCfg``, ``TrainerCfg``, an ``EngineSpec`` ...)."""
+    takers = set()
+    for m, (path, _) in modules().items():
+        if m.startswith("relayrl.config"):
+            continue
+        for node in _runtime_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "relayrl.config" and \
+                    any(a.name == "Config" for a in node.names):
+                takers.add(m)
+            if isinstance(node, ast.arg) and isinstance(node.annotation, (ast.Name, ast.Constant)) and \
+                    getattr(node.annotation, "id", getattr(node.annotation, "value", None)) == "Config":
+                takers.add(m)
+    assert takers <= ASSEMBLY, f"the whole Config reaches {sorted(takers - ASSEMBLY)}"
