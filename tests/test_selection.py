@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from relayrl.data.datasets import selection as sel
+from relayrl.data import selection as sel
 from relayrl.algos.advantages import dr_grpo, grpo, rloo
 from relayrl.records import Prompt
 from relayrl.data.sampler import PromptSampler, SamplerState, SelectionError

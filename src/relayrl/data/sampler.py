@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from relayrl.data.datasets import selection as sel
+from relayrl.data import selection as sel
 from relayrl.records import Prompt
 
 

@@ -66,7 +66,7 @@ import threading
 from collections import deque
 from typing import Callable
 
-from relayrl.data.datasets import selection
+from relayrl.data import selection
 from relayrl.engine.base import EngineError
 from relayrl.failures import UserCodeError, failed
 from relayrl.records import FinishReason, Group, SamplingParams, Trajectory

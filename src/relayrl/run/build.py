@@ -23,7 +23,7 @@ from relayrl.envs.base import make_env_factory
 from relayrl.models import check_prompt_lengths, load_policy, load_tokenizer, model_context, resolve_model_path
 from relayrl.failures import failed
 from relayrl.records import SamplingParams, group_from_dict
-from relayrl.rewards.verifiers import RewardRunner
+from relayrl.rewards import RewardRunner
 from relayrl.rollout.runner import EpisodeLimits, EpisodeRunner
 from relayrl.run.checkpoint import RunState
 from relayrl.rollout.driver import EpisodeRollout
