@@ -52,7 +52,7 @@ ones too, before its next draw.
 
 Checkpoints: ``held`` stops the episodes at a token boundary and returns every group not yet
 trained: complete ones, running ones with what their episodes generated so far (an episode past
-its first tool call restarts from its prompt: ``episodes``), and those not yet started. A
+its first tool call restarts from its prompt: ``rollout.episode``), and those not yet started. A
 resumed run admits them first, as of the version of their oldest token, so the staleness bound
 holds across the resume; nothing is lost and nothing is trained twice.
 """

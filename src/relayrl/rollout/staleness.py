@@ -14,7 +14,7 @@ over-provisions (APRIL): that many more samples may be in flight, the ones a ste
 being carried to the next.
 
 The rule bounds how far generation runs ahead; a slow sample can still outlive η versions.
-relayrl's rollout (``episode_rollout``) waits for such a sample rather than drop it;
+relayrl's rollout (``rollout.driver``) waits for such a sample rather than drop it;
 ``is_fresh``/``drop_stale`` serve a consumer that drops instead (AReaL's), counting what it drops.
 
 Thread-safe: the rollout thread calls ``try_start``/``finish``, the trainer ``set_version``.

@@ -9,7 +9,7 @@ OpenAI-compatible server (tools, several turns, streaming) and returns the episo
 None to have ``reward.fn`` score its final answer: the text of the last reply the model gave.
 Every reply is recorded as tokens (``sessions``) and trained with that reward.
 
-These episodes run in the one rollout driver like any other (``episode_rollout``): the staleness
+These episodes run in the one rollout driver like any other (``rollout.driver``): the staleness
 bound, partial rollouts (a request in flight at a weight update goes on under the new weights, its
 tokens tagged by version), checkpoints (an episode not finished is carried from its prompt: a
 program's state cannot be saved) and resume. Deadlines as for an environment's calls: the time the
@@ -113,7 +113,7 @@ class AgentEpisodes:
 
     async def episode(self, runner, t: Trajectory, params: SamplingParams, train: bool) -> None:
         """Run the program for ``t`` from its prompt; ``t`` gets the latest reply's branch, the other
-        branches go in ``t.info["branches"]`` (``episode_rollout.expand_branches``)."""
+        branches go in ``t.info["branches"]`` (``rollout.driver.expand_branches``)."""
         lim = runner.limits
         source = f"agent program {self.name} (env.name={lim.env_name})"
         t.response_ids, t.behav_logprobs, t.versions, t.mask, t.turns = [], [], [], [], []
