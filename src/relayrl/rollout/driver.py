@@ -47,7 +47,7 @@ window never generates more than ``prompts_per_step × group_size`` episodes. Th
 whichever group of the window asks first; the reserve is every group's whatever its timing.
 Advantages are computed per group whatever its size.
 
-Prompt selection (``sampler.py``) sees every finished group's rewards (``observe``), filtered
+Prompt selection (``prompt_sampler.py``) sees every finished group's rewards (``observe``), filtered
 ones too, before its next draw.
 
 Checkpoints: ``held`` stops the episodes at a token boundary and returns every group not yet

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from relayrl.data.sampler import SamplerState
+from relayrl.data.prompt_sampler import SamplerState
 from relayrl.fault_injection import fault_point
 
 

@@ -41,7 +41,7 @@ from relayrl.train.batch import TrainBatch, build_batch, micro_batches
 from relayrl.config import AlgoCfg, TrainerCfg
 from relayrl.fault_injection import fault_point
 from relayrl.models import entropy_from_logits
-from relayrl.algos.sampling import sampled_logprobs
+from relayrl.algos.token_sampling import sampled_logprobs
 from relayrl.train.shared_prefix import PrefixSharing
 
 __all__ = ["Trainer", "TrainBatch", "build_batch", "micro_batches", "lr_lambda"]
