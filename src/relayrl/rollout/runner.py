@@ -1,12 +1,13 @@
-"""The episode: one coroutine drives the engine (and an environment) and returns the
-trajectory, scored, token-in-token-out. Every rollout is made of episodes.
+"""``EpisodeRunner``: where every episode runs. One coroutine per episode drives the engine (and an
+environment) and returns the trajectory, scored, token-in-token-out. Every rollout is made of episodes.
 
-    single-turn (no environment):  generate → verify (``reward.fn``)
-    with an environment:           messages = await env.reset(prompt)
-        loop: generate a turn (the engine's tokens, mask 1) → env.step(text) → observations
-              → the template's suffix for them (mask 0) → the next turn ... until done
+    single-turn (no environment):  generate → verify (``reward.fn``)                       here
+    with an environment:           reset, then turns and steps until done          ``rollout.episode``
     an agent program:              run(client, prompt) on a session of the OpenAI-compatible
-        endpoint (``relayrl.serve``): each request a turn, generated here (``_turn``), recorded the same way
+        endpoint (``relayrl.serve.agent``): each request a turn, generated here (``turn``), recorded the same way
+
+The kinds are written on the runner's public interface (``turn``, ``append``, ``verified``,
+``EpisodeFailed``: ``rollout.episode``).
 
 Every token the policy generated keeps its id, behaviour log-prob and policy version; the
 tokens between turns (tool results, headers, separators) come from the chat template
