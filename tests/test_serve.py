@@ -8,6 +8,7 @@ import json
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -24,6 +25,7 @@ from relayrl.records import FinishReason, Group, Prompt, SamplingParams, Traject
 from relayrl.rollout.groups import training_batch
 from relayrl.serve.agent import AgentEpisodes, AgentProgram
 from relayrl.serve.server import Endpoint
+from relayrl.serve.sessions import Session
 from tests.test_episodes import PROMPT, ScriptedEngine, _score, add, calc_reply
 from tests.test_chat_template import chatml_tokenizer  # noqa: F401 - a fixture
 
@@ -374,7 +376,8 @@ def test_a_request_in_flight_at_a_weight_update_goes_on_under_the_new_weights(to
     assert t.prompt_ids + t.response_ids == full[: len(t.prompt_ids) + len(t.response_ids)]
 
 
-def test_the_token_route_extends_a_branch_token_in_token_out(tok):
+def test_the_token_route_extends_a_branch_token_in_token_out(tok, monkeypatch):
+    late_start(monkeypatch)
     runner = served(tok, calc_reply)
     try:
         s, _ = session(runner)
@@ -389,19 +392,24 @@ def test_the_token_route_extends_a_branch_token_in_token_out(tok):
         assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{i}" for i in choice["token_ids"]]
         bridge = tok("\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
                      add_special_tokens=False)["input_ids"]
-        out2 = httpx.post(url, json={"model": "policy", "token_ids": prompt + choice["token_ids"] + bridge}).json()
+        again = prompt + choice["token_ids"] + bridge
+        with ThreadPoolExecutor(2) as pool:  # the next turn sampled twice at once: one of them extends the branch
+            out2, other = pool.map(lambda _: httpx.post(url, json={"model": "policy", "token_ids": again}).json(),
+                                   range(2))
         assert tok.decode(out2["choices"][0]["token_ids"]).startswith("\\boxed{5}")
-        (b,) = s.branches
-        n1 = len(choice["token_ids"])
-        assert b.traj.prompt_ids == prompt and b.traj.mask == [1] * n1 + [0] * len(bridge) + \
-            [1] * len(out2["choices"][0]["token_ids"])
+        assert out2["prompt_token_ids"] == other["prompt_token_ids"] == again
+        b, fresh = s.branches  # the other: a branch of its own, from the context it sent
+        n1, n2 = len(choice["token_ids"]), len(out2["choices"][0]["token_ids"])
+        assert b.traj.prompt_ids == prompt and b.traj.mask == [1] * n1 + [0] * len(bridge) + [1] * n2
+        assert fresh.traj.prompt_ids == again and fresh.traj.mask == [1] * len(other["choices"][0]["token_ids"])
     finally:
         runner.close()
 
 
-def test_text_completions_extend_their_prompt(tiny):
+def test_text_completions_extend_their_prompt(tiny, monkeypatch):
     from relayrl.engine.hf import HFEngine
 
+    late_start(monkeypatch)
     model, tok = tiny
     agent = AgentEpisodes(AgentProgram("agent:test", calc_program, {}), "agent:test", "policy", context=None)
     runner = EpisodeRunner(HFEngine(model, tok, eos_token_ids=[]), tok, None, EpisodeLimits(4, 4000), _score,
@@ -411,12 +419,20 @@ def test_text_completions_extend_their_prompt(tiny):
         first = client.completions.create(model="policy", prompt="a=3 b=4", max_tokens=5).choices[0].text
         (b,) = s.branches
         assert first == tok.decode(b.traj.response_ids) and b.traj.mask == [1] * 5
-        second = client.completions.create(model="policy", prompt="a=3 b=4" + first + " c=5", max_tokens=5)
-        assert len(s.branches) == 1 and b.turn == 2  # the same branch: the engine's tokens, then " c=5"'s
+        again = "a=3 b=4" + first + " c=5"
+        with ThreadPoolExecutor(2) as pool:  # the next turn sampled twice at once: one of them extends the branch
+            replies = list(pool.map(lambda _: client.completions.create(model="policy", prompt=again, max_tokens=5),
+                                    range(2)))
+        assert len(s.branches) == 2 and b.turn == 2  # the same branch: the engine's tokens, then " c=5"'s
         assert b.traj.mask == [1] * 5 + [0] * len(tok(" c=5", add_special_tokens=False)["input_ids"]) + [1] * 5
-        assert second.usage.prompt_tokens == len(b.traj.prompt_ids) + b.traj.mask.index(1, 5)
+        other = s.branches[1].traj  # the other: a branch of its own, from the text it sent
+        assert other.prompt_ids == tok(again)["input_ids"] and other.mask == [1] * 5
+        assert sorted(r.usage.prompt_tokens for r in replies) == sorted(
+            [len(b.traj.prompt_ids) + b.traj.mask.index(1, 5), len(other.prompt_ids)])
+        assert sorted(r.choices[0].text for r in replies) == sorted(
+            tok.decode(x.response_ids[-5:]) for x in (b.traj, other))
         client.completions.create(model="policy", prompt="a=3 b=5", max_tokens=5)
-        assert len(s.branches) == 2  # another prompt: another branch
+        assert len(s.branches) == 3  # another prompt: another branch
     finally:
         runner.close()
 
@@ -585,10 +601,13 @@ def test_a_template_that_cannot_extend_a_session_stops_the_run(tok):
         runner.close()
 
 
-def test_parallel_identical_requests_of_a_seeded_episode_draw_their_own_numbers(tok):
-    """An agent asking for several samples of one conversation at once (its n, best-of-n): each is a
-    branch, and under seeded sampling (training and evaluation) each branch gets a seed of its own,
-    else the engine would return the same reply n times."""
+@pytest.mark.parametrize("route", ["chat", "tokens", "text"])
+def test_parallel_identical_requests_of_a_seeded_episode_draw_their_own_numbers(tok, route, monkeypatch):
+    """An agent asking for several samples of one conversation at once (its n, best-of-n), on any route:
+    each is a branch, and under seeded sampling (training and evaluation) each branch gets a seed of its own,
+    else the engine would return the same reply n times. So too for n samples of the next turn, sent
+    together and all matched before any of them generates: each extends a branch of its own."""
+    late_start(monkeypatch)
     seen = []
 
     class Recording(ScriptedEngine):
@@ -596,15 +615,100 @@ def test_parallel_identical_requests_of_a_seeded_episode_draw_their_own_numbers(
             seen.extend(r.params.seed for r in requests)
             super().submit(requests)
 
+    first = render_ids(tok, PROMPT.messages, add_generation_prompt=True)
+    bridge = "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+
     async def n_samples(client, prompt):
-        await asyncio.gather(*(client.chat.completions.create(model="policy", messages=list(prompt.messages))
-                               for _ in range(3)))
+        async with httpx.AsyncClient(base_url=str(client.base_url).removesuffix("v1/"), timeout=30) as h:
+            async def ask(context):
+                if route == "chat":
+                    r = await client.chat.completions.create(model="policy", messages=context)
+                    return r.choices[0].message.content
+                if route == "tokens":
+                    r = await h.post("inference/v1/generate", json={"model": "policy", "token_ids": context})
+                    return r.json()["choices"][0]["token_ids"]
+                return (await client.completions.create(model="policy", prompt=context, max_tokens=100)).choices[0].text
+
+            context = {"chat": list(prompt.messages), "tokens": first, "text": tok.decode(first)}[route]
+            said = (await asyncio.gather(*(ask(context) for _ in range(3))))[0]
+            if route == "chat":
+                again = context + [{"role": "assistant", "content": said}, {"role": "user", "content": "again"}]
+            else:
+                again = context + said + (tok(bridge, add_special_tokens=False)["input_ids"] if route == "tokens"
+                                          else bridge)
+            await asyncio.gather(*(ask(again) for _ in range(3)))
         return 1.0
 
     agent = AgentEpisodes(AgentProgram("agent:test", n_samples, {}), "agent:test", "policy", context=None)
-    runner = EpisodeRunner(Recording(tok, lambda ctx: "4"), tok, None, EpisodeLimits(4, 4000), _score, agent=agent)
+    runner = EpisodeRunner(Recording(tok, lambda ctx: "4"), tok, None, EpisodeLimits(8, 4000), _score, agent=agent)
     try:
-        run(runner, Trajectory(PROMPT, "g", 0, []), params=SamplingParams(100, 1.0, seed=7))
+        t = run(runner, Trajectory(PROMPT, "g", 0, []), params=SamplingParams(100, 1.0, seed=7))
     finally:
         runner.close()
-    assert len(seen) == 3 and None not in seen and len(set(seen)) == 3
+    assert t.failure is None and t.info["branches"] == 2 and t.info["merged_turns"] == 3  # one next turn each
+    assert len(seen) == 6 and None not in seen and len(set(seen[:3])) == 3 and len(set(seen[3:])) == 3
+
+
+@pytest.mark.parametrize("route", ["tokens", "text"])
+def test_parallel_identical_requests_on_the_token_and_text_routes_are_branches_of_their_own(tok, route,
+                                                                                        monkeypatch):
+    """An agent sampling n continuations of one context at once on the token route or the text route
+    (the chat route's case: ``test_parallel_identical_requests_...``): one of them extends the earlier
+    branch, every other is a branch of its own, and each reply is generated on the context it was sent,
+    never as a second turn after another's reply on a shared branch."""
+    late_start(monkeypatch)
+    runner = served(tok, calc_reply)
+    n = 4
+    try:
+        s, _ = session(runner)
+        base = f"{runner.agent.url}/sessions/{s.key}"
+        first = render_ids(tok, PROMPT.messages, add_generation_prompt=True)
+        bridge = "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        if route == "tokens":
+            url, body = f"{base}/inference/v1/generate", (lambda ctx: {"model": "policy", "token_ids": ctx})
+            said = lambda out: out["choices"][0]["token_ids"]
+            prompt = first
+        else:
+            url, body = f"{base}/v1/completions", (lambda ctx: {"model": "policy", "prompt": ctx, "max_tokens": 200})
+            said = lambda out: out["choices"][0]["text"]
+            prompt = tok.decode(first)
+        one = httpx.post(url, json=body(prompt)).json()
+        (b0,) = s.branches
+        before = b0.traj.prompt_ids + b0.traj.response_ids
+        if route == "tokens":
+            ids = tok(bridge[len("<|im_end|>"):], add_special_tokens=False)["input_ids"]
+            again = prompt + said(one) + ids
+            extended, fresh = again, again
+        else:
+            again = prompt + said(one) + bridge
+            extended = before + tok(bridge, add_special_tokens=False)["input_ids"]
+            fresh = tok(again)["input_ids"]
+
+        async def together():
+            async with httpx.AsyncClient(timeout=30) as h:
+                return await asyncio.gather(*(h.post(url, json=body(again)) for _ in range(n)))
+
+        replies = [r.json() for r in asyncio.run(together())]
+    finally:
+        runner.close()
+    assert len(s.branches) == n and sorted(b.turn for b in s.branches) == [1] * (n - 1) + [2]
+    contexts = []
+    for b in s.branches:
+        t = b.traj
+        k = len(t.mask) - t.mask[::-1].index(0) if 0 in t.mask else 0  # the last reply: the trailing mask-1 tokens
+        contexts.append(t.prompt_ids + t.response_ids[:k])
+        assert set(t.turns[k:]) == {b.turn - 1} and tok.decode(t.response_ids[k:]).startswith("\\boxed{5}")
+    assert sorted(contexts) == sorted([extended] + [fresh] * (n - 1))
+    assert sorted(str(said(r)) for r in replies) == sorted(str(said(r)) for r in replies[:1] * n)
+
+
+def late_start(monkeypatch, delay: float = 0.05) -> None:
+    """Each reply's generation starts ``delay`` after its request was matched to a branch (as on a busy
+    loop), so requests sent together are all matched before any of them generates."""
+    generate = Session.generate
+
+    async def late(self, *args, **kwargs):
+        await asyncio.sleep(delay)
+        return await generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Session, "generate", late)

@@ -18,11 +18,13 @@ A request extends a branch when what it sends starts with everything that branch
   text        ``/v1/completions``: its prompt starts with the branch's prompt and completions.
 
 Any other request (a history rewritten, summarised, or a second sample of the same turn) starts a
-new branch of the same episode, rendered from scratch. Every branch is trained with the episode's
-reward (its group's baseline is taken over episodes, not branches: ``rollout.group_advantages``);
-``branches`` in the episode's info counts them. The trainer's sampling parameters (temperature,
-top-p, top-k; the evaluation's greedy ones) win over the client's: a request asking for others is
-generated with the trainer's and counted (``sampling_overrides``). ``max_tokens`` is bounded by
+new branch of the same episode, rendered from scratch; so does one matching only a branch that another
+request holds from its matching to its reply (an agent's n samples of one context, sent at once).
+Every branch is trained with the episode's reward (its group's baseline is taken over episodes, not
+branches: ``rollout.group_advantages``); ``branches`` in the episode's info counts them. The
+trainer's sampling parameters (temperature, top-p, top-k; the evaluation's greedy ones) win over the
+client's: a request asking for others is generated with the trainer's and counted
+(``sampling_overrides``). ``max_tokens`` is bounded by
 ``rollout.max_new_tokens`` and by the episode's budget ``env.max_tokens`` (per branch, after its
 prompt); the session takes at most ``env.max_turns`` requests.
 """
@@ -51,6 +53,8 @@ class Branch:
     tools: list[dict] | None = None  # chat: the tools the template was given
     text: str | None = ""  # text: prompt and completions so far (None: cannot be extended)
     turn: int = 0
+    # claimed by a request from the moment it is matched to its reply (or its undo): its generation starts
+    # later, in a task, and an identical request matched before then must get a branch of its own
     busy: bool = False
     index: int = 0  # its place among the session's branches: seeded sampling draws its own numbers per branch
 
@@ -136,6 +140,7 @@ class Session:
         b = Branch(Trajectory(e.prompt, e.group_id, e.sample_idx, list(prompt_ids)), kind, index=self.made)
         self.made += 1
         self.branches.append(b)
+        b.busy = True
         return b, lambda: self.branches.remove(b)
 
     def _extend(self, b: Branch, ids: list[int]) -> Callable[[], None]:
@@ -147,10 +152,12 @@ class Session:
         n, messages, view, text = len(t.response_ids), b.messages, b.view, b.text
         version = t.versions[-1] if t.versions else self.runner.engine.version
         self.runner.append(t, ids, [0.0] * len(ids), [version] * len(ids), 0, max(0, b.turn - 1))
+        b.busy = True
 
         def undo() -> None:
             _truncate(t, n)
             b.messages, b.view, b.text = messages, view, text
+            b.busy = False
         return undo
 
     # -- generating ---------------------------------------------------------------------------------
@@ -197,17 +204,13 @@ class Session:
             return at >= 0
 
         t.finish_reason = None
-        b.busy = True
+        await self.table.batcher.wait()
+        self.generating += 1
         try:
-            await self.table.batcher.wait()
-            self.generating += 1
-            try:
-                text = await self.runner.turn(t, b.turn, start, int(limit), params, self.train,
-                                               watch=watch if (stops or stop_ids or on_text) else None)
-            finally:
-                self.generating -= 1
+            text = await self.runner.turn(t, b.turn, start, int(limit), params, self.train,
+                                           watch=watch if (stops or stop_ids or on_text) else None)
         finally:
-            b.busy = False
+            self.generating -= 1
         if t.finish_reason == FinishReason.FAILED:
             raise ApiError(500, "the inference engine failed on this request", type="server_error")
         if cut:
@@ -221,7 +224,8 @@ class Session:
 
     def replied(self, b: Branch, turn: Turn, message: dict | None, tools_known: set[str] | None) -> None:
         """Record a finished reply: chat keeps the sampled text for the template and the message the
-        client will send back; text completions extend the branch's text."""
+        client will send back; text completions extend the branch's text. The branch is free again
+        (only now: until its text has the reply, an identical prompt would still match it)."""
         self.counts["requests"] += 1
         self.counts["merged"] += b.turn > 1
         if b.kind == "chat":
@@ -236,6 +240,7 @@ class Session:
             if b.kind == "text" and b.text is not None:
                 b.text += turn.text
         self.last = (b, visible)
+        b.busy = False
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def enter(self) -> None:
