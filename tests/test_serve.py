@@ -230,6 +230,28 @@ def test_stop_strings_cut_the_reply_and_its_tokens(tok):
         runner.close()
 
 
+
+def test_generated_tokens_count_only_what_a_stop_left(tok):
+    """The run's ``generated_tokens`` (and so ``tokens_per_s``) counts the tokens a reply kept: those
+    sampled past a stop string (chat, text) or a stop token id (the token route) are cut from the branch,
+    and from the count."""
+    text = "one two STOP three four"
+    runner = served(tok, lambda c: text)
+    try:
+        s, client = session(runner)
+        prompt = render_ids(tok, PROMPT.messages, add_generation_prompt=True)
+        runner.take_generated()
+        client.chat.completions.create(model="policy", messages=PROMPT.messages, stop=["STOP"])
+        client.completions.create(model="policy", prompt=tok.decode(prompt), stop=["two"], max_tokens=100)
+        three = tok(text, add_special_tokens=False)["input_ids"][-2]  # (a token of " three four")
+        httpx.post(f"{runner.agent.url}/sessions/{s.key}/inference/v1/generate", json={
+            "model": "policy", "token_ids": prompt, "sampling_params": {"stop_token_ids": [three]}})
+        kept = [len(b.traj.response_ids) for b in s.branches]
+        assert len(kept) == 3 and "three" not in tok.decode(s.branches[0].traj.response_ids)
+        assert runner.take_generated() == sum(kept)
+    finally:
+        runner.close()
+
 def test_bad_input_gets_openai_errors_and_the_endpoint_goes_on(tok):
     runner = served(tok, lambda c: "fine")
     try:

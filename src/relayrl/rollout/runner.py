@@ -352,7 +352,11 @@ class EpisodeRunner:
         async with contextlib.aclosing(self.engine.stream(req)) as pieces:
             async for c in pieces:
                 self._take(t, c, turn, train)
+                n = len(t.response_ids)
                 if watch():
+                    if train:  # the tokens a stop cut off are no part of the reply: not counted as generated
+                        with self._lock:
+                            self.generated -= n - len(t.response_ids)
                     return Completion(req.request_id, [], [], [], FinishReason.STOP)
                 if c.finish_reason is not None:
                     return c
