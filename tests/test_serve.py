@@ -289,6 +289,52 @@ def test_bad_input_gets_openai_errors_and_the_endpoint_goes_on(tok):
         runner.close()
 
 
+
+def test_every_route_needs_a_session_key_in_the_url_or_as_a_bearer_header(tok):
+    """The key, in the session's base URL (as the SDK's ``base_url``) or as the API key (``Authorization:
+    Bearer``, out of URLs that proxies log), on every route, ``/v1/models`` too; without an open
+    session's key nothing is answered, not even which model the endpoint serves."""
+    runner = served(tok, lambda c: "fine")
+    try:
+        s, by_url = session(runner)
+        url, bearer = runner.agent.url, {"Authorization": f"Bearer {s.key}"}
+        by_header = openai.OpenAI(base_url=f"{url}/v1", api_key=s.key, max_retries=0)  # the key in a header only
+        prompt = render_ids(tok, PROMPT.messages, add_generation_prompt=True)
+        for client in (by_url, by_header):
+            assert client.models.list().data[0].id == "policy" and client.models.retrieve("policy").id == "policy"
+            assert client.chat.completions.create(model="policy", messages=PROMPT.messages).choices[0] \
+                .message.content == "fine"
+            assert client.completions.create(model="policy", prompt=tok.decode(prompt)).choices[0].text == "fine"
+        r = httpx.post(f"{url}/inference/v1/generate", json={"model": "policy", "token_ids": prompt}, headers=bearer)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"]
+        for path in ("/v1/models", "/v1/models/policy"):
+            for where, headers in ((f"{url}{path}", {}), (f"{url}{path}", {"Authorization": "Bearer rl-never-issued"}),
+                                   (f"{url}/sessions/rl-never-issued{path}", {})):
+                r = httpx.get(where, headers=headers)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", where
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "gpt-9", "messages": PROMPT.messages})
+        assert r.status_code == 401 and "gpt-9" not in r.text and "policy" not in r.text
+        runner.submit(_close(runner, s)).result(5)  # its episode ends
+        r = httpx.get(f"{url}/v1/models", headers=bearer)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "session_expired"
+    finally:
+        runner.close()
+
+
+def test_an_endpoint_beyond_loopback_is_warned_about(recwarn):
+    """Plain HTTP: a ``serve.host`` other than loopback is said at start, in one line naming the field."""
+    from relayrl.serve.server import build_app
+    from relayrl.serve.sessions import SessionTable
+
+    app = build_app(SessionTable(), "policy", None, 8)
+    for host in ("127.0.0.1", "localhost", "::1"):
+        Endpoint(app, host).sock.close()
+    assert not [w for w in recwarn if "serve.host" in str(w.message)]
+    with pytest.warns(UserWarning, match=r"serve.host=0.0.0.0: the endpoint listens beyond this machine over "
+                                         r"plain HTTP") as caught:
+        Endpoint(app, "0.0.0.0").sock.close()
+    assert "\n" not in str(caught[0].message)
+
 async def _close(runner, s):
     runner.agent.table.close(s)
 
@@ -494,7 +540,7 @@ def test_a_thousand_connections_are_bounded_and_nothing_crashes(tok, monkeypatch
 
         async def idle_flood():  # connections that never send a request, past serve.max_connections
             conns = [await asyncio.open_connection("127.0.0.1", agent.endpoint.port) for _ in range(1200)]
-            async with httpx.AsyncClient() as h:
+            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {s.key}"}) as h:
                 try:
                     blocked = (await h.get(f"{agent.url}/v1/models")).status_code
                 except httpx.TransportError as e:  # its connection was closed at once

@@ -436,7 +436,9 @@ class EnvCfg(_Section):
 class ServeCfg(_Section):
     """The OpenAI-compatible endpoint that agent programs (env.name=agent:...) talk to."""
 
-    host: str = Field("127.0.0.1", description="Address the endpoint listens on (loopback: only this machine).")
+    host: str = Field("127.0.0.1", description="Address the endpoint listens on (loopback: only this machine). "
+                      "Another (0.0.0.0: every interface) is warned about at start: the endpoint speaks plain "
+                      "HTTP, so session keys, prompts and replies cross the network unencrypted.")
     port: int = Field(0, ge=0, le=65535, description="Port the endpoint listens on (0: a free one).")
     model_name: str = Field(
         "policy", description="The model's id: what GET /v1/models lists and requests must name (others get 404).")

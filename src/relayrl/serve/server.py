@@ -9,7 +9,9 @@ there, with no thread hop between the HTTP handler and the engine).
                                       verifiers' training client speaks)
 
 Each route is also served under ``/sessions/<key>``, the session's own base URL; otherwise the
-session is the API key (``Authorization: Bearer <key>``). Errors are OpenAI's ``{"error": {...}}``
+session is the API key (``Authorization: Bearer <key>``, which keeps it out of URLs that proxies
+log). Every route needs an open session's key, ``/v1/models`` too. The endpoint speaks plain HTTP: a
+``serve.host`` other than loopback is warned about at start. Errors are OpenAI's ``{"error": {...}}``
 with a 4xx status for whatever the client got wrong (a malformed body, an unknown model, a key
 that expired with its episode); an unexpected exception in a handler is a 500 for that request and
 never reaches the run. Requests handled at once are bounded (``serve.max_requests``: more get 429,
@@ -20,11 +22,13 @@ closed at once; one that sends no request is closed after ``Endpoint.FIRST_REQUE
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import resource
 import socket
 import uuid
+import warnings
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -63,23 +67,28 @@ def build_app(table: SessionTable, model: str, max_model_len: int | None, max_re
 
     card = {"id": model, "object": "model", "created": 0, "owned_by": "relayrl", "max_model_len": max_model_len}
 
-    def session(request: Request, name: str) -> Session:
-        if name != model:
-            raise ApiError(404, f"The model `{name}` does not exist (this endpoint serves `{model}`)",
-                           code="model_not_found", param="model")
+    def session(request: Request, name: str | None = None) -> Session:
+        """The open session the request names (its base URL's key, else its bearer key); the key is
+        checked first, so a client without one learns nothing of the endpoint, not even its model."""
         key = request.path_params.get("key")
         if key is None:
             auth = request.headers.get("authorization", "")
             key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-        return table.get(key)
+        s = table.get(key)
+        if name is not None and name != model:
+            raise ApiError(404, f"The model `{name}` does not exist (this endpoint serves `{model}`)",
+                           code="model_not_found", param="model")
+        return s
 
     for prefix in ("", "/sessions/{key}"):
         @app.get(prefix + "/v1/models")
-        async def models():
+        async def models(request: Request):
+            session(request)
             return JSONResponse({"object": "list", "data": [card]})
 
         @app.get(prefix + "/v1/models/{name}")
-        async def one_model(name: str):
+        async def one_model(name: str, request: Request):
+            session(request)
             if name != model:
                 raise ApiError(404, f"The model `{name}` does not exist", code="model_not_found")
             return JSONResponse(card)
@@ -336,6 +345,10 @@ class Endpoint:
             self.sock.close()
             raise ValueError(f"serve.host={host} serve.port={port}: cannot listen there: {e.strerror or e}") from None
         self.host, self.port = host, self.sock.getsockname()[1]
+        if not ipaddress.ip_address(self.sock.getsockname()[0]).is_loopback:
+            warnings.warn(f"serve.host={host}: the endpoint listens beyond this machine over plain HTTP: session keys "
+                          "and every prompt and reply cross the network unencrypted (keep 127.0.0.1, or put a TLS "
+                          "proxy in front)", stacklevel=2)
         config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
                                 backlog=2048, timeout_keep_alive=30, http=_protocol(max_connections))
         self.server = uvicorn.Server(config)
