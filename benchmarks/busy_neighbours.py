@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -42,8 +43,9 @@ def one_run(overrides: list[str], hogs: int, steps: int, limit: float, env: dict
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
             lines = [json.loads(x) for x in (Path(out) / "busy" / "metrics.jsonl").read_text().splitlines()]
             times = [m["step_time"] for m in lines[1:]]  # (the first step includes the first compilation)
+            chosen = re.search(r"threads: trainer (\d+)", p.stdout)
             return {"step_s": statistics.median(times), "seconds": time.perf_counter() - start,
-                    "threads_used": lines[-1].get("threads/trainer")}
+                    "trainer_threads": int(chosen.group(1)) if chosen else None}
     finally:
         for s in spinners:
             s.kill()
@@ -80,7 +82,8 @@ def main() -> None:
             if r.get("timed_out"):
                 cells.append(f"> {ns.limit:.0f} s for {ns.steps} steps")
             else:
-                cells.append(f"{r['step_s']:.2f}" + (f" ({r['step_s'] / quiet:.2f}×)" if quiet else ""))
+                cells.append(f"{r['step_s']:.2f}" + (f" ({r['step_s'] / quiet:.2f}×)" if quiet else "")
+                             + (f", {r['trainer_threads']} thr" if r.get("trainer_threads") else ""))
         rows.append([name, *cells])
     write_results(Path(__file__).parent / "results", ns.name, header, rows,
                   {"machine": machine_info(), "steps": ns.steps, "env": ns.env, "results": results})

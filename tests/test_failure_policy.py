@@ -192,7 +192,7 @@ def test_a_template_that_cannot_extend_the_conversation_stops_the_run(tok, monke
     def mismatch(*a, **k):
         raise TemplateMismatch("the chat template renders the conversation so far differently")
 
-    monkeypatch.setattr("relayrl.rollout.runner.next_turn_suffix", mismatch)
+    monkeypatch.setattr("relayrl.rollout.episode.next_turn_suffix", mismatch)
     runner = make_runner(tok, calc_reply, lambda: ToolEnv([add]))
     try:
         with pytest.raises(UserCodeError, match="cannot extend a conversation token-in-token-out.*model.tokenizer"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 from relayrl.config.rules import own_engine_process
 from relayrl.config.sections import RayCfg, RolloutCfg, RunCfg
@@ -23,10 +24,42 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def threads(r: RolloutCfg, run: RunCfg) -> tuple[bool, int, int]:
+def _cpu_times() -> dict[int, tuple[int, int]]:
+    """Per core: (idle + iowait, total) jiffies since boot (Linux's /proc/stat; empty elsewhere)."""
+    out = {}
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("cpu") and line[3].isdigit():
+                    name, *v = line.split()
+                    v = [int(x) for x in v[:8]]
+                    out[int(name[3:])] = (v[3] + v[4], sum(v))
+    except OSError:
+        pass
+    return out
+
+
+def free_cores(sample_s: float = 0.3) -> int:
+    """How many of this process's cores other processes leave free now: the idle share of each,
+    summed over ``sample_s`` (at least 1). A thread per core that a neighbour keeps busy slows every
+    parallel region to the pace of the thread that shares its core (torch splits the work evenly),
+    and waits spin: one busy neighbour made the default demo 3.7x slower, a second run beside it 35-60x."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    a = _cpu_times()
+    if not a or not allowed:
+        return cores()
+    time.sleep(sample_s)
+    b = _cpu_times()
+    idle = sum((b[c][0] - a[c][0]) / max(1, b[c][1] - a[c][1]) for c in allowed if c in a and c in b)
+    return max(1, min(len(allowed), int(idle + 0.25)))  # (a core three-quarters idle counts as free)
+
+
+def threads(r: RolloutCfg, run: RunCfg, free: int | None = None) -> tuple[bool, int, int]:
     """(hf engine in its own process?, engine threads, trainer threads). Overlapped modes put the
-    engine in its own process and split the cores between the two; otherwise both use all cores."""
-    own, n = own_engine_process(r, run), cores()
+    engine in its own process and split the free cores (``free_cores``) between the two; otherwise
+    both use all the free cores. ``run.threads`` and ``rollout.engine_threads`` set them instead."""
+    own = own_engine_process(r, run)
+    n = free if free is not None else (cores() if run.threads and (r.engine_threads or not own) else free_cores())
     if not (own and run.mode != "sync"):
         return own, r.engine_threads, run.threads or n
     engine = r.engine_threads or max(1, n // 2)
@@ -36,7 +69,7 @@ def threads(r: RolloutCfg, run: RunCfg) -> tuple[bool, int, int]:
 def open_engine(spec: EngineSpec, run: RunCfg, ray_cfg: RayCfg, state_dict=None, tokenizer=None) -> Engine:
     """The engine the rollout uses. ``state_dict``: the policy's weights, when they are already in
     memory (an hf engine process shares them)."""
-    own, _, _ = threads(spec.rollout, run)
+    own = own_engine_process(spec.rollout, run)
     with contextlib.ExitStack() as undo:  # engines started before one that fails are closed again
         engines = []
         for i in range(spec.rollout.engines):

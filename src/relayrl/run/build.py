@@ -16,7 +16,7 @@ from rich.console import Console
 from relayrl.algos import NEEDS_CRITIC
 from relayrl.config import Config, EnvCfg, budget_bounds
 from relayrl.data.datasets import PromptSampler, load_prompts
-from relayrl.engine.placement import open_engine, start_ray, threads
+from relayrl.engine.placement import cores, open_engine, start_ray, threads
 from relayrl.engine.spec import engine_spec, eos_token_ids
 from relayrl.envs import python_tool
 from relayrl.envs.base import make_env_factory
@@ -152,8 +152,11 @@ def load_data(cfg: Config) -> tuple[list, list | None]:
 def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> Components:
     """Everything the loop needs; from checkpoint ``ckpt`` when resuming. What was started is
     closed again if a later part fails (a bad model path must not leave an engine process)."""
-    _, engine_threads, trainer_threads = threads(cfg.rollout, cfg.run)
+    own, engine_threads, trainer_threads = threads(cfg.rollout, cfg.run)
     torch.set_num_threads(trainer_threads)
+    log(f"threads: trainer {trainer_threads}" + (f", engine process {engine_threads or 'torch default'}" if own else
+                                                 " (the engine decodes in them)")
+        + ("" if cfg.run.threads else f" ({cores()} cores, the free ones counted at start: run.threads sets them)"))
     torch.manual_seed(cfg.run.seed)
     prompts, eval_prompts = data
     d = cfg.data  # (first: a selection_key the prompts lack fails before anything starts)
