@@ -288,7 +288,7 @@ def test_agent_settings_load():
 @pytest.mark.parametrize("overrides, budget, dynamic", [
     ([], "adaptive", True),  # the default run: a group baseline (grpo) over 8 responses
     (["algo.advantage=rloo", "rollout.group_size=2"], "adaptive", True),
-    (["rollout.group_size=1"], "fixed", False),  # one response: no group variance to read
+    (["algo.advantage=reinforce_pp", "rollout.group_size=1"], "fixed", False),  # one response: no group variance
     (["algo.advantage=gae"], "fixed", False),  # a critic's baseline, not the group's
     (["algo.advantage=reinforce_pp"], "fixed", False),
     (["rollout.dynamic_sampling=false"], "adaptive", False),  # what the user sets stays

@@ -131,7 +131,7 @@ IGNORED = {
     "eval.samples": (2, [["data.eval_path=null"]]),
     "run.project": ("mine", [[], ["run.report_to=[tensorboard]"], ["run.report_to=jsonl"]]),
     "rollout.budget_min": (2, [["rollout.budget=fixed"], ["algo.advantage=reinforce_pp"]]),
-    "rollout.budget_max": (12, [["rollout.budget=fixed"], ["rollout.group_size=1"]]),
+    "rollout.budget_max": (12, [["rollout.budget=fixed"], ["rollout.group_size=1", "algo.advantage=reinforce_pp"]]),
     "rollout.dynamic_sampling_max": (2, [["rollout.dynamic_sampling=false"], ["algo.advantage=gae"]]),
     "data.selection_pool": (3, [[], ["data.selection=uniform"]]),
     "data.selection_forget": (0.5, [[]]),

@@ -77,6 +77,14 @@ def budget_bounds(r: RolloutCfg) -> tuple[int, int]:
 def _check_algo(c: Config) -> None:
     """Combinations of the algorithm's choices that cannot work, by name."""
     a, r = c.algo, c.rollout
+    from relayrl.algos.estimators import GROUP_BASELINE
+
+    if a.advantage in GROUP_BASELINE and r.group_size == 1:
+        raise ValueError(f"rollout.group_size=1 with algo.advantage={a.advantage!r}: its baseline is the mean of a "
+                         "group's responses, and a group of one has none to compare with (the advantage is the raw "
+                         "reward, and no group variance for rollout.dynamic_sampling or rollout.budget to read): set "
+                         "rollout.group_size ≥ 2, or a baseline that needs no group, algo.advantage=reinforce_pp or "
+                         "gae")
     if a.advantage == "gigpo" and a.kl_mode == "reward" and a.kl_coef > 0:
         raise ValueError("algo.kl_mode='reward' does not combine with algo.advantage='gigpo': GiGPO's step credit "
                          "is computed from the episodes' step rewards when the batch is built, before any KL is "

@@ -167,7 +167,9 @@ class RolloutCfg(_Section):
         0, ge=0, description="torch threads of the engine process (0: with an engine process in an overlapped mode, "
         "half the cores, and run.threads defaults to the other half; else torch's default).")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per training step.")
-    group_size: int = Field(8, ge=1, description="Responses per prompt (G).")
+    group_size: int = Field(
+        8, ge=1, description="Responses per prompt (G); at least 2 with a group baseline (algo.advantage=grpo, "
+        "dr_grpo, rloo, reinforce_pp_baseline).")
     max_new_tokens: int = Field(128, ge=1, description="Maximum response length in tokens.")
     # below 0.01 sampling is all but greedy and the trainer's log-probs of the sampled tokens
     # (logits / T) blow up; above 10 it samples noise
