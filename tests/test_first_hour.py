@@ -23,3 +23,57 @@ def test_one_response_per_group_is_refused_with_a_group_baseline(advantage, caps
     # baselines that need no group still take one response a prompt
     for other in ("reinforce_pp", "gae"):
         assert load_config(None, ["rollout.group_size=1", f"algo.advantage={other}"]).rollout.group_size == 1
+
+
+# ---------------------------------------------------------------- a verifier's return value
+
+VERIFIER = '''
+import numpy as np
+
+def score(completion, answer, metadata):
+    return {"text-number": "1.0", "text-word": "correct", "none": None, "true": True, "false": False,
+            "np-bool": np.bool_(True), "np-float": np.float32(0.5), "int": 1, "long": "x" * 500}[completion]
+'''
+
+
+def test_a_verifier_that_returns_a_non_number_fails_naming_what_it_returned(tmp_path):
+    from relayrl.rewards import RewardRunner
+
+    (tmp_path / "verifier.py").write_text(VERIFIER)
+    r = RewardRunner(f"{tmp_path / 'verifier.py'}:score", timeout_s=10, workers=1)
+    try:
+        keys = ["text-number", "text-word", "none", "true", "false", "np-bool", "np-float", "int", "long"]
+        out = r.score([(k, None, {}) for k in keys])
+    finally:
+        r.close()
+    got = dict(zip(keys, out))
+    # True/False (and numpy's) count as 1.0/0.0; numbers are numbers
+    assert {k: got[k] for k in ("true", "false", "np-bool", "np-float", "int")} == {
+        "true": (1.0, None), "false": (0.0, None), "np-bool": (1.0, None), "np-float": (0.5, None), "int": (1.0, None)}
+    # anything else is a failure of the user's code, counted like a raise, never a reward
+    for key, shown in [("text-number", "returned str '1.0'"), ("text-word", "returned str 'correct'"),
+                       ("none", "returned NoneType None"), ("long", "returned str 'xxxx")]:
+        value, failure = got[key]
+        assert value != value and failure["kind"] == "reward", key  # (nan: no reward)
+        assert failure["error"].startswith(shown) and "a reward must be a finite real number" in failure["error"]
+        assert "could not convert" not in failure["error"] and "ValueError" not in failure["error"]
+    assert len(got["long"][1]["error"]) < 200  # the repr is cut short
+    assert r.stats.failures == 4
+
+
+def test_a_run_whose_verifier_returns_text_stops_saying_what_it_returned(tiny_path, tmp_path, capsys):
+    (tmp_path / "verifier.py").write_text("def score(completion, answer, metadata):\n    return 'correct'\n")
+    assert main(["train", f"model.path={tiny_path}", f"reward.fn={tmp_path / 'verifier.py'}:score",
+                 "rollout.max_new_tokens=4", "rollout.prompts_per_step=2", "rollout.group_size=2",
+                 "data.eval_path=null", "run.steps=1", "run.progress=false", f"run.output_dir={tmp_path}"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("relayrl: user code error: step 1: reward.fn=") and "failed in 4 of 4 episodes: returned " \
+        "str 'correct': a reward must be a finite real number" in err and "raised" not in err
+
+
+def test_reward_fn_help_gives_the_verifier_signature():
+    from relayrl.config import describe
+
+    doc = describe().split("reward.fn ", 1)[1].split("reward.timeout_s", 1)[0]
+    assert "fn(completion: str, answer: str | None, metadata: dict) -> float" in " ".join(doc.split())
+    assert "True/False count as 1.0/0.0" in " ".join(doc.split())

@@ -91,7 +91,11 @@ def stop_message(trajs: list[Trajectory], user: int, where: str, max_frac: float
     by_source = Counter((t.failure["source"], t.failure["kind"]) for t in trajs if t.failure)
     (source, kind), n = by_source.most_common(1)[0]
     example = next(t.failure["error"] for t in trajs if t.failure and t.failure["source"] == source)
-    what = {"reward_timeout": "timed out", "env_timeout": "passed its deadline"}.get(kind, "raised")
+    # a verifier that returned a non-number ("returned str 'correct': ...") did not raise
+    returned = any(t.failure["error"].startswith("returned ") for t in trajs
+                   if t.failure and t.failure["source"] == source)
+    what = {"reward_timeout": "timed out", "env_timeout": "passed its deadline"}.get(
+        kind, "failed" if returned else "raised")
     others = f" ({user - n} more failed elsewhere)" if user > n else ""
     return (f"{where}: {source} {what} in {n} of {len(trajs)} episodes{others}: {example} — more than "
             f"run.max_failure_frac={max_frac:g} of the episodes failed, so the run stops rather than train on what "

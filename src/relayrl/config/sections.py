@@ -230,7 +230,11 @@ class RewardCfg(_Section):
     fn: str = Field(
         "math", description="Verifier: 'math', 'exact', 'reasoning_gym' (reasoning-gym's own scorer, for "
         "data.path=reasoning_gym:...), a user function 'module:function' (importable from the current directory) or "
-        "'path/to/file.py:function'.")
+        "'path/to/file.py:function', called as fn(completion: str, answer: str | None, metadata: dict) -> float "
+        "(answer: the row's data.answer_field, metadata: its data.metadata_fields) in a worker process. It returns "
+        "the reward, a finite real number (int or float; True/False count as 1.0/0.0). Anything else (a string, "
+        "even '1.0'; None), a raise or a timeout fails the episode: left out of training, never scored 0 "
+        "(run.max_failure_frac).")
     timeout_s: float = Field(
         5.0, gt=0, description="Per-call time limit; a call past it (or one that raises) fails its episode, which is "
         "left out of training (run.max_failure_frac).")

@@ -1,11 +1,14 @@
 """Verifiable rewards: a registry of verifiers, run isolated in a worker pool.
 
 A reward function has the signature ``fn(completion: str, answer: str | None, metadata: dict)
--> float``. Built-ins: ``math`` and ``exact``; a user's ``module:function`` (importable from
-the current directory) or ``path/to/file.py:function`` works too. Verifiers run in
+-> float``: a real number (int, float, numpy's; True and False count as 1.0 and 0.0, since
+``return pred == answer`` is how many verifiers are written). Built-ins: ``math`` and ``exact``;
+a user's ``module:function`` (importable from the current directory) or
+``path/to/file.py:function`` works too. Verifiers run in
 ``relayrl.workers.WorkerPool`` processes: ``workers`` calls at once, each with its own time
 limit, memory limit and process group, optionally under bubblewrap. A call that raises,
-returns a non-number or a non-finite number, exceeds its time limit or runs out of memory is a
+returns anything else (a string such as "1.0" too: a verifier that returns text has a bug that
+a conversion would hide) or a non-finite number, exceeds its time limit or runs out of memory is a
 *failure*, never a reward of 0: its episode is left out of training and counted, and too many
 stop the run (``relayrl.failures``).
 """
@@ -13,7 +16,9 @@ stop the run (``relayrl.failures``).
 from __future__ import annotations
 
 import math
+import numbers
 import re
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -83,9 +88,31 @@ def _score_one(spec: str, completion: str, answer: str | None, metadata: dict) -
     run calls in their main thread, which math-verify needs: it times itself out with
     signal.alarm (the worker cancels any alarm left pending after each call)."""
     fn = REWARDS[spec] if spec in REWARDS else load(spec)
-    value = float(fn(completion, answer, metadata))
+    return as_reward(fn(completion, answer, metadata))
+
+
+class NotAReward(ValueError):
+    """A verifier returned something other than a finite real number: a failure of its code, like a raise."""
+
+
+EXPECTED = "a reward must be a finite real number (int or float; True/False count as 1.0/0.0)"
+
+
+def as_reward(value) -> float:
+    """The verifier's return value as a float, or ``NotAReward`` saying what it returned."""
+    np = sys.modules.get("numpy")  # (np.isclose(...) returns numpy's bool; a verifier using it imported numpy)
+    if isinstance(value, bool) or (np is not None and isinstance(value, np.bool_)):
+        return float(value)
+    if not isinstance(value, numbers.Real):  # (numpy's numbers are registered as Real; str, None, tensors are not)
+        try:
+            shown = repr(value)
+        except Exception:  # noqa: BLE001 - a repr that raises must not hide what was returned
+            shown = "<unprintable>"
+        shown = shown if len(shown) <= 80 else shown[:80] + "…"
+        raise NotAReward(f"returned {type(value).__name__} {shown}: {EXPECTED}")
+    value = float(value)
     if not math.isfinite(value):
-        raise ValueError(f"non-finite reward {value}")
+        raise NotAReward(f"returned a non-finite reward {value}: {EXPECTED}")
     return value
 
 
@@ -151,6 +178,7 @@ class RewardRunner:
         timeout = isinstance(err, CallFailed) and err.kind == "timeout"
         oom = isinstance(err, CallFailed) and err.kind == "oom"
         text = f"killed: out of memory (reward.memory_mb={self.memory_mb})" if oom else str(err)
+        text = text.removeprefix(f"{NotAReward.__name__}: ")  # ("returned str 'x': ..." says it: not a raise)
         if timeout:
             text = f"{text} (reward.timeout_s={self.timeout_s:g})"
         with self._stats_lock:
