@@ -77,3 +77,30 @@ def test_reward_fn_help_gives_the_verifier_signature():
     doc = describe().split("reward.fn ", 1)[1].split("reward.timeout_s", 1)[0]
     assert "fn(completion: str, answer: str | None, metadata: dict) -> float" in " ".join(doc.split())
     assert "True/False count as 1.0/0.0" in " ".join(doc.split())
+
+
+# ---------------------------------------------------------------- a prompt with no room in the context
+
+
+@pytest.mark.parametrize("overrides, field", [(["rollout.max_new_tokens=600"], "rollout.max_new_tokens=600"),
+                                              (["env.name=calculator", "env.max_tokens=512"], "env.max_tokens=512")])
+def test_no_room_for_a_prompt_gives_the_context_length_and_where_it_was_read(tiny_path, tmp_path, capsys, overrides,
+                                                                             field):
+    assert main(["train", f"model.path={tiny_path}", "data.eval_path=null", f"run.output_dir={tmp_path}",
+                 "reward.fn=exact", *overrides]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"relayrl: input error: {field} leaves no room for a prompt: the model's context is 512 "
+                          f"tokens (max_position_embeddings in the config.json of {tiny_path})")
+    assert not (tmp_path / "demo").exists()
+
+
+def test_a_prompt_too_long_says_how_the_room_was_counted(tiny_path):
+    from relayrl.models import load_tokenizer
+    from relayrl.pipeline import check_prompts_fit
+    from relayrl.records import Prompt
+
+    cfg = load_config(None, ["rollout.max_new_tokens=500"])
+    long = Prompt(id="p0", messages=[{"role": "user", "content": "a=3 b=4 " * 40}])
+    with pytest.raises(ValueError, match=r"more than the 12 the model's context of 512 tokens \(max_position_embeddings "
+                                         r"in the config.json of .*\) leaves after rollout.max_new_tokens=500"):
+        check_prompts_fit(cfg, tiny_path, load_tokenizer(tiny_path), [long], None)

@@ -106,12 +106,18 @@ def cache_kwarg(model) -> str:
 
 def model_context(path: str, field: str = "model.path") -> int | None:
     """The model's context length in tokens, from its config (None if the config does not say)."""
+    found = model_context_source(path, field)
+    return found[0] if found else None
+
+
+def model_context_source(path: str, field: str = "model.path") -> tuple[int, str] | None:
+    """(the model's context length, where it was read: the key and the model), for messages about it."""
     from transformers import AutoConfig
 
     cfg = _load(AutoConfig.from_pretrained, path, field, "model config")
     for key in _CONTEXT_KEYS:
         if isinstance(getattr(cfg, key, None), int):
-            return getattr(cfg, key)
+            return getattr(cfg, key), f"{key} in the config.json of {path}"
     return None
 
 
@@ -153,10 +159,11 @@ def _token_count(tokenizer, messages: list[dict[str, str]], prompt_format: str, 
 
 
 def check_prompt_lengths(prompts, tokenizer, limit: int, prompt_format: str = "chat", source: str = "data.path",
-                         field: str = "prompt") -> None:
+                         field: str = "prompt", room: str = "the model's context leaves after rollout.max_new_tokens"
+                         ) -> None:
     """Raise ``DataError`` naming ``source``, the prompt and the field if a prompt encodes to more
-    than ``limit`` tokens (the model's context minus rollout.max_new_tokens): it would only fail
-    when it is generated for, mid-run.
+    than ``limit`` tokens (the model's context minus rollout.max_new_tokens; ``room`` says so in the
+    message): it would only fail when it is generated for, mid-run.
 
     Exact and cheap: a token covers at least one byte of the text (byte-level BPE; SentencePiece
     with byte fallback), so a prompt whose content bytes plus the template's own tokens (the same
@@ -177,7 +184,7 @@ def check_prompt_lengths(prompts, tokenizer, limit: int, prompt_format: str = "c
         n, exact = _token_count(tokenizer, p.messages, prompt_format, limit)
         if n > limit:
             raise DataError(f"{source}: prompt id {p.id!r:.80}: field '{field}' is {'' if exact else 'at least '}{n} "
-                            f"tokens, more than the {limit} the model's context leaves after rollout.max_new_tokens")
+                            f"tokens, more than the {limit} {room}")
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

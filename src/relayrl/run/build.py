@@ -20,7 +20,8 @@ from relayrl.engine.placement import cores, open_engine, start_ray, threads
 from relayrl.engine.spec import engine_spec, eos_token_ids
 from relayrl.envs import python_tool
 from relayrl.envs.base import make_env_factory
-from relayrl.models import check_prompt_lengths, load_policy, load_tokenizer, model_context, resolve_model_path
+from relayrl.models import (check_prompt_lengths, load_policy, load_tokenizer, model_context, model_context_source,
+                            resolve_model_path)
 from relayrl.failures import failed
 from relayrl.records import SamplingParams, group_from_dict
 from relayrl.rewards import RewardRunner
@@ -125,17 +126,22 @@ def load_tokenizer_for(cfg: Config, base: str, log) -> tuple[object, str]:
 
 def check_prompts_fit(cfg: Config, weights: str, tokenizer, prompts: list, eval_prompts: list | None) -> None:
     """A prompt longer than the model's context leaves after rollout.max_new_tokens is an input
-    error now, naming the row, not a generation failure mid-run."""
-    context = model_context(weights)
-    if context is None:
+    error now, naming the row, not a generation failure mid-run. The messages give the context
+    length and where it was read (a model's config can say less than the user assumes)."""
+    found = model_context_source(weights)
+    if found is None:
         return
-    limit, fmt = context - (cfg.env.max_tokens if cfg.env.name else cfg.rollout.max_new_tokens), cfg.data.prompt_format
-    if cfg.env.name and limit < 1:
-        raise ValueError(f"env.max_tokens={cfg.env.max_tokens} leaves no room for a prompt in the model's "
-                         f"context of {context} tokens: lower it")
-    check_prompt_lengths(prompts or [], tokenizer, limit, fmt, source=cfg.data.path)
+    context, origin = found
+    field, reserved = ("env.max_tokens", cfg.env.max_tokens) if cfg.env.name else \
+        ("rollout.max_new_tokens", cfg.rollout.max_new_tokens)
+    limit, fmt = context - reserved, cfg.data.prompt_format
+    if limit < 1:
+        raise ValueError(f"{field}={reserved} leaves no room for a prompt: the model's context is {context} tokens "
+                         f"({origin}); set {field} below {context}")
+    room = f"the model's context of {context} tokens ({origin}) leaves after {field}={reserved}"
+    check_prompt_lengths(prompts or [], tokenizer, limit, fmt, source=cfg.data.path, room=room)
     if eval_prompts:
-        check_prompt_lengths(eval_prompts, tokenizer, limit, fmt, source=cfg.data.eval_path)
+        check_prompt_lengths(eval_prompts, tokenizer, limit, fmt, source=cfg.data.eval_path, room=room)
 
 
 def load_data(cfg: Config) -> tuple[list, list | None]:
