@@ -104,3 +104,50 @@ def test_a_prompt_too_long_says_how_the_room_was_counted(tiny_path):
     with pytest.raises(ValueError, match=r"more than the 12 the model's context of 512 tokens \(max_position_embeddings "
                                          r"in the config.json of .*\) leaves after rollout.max_new_tokens=500"):
         check_prompts_fit(cfg, tiny_path, load_tokenizer(tiny_path), [long], None)
+
+
+# ---------------------------------------------------------------- relayrl eval --checkpoint DIR
+
+
+@pytest.fixture(scope="module")
+def trained_run(tiny_path, tmp_path_factory):
+    """A one-step run whose data, generation length and verifier are all not the defaults."""
+    import shutil
+    from pathlib import Path
+
+    tmp = tmp_path_factory.mktemp("run")
+    held_out = tmp / "held_out.jsonl"
+    held_out.write_text("".join((Path(__file__).parent / "data_small.jsonl").read_text().splitlines(True)[:5]))
+    assert main(["train", f"model.path={tiny_path}", "data.path=tests/data_small.jsonl", f"data.eval_path={held_out}",
+                 "eval.size=5", "rollout.max_new_tokens=8", "reward.fn=tests.rewards_for_tests:digit_fraction",
+                 "rollout.prompts_per_step=2", "rollout.group_size=2", "run.steps=1", "run.progress=false",
+                 f"run.output_dir={tmp}", "run.name=r"]) == 0
+    ckpt = tmp / "r" / "checkpoints" / "step_000001"
+    shutil.rmtree(tmp / "r" / "eval", ignore_errors=True)
+    return ckpt, held_out
+
+
+def test_eval_of_a_checkpoint_uses_the_runs_recorded_config_and_says_what_it_evaluates(trained_run, capsys):
+    import json
+
+    ckpt, held_out = trained_run
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(ckpt)]) == 0
+    about = json.loads((ckpt / "eval.json").read_text())
+    assert (about["data"], about["prompts"], about["max_new_tokens"], about["reward"]) == (
+        str(held_out), 5, 8, "tests.rewards_for_tests:digit_fraction")
+    err = capsys.readouterr().err
+    said = next(line for line in err.splitlines() if line.startswith("evaluating "))
+    assert said.startswith(f"evaluating {ckpt} on {held_out}: 5 prompts (eval.size=5), 1 sampled response")
+    assert "rollout.max_new_tokens=8" in said and "reward.fn=tests.rewards_for_tests:digit_fraction" in said
+    assert said.endswith(f"settings: the checkpoint's recorded config ({ckpt / 'state.json'})")
+
+
+def test_eval_of_a_checkpoint_lets_the_command_line_override_the_recorded_config(trained_run, tmp_path, capsys):
+    import json
+
+    ckpt, held_out = trained_run
+    assert main(["eval", "--checkpoint", str(ckpt), "rollout.max_new_tokens=4", "-o", str(tmp_path)]) == 0
+    about = json.loads((tmp_path / "eval.json").read_text())
+    assert (about["data"], about["max_new_tokens"]) == (str(held_out), 4)
+    assert "settings: the checkpoint's recorded config" in capsys.readouterr().err

@@ -94,7 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="evaluate a policy on the held-out set", formatter_class=fmt,
                        epilog=USAGE_NOTE + describe())
     e.add_argument("args", nargs="*", metavar="CONFIG.yaml | section.key=value")
-    e.add_argument("--checkpoint", help="a checkpoint folder (default: model.path)")
+    e.add_argument("--checkpoint", help="a checkpoint folder (default: model.path); its run's recorded config "
+                   "(state.json) then replaces the defaults: CONFIG.yaml and section.key=value still override it")
     e.add_argument("--samples", type=int, metavar="K", help="sampled responses per prompt (sets eval.samples=K); "
                    "with K > 1 the report has pass@k (pass_at_1, pass_at_2, ..., pass_at_K)")
     e.add_argument("-o", "--output", metavar="DIR", help="where eval.json and eval_samples.jsonl go (default: the "
@@ -144,19 +145,48 @@ def _run(argv: list[str] | None) -> int:
         print(compare(ns.runs, ns.output, ns.x))
         return 0
     config, overrides = _split(ns.args)
-    if ns.cmd == "eval":
-        overrides += [f"model.path={ns.checkpoint}"] if ns.checkpoint else []
-        overrides += [f"eval.samples={ns.samples}"] if ns.samples is not None else []
-    cfg = load_config(config, overrides)
-    from relayrl.run.build import evaluate_only
-    from relayrl.run.loop import train
-
     if ns.cmd == "train":
+        cfg = load_config(config, overrides)
+        from relayrl.run.loop import train
+
         train(cfg, resume=ns.resume)
-    else:
-        out = ns.output or ns.checkpoint or cfg.run_dir / "eval"
-        print(json.dumps(evaluate_only(cfg, out), indent=1))
+        return 0
+    cfg, settings = _eval_config(ns, config, overrides)
+    from relayrl.run.build import evaluate_only
+
+    out = ns.output or ns.checkpoint or cfg.run_dir / "eval"
+    print(json.dumps(evaluate_only(cfg, out, settings), indent=1))
     return 0
+
+
+def _eval_config(ns, config: str | None, overrides: list[str]):
+    """``relayrl eval``'s config, and where its settings came from (said before the numbers). With
+    --checkpoint, the run's own recorded config replaces the defaults (its data, prompt format,
+    verifier, generation settings: the run is evaluated as it was trained and evaluated), then
+    CONFIG.yaml and the command line, as for train."""
+    from relayrl.config import ConfigError, recorded_tree
+
+    base, source = None, ""
+    if ns.checkpoint:
+        from relayrl.run.checkpoint import recorded_config
+
+        base, source = recorded_config(ns.checkpoint)
+    layers = ([f"the checkpoint's recorded config ({source})"] if base else
+              [f"the defaults ({ns.checkpoint} has no state.json recording its run's config)"] if ns.checkpoint else
+              ["the defaults"]) + ([config] if config else []) + (["the command line"] if overrides else [])
+    overrides = overrides + ([f"model.path={ns.checkpoint}"] if ns.checkpoint else []) + \
+        ([f"eval.samples={ns.samples}"] if ns.samples is not None else [])
+    tree = recorded_tree(base) if base else None
+    if tree:
+        tree.get("model", {}).pop("tokenizer", None)  # (the checkpoint holds the run's tokenizer)
+    try:
+        cfg = load_config(config, overrides, base=tree, base_source=source)
+    except ConfigError as e:
+        if not base:
+            raise
+        raise ConfigError(f"{e} (settings: {' < '.join(layers)}; a section.key=value on the command line "
+                          "overrides the recorded one)") from None
+    return cfg, " < ".join(layers)
 
 
 if __name__ == "__main__":

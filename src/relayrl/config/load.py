@@ -122,12 +122,18 @@ def _describe(err: dict, origin: dict[tuple[str, str], str]) -> str:
     return f"{'.'.join(loc)}: {msg} (got {err.get('input')!r:.80}{', from ' + where if where else ''})"
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    tree: dict = {}
+def load_config(path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None,
+                base_source: str = "") -> Config:
+    """defaults < ``base`` (a recorded config: ``recorded_tree``, from ``base_source``) < the YAML file at
+    ``path`` < ``overrides``."""
+    tree: dict = {sec: dict(body) for sec, body in (base or {}).items()}
     texts: dict[tuple[str, str], str] = {}
+    origin = {(sec, key): base_source for sec, body in tree.items() for key in body}
     if path is not None:
-        tree, texts = _read_yaml(Path(path))
-    origin = {(sec, key): str(path) for sec, body in tree.items() for key in body}
+        file_tree, texts = _read_yaml(Path(path))
+        for sec, body in file_tree.items():
+            tree.setdefault(sec, {}).update(body)
+            origin.update({(sec, key): str(path) for key in body})
     for item in overrides:
         (sec, key), value = parse_override(item)
         _check_keys({sec: {key: value}}, "command line")
@@ -138,6 +144,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         return Config.model_validate(tree)
     except ValidationError as e:
         raise ConfigError("invalid configuration: " + "; ".join(_describe(x, origin) for x in e.errors())) from None
+
+
+def recorded_tree(dump: dict) -> dict:
+    """A recorded config (``Config.model_dump``, what a checkpoint's state.json holds) as a tree for
+    ``load_config(base=...)``: the values that differ from the defaults. A field the recorded
+    configuration ignores held its default (``load_config`` refuses one set), so what is left loads
+    back without tripping that check; a section or field this version does not have is left out."""
+    defaults = Config().model_dump(mode="json")
+    tree: dict = {}
+    for sec, body in dump.items():
+        if sec in defaults and isinstance(body, dict):
+            for key, value in body.items():
+                if key in defaults[sec] and value != defaults[sec][key]:
+                    tree.setdefault(sec, {})[key] = value
+    return tree
 
 
 def resolved_tree(cfg: Config) -> dict:

@@ -248,14 +248,27 @@ def make_runner(cfg: Config, engine, tokenizer, reward: RewardRunner, make_env=N
                          eos_ids=eos_ids, agent=agent)
 
 
-def evaluate_only(cfg: Config, out_dir: str | Path | None = None) -> dict:
-    """Evaluate model.path on data.eval_path; with ``out_dir``, write eval.json and eval_samples.jsonl there."""
+def describe_eval(cfg: Config, n: int, settings: str | None) -> str:
+    """One line: the checkpoint, the data, how many prompts, the generation settings, the verifier."""
+    r, e = cfg.rollout, cfg.eval
+    env = f", env.name={cfg.env.name} (env.max_tokens={cfg.env.max_tokens})" if cfg.env.name else ""
+    return (f"evaluating {cfg.model.path} on {cfg.data.eval_path}: {n} prompts (eval.size={e.size}), "
+            f"{e.samples} sampled response{'s' if e.samples > 1 else ''} (temperature {r.temperature}) and one greedy "
+            f"each, rollout.max_new_tokens={r.max_new_tokens}, reward.fn={cfg.reward.fn}, "
+            f"data.prompt_format={cfg.data.prompt_format}{env}" + (f"; settings: {settings}" if settings else ""))
+
+
+def evaluate_only(cfg: Config, out_dir: str | Path | None = None, settings: str | None = None) -> dict:
+    """Evaluate model.path on data.eval_path; with ``out_dir``, write eval.json and eval_samples.jsonl there.
+    What is evaluated, and how, is said first (``settings``: where the config came from)."""
     log = Console(stderr=True).print
     d = cfg.data
     if not d.eval_path:
-        raise ValueError("data.eval_path is not set: nothing to evaluate")
+        raise ValueError("data.eval_path is not set" + (f" (settings: {settings})" if settings else "")
+                         + ": nothing to evaluate; give one, data.eval_path=FILE")
     prompts = load_prompts(d.eval_path, d.prompt_field, d.answer_field, d.id_field, d.metadata_fields,
                            cfg.model.system_prompt, limit=cfg.eval.size, prompt_format=d.prompt_format)
+    log(describe_eval(cfg, len(prompts), settings), markup=False, highlight=False, soft_wrap=True)
     reward = make_reward_runner(cfg)
     try:
         path = resolve_model_path(cfg.model.path, log=log)

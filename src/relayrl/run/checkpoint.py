@@ -239,6 +239,19 @@ def remove_incomplete(run_dir: Path) -> list[Path]:
     return removed
 
 
+def recorded_config(ckpt: str | Path) -> tuple[dict | None, str]:
+    """The resolved config a checkpoint's run was started with (``RunState.config``, in its
+    state.json) and that file; (None, "") for a folder without one (a plain from_pretrained model)."""
+    path = Path(ckpt) / "state.json"
+    if not path.is_file():
+        return None, ""
+    try:
+        config = json.loads(path.read_text()).get("config")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path}: cannot read the checkpoint's recorded config: {e}") from None
+    return (config, str(path)) if config else (None, "")
+
+
 def load_run_state(ckpt: Path) -> tuple[RunState, dict]:
     state = RunState.from_json(json.loads((ckpt / "state.json").read_text()))
     trainer_state = torch.load(ckpt / "trainer.pt", weights_only=False)
