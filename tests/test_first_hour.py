@@ -151,3 +151,11 @@ def test_eval_of_a_checkpoint_lets_the_command_line_override_the_recorded_config
     about = json.loads((tmp_path / "eval.json").read_text())
     assert (about["data"], about["max_new_tokens"]) == (str(held_out), 4)
     assert "settings: the checkpoint's recorded config" in capsys.readouterr().err
+
+
+def test_eval_lines_are_not_broken_mid_sentence(trained_run, tmp_path, capsys):
+    ckpt, _ = trained_run
+    out = tmp_path / ("a-folder-with-a-long-name-" * 3) / "eval"
+    assert main(["eval", "--checkpoint", str(ckpt), "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"eval report: {out / 'eval.json'}; every response: {out / 'eval_samples.jsonl'}\n" in err

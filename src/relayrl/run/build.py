@@ -261,14 +261,16 @@ def describe_eval(cfg: Config, n: int, settings: str | None) -> str:
 def evaluate_only(cfg: Config, out_dir: str | Path | None = None, settings: str | None = None) -> dict:
     """Evaluate model.path on data.eval_path; with ``out_dir``, write eval.json and eval_samples.jsonl there.
     What is evaluated, and how, is said first (``settings``: where the config came from)."""
-    log = Console(stderr=True).print
+    # soft_wrap: a line longer than the terminal (paths) is left to the terminal to fold, not broken
+    # with newlines mid-sentence (rich folds at 80 columns when stderr is a pipe or a file)
+    log = Console(stderr=True, soft_wrap=True).print
     d = cfg.data
     if not d.eval_path:
         raise ValueError("data.eval_path is not set" + (f" (settings: {settings})" if settings else "")
                          + ": nothing to evaluate; give one, data.eval_path=FILE")
     prompts = load_prompts(d.eval_path, d.prompt_field, d.answer_field, d.id_field, d.metadata_fields,
                            cfg.model.system_prompt, limit=cfg.eval.size, prompt_format=d.prompt_format)
-    log(describe_eval(cfg, len(prompts), settings), markup=False, highlight=False, soft_wrap=True)
+    log(describe_eval(cfg, len(prompts), settings), markup=False, highlight=False)
     reward = make_reward_runner(cfg)
     try:
         path = resolve_model_path(cfg.model.path, log=log)
