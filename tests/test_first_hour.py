@@ -37,7 +37,7 @@ def score(completion, answer, metadata):
 
 
 def test_a_verifier_that_returns_a_non_number_fails_naming_what_it_returned(tmp_path):
-    from relayrl.rewards import RewardRunner
+    from relayrl.rewards.verifiers import RewardRunner
 
     (tmp_path / "verifier.py").write_text(VERIFIER)
     r = RewardRunner(f"{tmp_path / 'verifier.py'}:score", timeout_s=10, workers=1)
@@ -96,7 +96,7 @@ def test_no_room_for_a_prompt_gives_the_context_length_and_where_it_was_read(tin
 
 def test_a_prompt_too_long_says_how_the_room_was_counted(tiny_path):
     from relayrl.models import load_tokenizer
-    from relayrl.pipeline import check_prompts_fit
+    from relayrl.run.loop import check_prompts_fit
     from relayrl.records import Prompt
 
     cfg = load_config(None, ["rollout.max_new_tokens=500"])
@@ -159,3 +159,31 @@ def test_eval_lines_are_not_broken_mid_sentence(trained_run, tmp_path, capsys):
     assert main(["eval", "--checkpoint", str(ckpt), "-o", str(out)]) == 0
     err = capsys.readouterr().err
     assert f"eval report: {out / 'eval.json'}; every response: {out / 'eval_samples.jsonl'}\n" in err
+
+
+# ---------------------------------------------------------------- dynamic sampling multiplying generation
+
+
+def test_filter_watch_speaks_once_after_three_costly_steps_in_a_row():
+    from relayrl.rollout.driver import FilterWatch
+
+    w = FilterWatch(batch=16, cap_factor=4)
+    # the cap (64), or more filtered than trained (> 16); a cheap step in between starts the count again
+    notes = [w.update(n) for n in [64, 64, 3, 64, 17, 64, 64, 64]]
+    assert notes[:5] == [None] * 5 and notes[6:] == [None, None]
+    assert notes[5].startswith("dynamic sampling filtered 64, 17, 64 groups in the last 3 steps (the cap is "
+                               "rollout.dynamic_sampling_max=4 × rollout.prompts_per_step=16 = 64 a step)")
+    assert "generation made 4.0× the groups trained" in notes[5] and "rollout.dynamic_sampling=false" in notes[5]
+    w = FilterWatch(batch=16, cap_factor=4)
+    assert [w.update(n) for n in [16, 10, 16, 2, 16]] == [None] * 5  # at most half the groups filtered: quiet
+
+
+def test_a_run_whose_groups_all_have_no_variance_says_so_once(tiny_path, tmp_path, capsys):
+    assert main(["train", f"model.path={tiny_path}", "reward.fn=tests.rewards_for_tests:half",
+                 "rollout.max_new_tokens=4", "rollout.prompts_per_step=2", "rollout.group_size=2",
+                 "rollout.dynamic_sampling_max=1", "data.eval_path=null", "run.steps=5", "run.progress=false",
+                 f"run.output_dir={tmp_path}"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # (the console folds long lines)
+    assert out.count("dynamic sampling filtered") == 1
+    assert "dynamic sampling filtered 2, 2, 2 groups in the last 3 steps (the cap is rollout.dynamic_sampling_max=1 " \
+           "× rollout.prompts_per_step=2 = 2 a step)" in out and "rollout.dynamic_sampling=false" in out

@@ -16,7 +16,7 @@ from relayrl.config import Config, dump_config, resolved_tree
 from relayrl.engine import EngineError
 from relayrl.engine.placement import engine_counters
 from relayrl.records import Group, group_to_dict
-from relayrl.rollout.driver import flatten, versions_behind
+from relayrl.rollout.driver import FilterWatch, flatten, versions_behind
 from relayrl.rollout.groups import drop_failed, training_batch
 from relayrl.run import model_card
 from relayrl.run.build import Components, build, follower_trainer, load_data, make_rollout, response_budget
@@ -85,6 +85,8 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
 def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log, console, entered: float) -> dict:
     run_dir = cfg.run_dir
     prepare_run_dir(run_dir, fresh=ckpt is None)
+    r = cfg.rollout
+    watch = FilterWatch(r.prompts_per_step, r.dynamic_sampling_max) if r.dynamic_sampling else None
     dump_config(cfg, run_dir / "config.yaml")
     if ckpt:
         c.trainer.load_state_dict(trainer_state)
@@ -123,6 +125,8 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                 idle = {f"{ln}_idle_frac": 1 - tl.busy_between(ln, step_start, step_start + span) / span
                         for ln in ("engine", "trainer")}
                 filtered, dynamic = source.take_filtered()
+                if watch and (note := watch.update(len(filtered))):
+                    log(f"[yellow]{note}", highlight=False)
                 m = record_step(cfg, c, state, groups, generated, {**train_metrics, **idle, **source.metrics(), **dynamic,
                                 **c.sampler.metrics(),
                                 **engine_counters(c.engine), **failures.metrics(failed, state.failures)},
@@ -236,5 +240,4 @@ def finish(cfg: Config, c: Components, state: RunState, log, startup: float | No
             f"first: {c.runner.errors[0] if c.runner.errors else c.reward.stats.last_error}")
     log(f"run directory: {cfg.run_dir}")
     return summary
-
 
