@@ -187,3 +187,53 @@ def test_a_run_whose_groups_all_have_no_variance_says_so_once(tiny_path, tmp_pat
     assert out.count("dynamic sampling filtered") == 1
     assert "dynamic sampling filtered 2, 2, 2 groups in the last 3 steps (the cap is rollout.dynamic_sampling_max=1 " \
            "× rollout.prompts_per_step=2 = 2 a step)" in out and "rollout.dynamic_sampling=false" in out
+
+
+# ---------------------------------------------------------------- Ctrl-C
+
+# The run as `relayrl train` runs it. Python leaves SIGINT ignored in a child whose parent ignored it
+# (a test runner started in the background): the CLI at a terminal has the default handler, so restore it.
+CLI = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+       "from relayrl.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, save_every", [("sync", 2), ("periodic", 0)])
+def test_ctrl_c_says_where_the_last_checkpoint_is_and_how_to_resume(tiny_path, tmp_path, mode, save_every):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    args = [f"model.path={tiny_path}", "rollout.max_new_tokens=8", "rollout.prompts_per_step=2",
+            "rollout.group_size=2", "data.eval_path=null", "run.steps=100000", f"run.save_every={save_every}",
+            "run.progress=false", f"run.output_dir={tmp_path}", f"run.mode={mode}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent / "src"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    # its own process group, signalled whole: Ctrl-C at a terminal reaches every process of the run
+    p = subprocess.Popen([sys.executable, "-c", CLI, "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env, start_new_session=True)
+    try:
+        metrics, deadline = tmp_path / "demo" / "metrics.jsonl", time.monotonic() + 240
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):  # past a checkpoint, mid-run
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.05)
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    command = "relayrl train " + " ".join(args) + " --resume"
+    assert p.returncode == 130, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err  # one line: no traceback, no "engine error"
+    if save_every:
+        ckpt = Path(lines[0].split("the last complete checkpoint is ", 1)[1].split(" (step ", 1)[0])
+        assert lines[0].startswith(f"relayrl: interrupted; the last complete checkpoint is {tmp_path / 'demo'}")
+        assert (ckpt / "state.json").is_file() and lines[0].endswith(f"; resume with: {command}")
+    else:
+        assert lines[0] == (f"relayrl: interrupted before the run's first checkpoint (run.save_every=0: only at the "
+                            f"end, under {tmp_path / 'demo' / 'checkpoints'}): nothing to resume from; {command} "
+                            "starts it over")

@@ -3,6 +3,8 @@
 Every error in the input reaches the user as one line on stderr, ``relayrl: <kind> error:
 <message>``, exit status 2; an engine failure, or user code that fails too often at run time
 (``relayrl.failures``), is one line with exit status 1.
+Ctrl-C (SIGINT) is one line saying the run was interrupted, where its last complete checkpoint is
+and the command that resumes it, exit status 130 (128 + SIGINT, the shell's convention).
 Anything else is a bug in relayrl and keeps its traceback.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from relayrl.config import describe, load_config, one_line
@@ -42,6 +45,7 @@ ERRORS = [
     ("builtins", "ValueError", "input", 2),
 ]
 MAX_MESSAGE = 2000  # characters: a message quoting a huge value must not flood the terminal
+INTERRUPTED = 130  # exit status after Ctrl-C: 128 + SIGINT
 
 
 def classify(e: BaseException) -> tuple[str, int] | None:
@@ -120,11 +124,41 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
+def interrupted(e: BaseException) -> bool:
+    """Ctrl-C, possibly as the cause of another error (the engine's decoding loop runs on the main
+    thread in sync mode and reports what stopped it as an engine failure)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def interrupted_line(cfg, args: list[str]) -> str:
+    """Where the interrupted run can be taken up: its last complete checkpoint and the command."""
+    from relayrl.run.checkpoint import latest_checkpoint
+
+    command = shlex.join(["relayrl", "train", *args, "--resume"])
+    ckpt = latest_checkpoint(cfg.run_dir)
+    if ckpt is None:
+        every = cfg.run.save_every
+        when = f"every run.save_every={every} steps" if every else "run.save_every=0: only at the end"
+        return (f"relayrl: interrupted before the run's first checkpoint ({when}, under "
+                f"{cfg.run_dir / 'checkpoints'}): nothing to resume from; {command} starts it over")
+    step = json.loads((ckpt / "state.json").read_text()).get("step")
+    return f"relayrl: interrupted; the last complete checkpoint is {ckpt} (step {step}); resume with: {command}"
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _run(argv)
-    except Exception as e:
-        kind = classify(e)
+    except BaseException as e:
+        if interrupted(e):
+            print("relayrl: interrupted", file=sys.stderr)
+            return INTERRUPTED
+        kind = classify(e) if isinstance(e, Exception) else None
         if kind is None:
             raise
         print(error_line(kind[0], e), file=sys.stderr)
@@ -149,7 +183,13 @@ def _run(argv: list[str] | None) -> int:
         cfg = load_config(config, overrides)
         from relayrl.run.loop import train
 
-        train(cfg, resume=ns.resume)
+        try:
+            train(cfg, resume=ns.resume)
+        except BaseException as e:
+            if not interrupted(e):
+                raise
+            print(interrupted_line(cfg, ns.args), file=sys.stderr)
+            return INTERRUPTED
         return 0
     cfg, settings = _eval_config(ns, config, overrides)
     from relayrl.run.build import evaluate_only

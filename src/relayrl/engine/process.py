@@ -35,6 +35,9 @@ def _serve(spec: EngineSpec, parent: int, shared: dict, cmd, out, ack) -> None:
     """The child: build the engine, forward completions, apply commands in order."""
     from relayrl.workers import die_with_parent
 
+    # Ctrl-C reaches the terminal's whole process group: it is the trainer's to handle (it closes us);
+    # dying of it here would turn an interrupted run into an engine failure
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent)  # a parent killed while this child loads the model takes it along
     try:
         if spec.threads:
