@@ -8,6 +8,7 @@ import pytest
 
 from relayrl.cli import main
 from relayrl.config import ConfigError, load_config
+from tests.test_chat_template import chatml_tokenizer  # noqa: F401 - a fixture
 
 
 # ---------------------------------------------------------------- group_size=1 with a group baseline
@@ -237,3 +238,47 @@ def test_ctrl_c_says_where_the_last_checkpoint_is_and_how_to_resume(tiny_path, t
         assert lines[0] == (f"relayrl: interrupted before the run's first checkpoint (run.save_every=0: only at the "
                             f"end, under {tmp_path / 'demo' / 'checkpoints'}): nothing to resume from; {command} "
                             "starts it over")
+
+
+# ---------------------------------------------------------------- the endpoint: tools that change start a branch
+
+
+def test_a_request_whose_tools_changed_starts_a_new_branch_and_is_counted(chatml_tokenizer):
+    import json
+
+    from relayrl.evaluation import episode_stats
+    from relayrl.records import Trajectory
+    from tests.test_episodes import PROMPT, add, calc_reply
+    from tests.test_serve import TOOLS, run, served
+
+    more = TOOLS + [{"type": "function", "function": {"name": "sub", "description": "Subtract.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
+
+    def program(tools_then):
+        async def go(client, prompt):
+            first = await client.chat.completions.create(model="policy", messages=prompt.messages, tools=TOOLS)
+            message = first.choices[0].message
+            call = message.tool_calls[0]
+            # the conversation extended exactly, message by message; only the tools may differ
+            await client.chat.completions.create(model="policy", tools=tools_then, messages=[
+                *prompt.messages, message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": str(add(**json.loads(call.function.arguments)))}])
+            return 1.0
+        return go
+
+    infos = {}
+    for name, tools in (("same", TOOLS), ("changed", more)):
+        runner = served(chatml_tokenizer, calc_reply, program(tools))
+        try:
+            infos[name] = run(runner, Trajectory(PROMPT, "g", 0, [])).info
+        finally:
+            runner.close()
+    assert (infos["same"]["branches"], infos["same"]["merged_turns"], infos["same"]["new_branch_tools_changed"]) == \
+        (0, 1, 0)
+    assert (infos["changed"]["branches"], infos["changed"]["merged_turns"],
+            infos["changed"]["new_branch_tools_changed"]) == (1, 0, 1)
+
+    class T:
+        def __init__(self, info):
+            self.info = info
+    assert episode_stats([T(infos["changed"]), T(infos["same"])])["serve/new_branch_tools_changed"] == 1

@@ -20,7 +20,7 @@ def episode_stats(trajs: list) -> dict:
     info = [t.info for t in trajs if "branch_of" not in t.info]  # (an agent episode's extra branches)
     n = max(1, len(info))
     served = {f"serve/{k}": sum(i.get(k, 0) for i in info) for k in ("branches", "sampling_overrides",
-                                                                      "merged_turns")} \
+                                                                      "merged_turns", "new_branch_tools_changed")} \
         if any("sampling_overrides" in i for i in info) else {}
     return {**served,
         "tool_call_rate": sum(i.get("tool_calls", 0) > 0 for i in info) / n,  # episodes with at least one call

@@ -163,7 +163,8 @@ class AgentEpisodes:
         c = s.counts
         t.info = {"turns": c["requests"], "tool_calls": c["tool_calls"], "tool_errors": c["tool_errors"],
                   "branches": len(branches) - 1, "sampling_overrides": c["sampling_overrides"],
-                  "merged_turns": c["merged"], **({"turn_limit": 1} if s.limit_hit else {})}
+                  "merged_turns": c["merged"], "new_branch_tools_changed": c["new_branch_tools_changed"],
+                  **({"turn_limit": 1} if s.limit_hit else {})}
         if len(branches) > 1:
             t.info["branch_tokens"] = [{k: getattr(b, k) for k in ("prompt_ids", "response_ids", "behav_logprobs",
                                                                       "versions", "mask", "turns")}

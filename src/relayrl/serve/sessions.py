@@ -17,6 +17,11 @@ A request extends a branch when what it sends starts with everything that branch
               ids after them are the new context (mask 0);
   text        ``/v1/completions``: its prompt starts with the branch's prompt and completions.
 
+and, for chat, with the same ``tools`` as the branch's first request: the template renders the tools
+into the prompt, so a request whose tools differ (one added, removed or described otherwise) is not
+the same tokens, and starts a new branch even when its messages extend the conversation (counted:
+``new_branch_tools_changed``, the ``serve/new_branch_tools_changed`` metric).
+
 Any other request (a history rewritten, summarised, or a second sample of the same turn) starts a
 new branch of the same episode, rendered from scratch; so does one matching only a branch that another
 request holds from its matching to its reply (an agent's n samples of one context, sent at once).
@@ -94,9 +99,13 @@ class Session:
     # -- the three request shapes -----------------------------------------------------------------
     def chat_branch(self, conv: list[dict], tools: list[dict] | None) -> tuple[Branch, Callable[[], None]]:
         """The branch a chat request extends, or a new one; and how to undo that if no reply comes."""
+        tools_changed = False
         for b in reversed(self.branches):
             n = len(b.view)
-            if b.kind == "chat" and not b.busy and b.tools == tools and len(conv) > n and same(conv[:n], b.view):
+            if b.kind == "chat" and not b.busy and len(conv) > n and same(conv[:n], b.view):
+                if b.tools != tools:  # (its prompt's tokens render other tools: it cannot be extended)
+                    tools_changed = True
+                    continue
                 new = [template_message(m) for m in conv[n:]]
                 t = b.traj
                 suffix = next_turn_suffix(self.tok, b.messages, new, tools)  # (TemplateMismatch: fails closed)
@@ -105,6 +114,7 @@ class Session:
                 undo = self._extend(b, suffix)  # the template ends it
                 b.messages, b.view = b.messages + new, list(conv)
                 return b, undo
+        self.counts["new_branch_tools_changed"] += tools_changed  # (said, not silent: a program may not expect it)
         messages = [template_message(m) for m in conv]
         b, undo = self._new(render_ids(self.tok, messages, add_generation_prompt=True, tools=tools), "chat")
         b.messages, b.view, b.tools = messages, list(conv), tools
