@@ -282,3 +282,20 @@ def test_a_request_whose_tools_changed_starts_a_new_branch_and_is_counted(chatml
         def __init__(self, info):
             self.info = info
     assert episode_stats([T(infos["changed"]), T(infos["same"])])["serve/new_branch_tools_changed"] == 1
+
+
+# ---------------------------------------------------------------- relayrl plot RUN RUN: both step-0 markers show
+
+
+def test_compared_runs_with_the_same_accuracy_before_training_both_show_at_step_0(tmp_path):
+    from tests.test_pictures import write_run
+    from relayrl.tracking.pictures import curves_figure, read_run
+
+    runs = [read_run(write_run(tmp_path / name, [0.1, 0.2, 0.3], {2: acc}, before=0.2))
+            for name, acc in (("a", 0.3), ("b", 0.5), ("c", 0.4))]
+    acc = curves_figure(runs).axes[1]
+    at_0 = [(line.get_marker(), line.get_markersize()) for line in acc.get_lines()
+            if len(line.get_xdata()) > 1 and line.get_xdata()[0] == 0 and line.get_linestyle() == "-"]
+    assert len(at_0) == 3 and len({m for m, _ in at_0}) == 3  # a shape of its own each
+    sizes = [s for _, s in at_0]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == 3  # each drawn later is smaller: on top

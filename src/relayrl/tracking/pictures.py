@@ -87,6 +87,16 @@ PANELS = [
 ]
 
 
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "h")
+
+
+def _marker(i: int, n: int) -> tuple[str, float]:
+    """Run ``i`` of ``n``'s accuracy marker and its size. Runs from one base model share their
+    accuracy before training, one point at step 0: each run has its own shape, and each is drawn
+    smaller than the one before (on top of it), so every run's marker shows around the next one."""
+    return ("o", 5.0) if n == 1 else (MARKERS[i % len(MARKERS)], 10.0 - 5.0 * i / (n - 1))
+
+
 def curves_figure(runs: list[RunData], x: str = "step", title: str = ""):
     """The figure (matplotlib's object API: no global state, safe beside a running program)."""
     from matplotlib.figure import Figure
@@ -116,14 +126,16 @@ def curves_figure(runs: list[RunData], x: str = "step", title: str = ""):
     ax = axes[1]
     shown = False
     for i, (run, c) in enumerate(zip(runs, colors)):
+        marker, ms = _marker(i, len(runs))
+        star = 14.0 if one else 1.4 * ms  # (runs ending alike: nested stars, the same way)
         for k, (key, label, ls) in enumerate((("accuracy", "sampled", "-"), ("accuracy_greedy", "greedy", "--"))):
             xs, ys, last = run.accuracy(key, x)
             color = f"C{k}" if one else c
             if xs:
-                ax.plot(xs, ys, color=color, ls=ls, marker="o", ms=5, lw=1.8,
+                ax.plot(xs, ys, color=color, ls=ls, marker=marker, ms=ms, lw=1.8,
                         label=label if one else (run.name if key == "accuracy" else None))
             if last:
-                ax.plot(*last, color=color, marker="*", ms=14, ls="none",
+                ax.plot(*last, color=color, marker="*", ms=star, ls="none",
                         label="after training" if one and k == 0 else None)
             shown = shown or bool(xs or last)
     ax.set(title="Held-out accuracy (0: before training)", ylabel="accuracy (%)")
@@ -131,8 +143,8 @@ def curves_figure(runs: list[RunData], x: str = "step", title: str = ""):
         ax.set_ylim(-2, 102)
         if not one:
             ax.legend(handles=[*ax.get_legend_handles_labels()[0],
-                               Line2D([], [], color="gray", ls="-", marker="o", label="sampled"),
-                               Line2D([], [], color="gray", ls="--", marker="o", label="greedy"),
+                               Line2D([], [], color="gray", ls="-", label="sampled"),  # (the marker is the run's)
+                               Line2D([], [], color="gray", ls="--", label="greedy"),
                                Line2D([], [], color="gray", ls="none", marker="*", ms=12, label="after training")],
                       fontsize=9)
     else:
