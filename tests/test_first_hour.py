@@ -299,3 +299,23 @@ def test_compared_runs_with_the_same_accuracy_before_training_both_show_at_step_
     assert len(at_0) == 3 and len({m for m, _ in at_0}) == 3  # a shape of its own each
     sizes = [s for _, s in at_0]
     assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == 3  # each drawn later is smaller: on top
+
+
+# ---------------------------------------------------------------- TensorBoard: scalars are scalars
+
+
+def test_tensorboard_metrics_read_back_as_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from relayrl.tracking.trackers import TrackerContext, Trackers
+
+    trackers = Trackers.open(["jsonl", "tensorboard"], TrackerContext(tmp_path, "r", "p", {"run": {"steps": 2}}, None),
+                             print)
+    trackers.log({"step": 1, "reward_mean": 0.25, "eval/accuracy": 0.5})
+    trackers.log({"step": 2, "reward_mean": 0.75})
+    trackers.close(ok=True)
+    ea = EventAccumulator(str(tmp_path / "tensorboard"))
+    ea.Reload()
+    assert {"reward_mean", "eval/accuracy"} <= set(ea.Tags()["scalars"])
+    assert [(e.step, e.value) for e in ea.Scalars("reward_mean")] == [(1, 0.25), (2, 0.75)]
+    assert [(e.step, e.value) for e in ea.Scalars("eval/accuracy")] == [(1, 0.5)]

@@ -11,18 +11,13 @@ from pathlib import Path
 
 
 def tensorboard(log_dir: Path) -> tuple[dict, dict]:
-    """({tag: {step: value}}, the EventAccumulator) — the accumulator purges what ``purge_step`` hides."""
+    """({tag: {step: value}}, the EventAccumulator) — the accumulator purges what ``purge_step`` hides.
+    Scalars are TensorBoard's scalar summaries (float32), read as TensorBoard reads them: ``Scalars``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.util import tensor_util
 
-    ea = EventAccumulator(str(log_dir), size_guidance={"tensors": 0, "images": 0})
+    ea = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0, "images": 0})
     ea.Reload()
-    out = {}
-    for tag in ea.Tags()["tensors"]:
-        if tag.startswith("config"):
-            continue
-        out[tag] = {e.step: tensor_util.make_ndarray(e.tensor_proto).item() for e in ea.Tensors(tag)}
-    return out, ea
+    return {tag: {e.step: e.value for e in ea.Scalars(tag)} for tag in ea.Tags()["scalars"]}, ea
 
 
 def tensorboard_hparams(ea) -> dict:

@@ -4,7 +4,8 @@ What each does on ``--resume`` (``metrics.jsonl`` drops the lines a killed attem
 checkpoint; each tracker follows as far as it allows):
 
 - tensorboard: the same folder; TensorBoard's own ``purge_step`` hides the killed attempt's
-  events past the checkpoint, so the read-back equals ``metrics.jsonl``.
+  events past the checkpoint, so the read-back equals ``metrics.jsonl`` (as float32: scalar
+  summaries hold float32).
 - wandb: the same run id, ``resume="allow"`` (offline: a new ``offline-run-*`` folder of the same
   run; ``wandb sync`` them in order). W&B keeps one value per step, the first it was sent. Its
   service writes the file every 0.5 s and holds a step's row until the next step: a killed attempt's
@@ -60,8 +61,11 @@ class TensorBoard(Tracker):
         return {"log_dir": str(self.dir)}
 
     def log(self, scalars: dict[str, float], step: int) -> None:
-        for k, v in scalars.items():  # doubles, so the read-back equals metrics.jsonl exactly
-            self.w.add_scalar(k, v, step, new_style=True, double_precision=True)
+        # the scalar summary (simple_value, float32): what TensorBoard's readers take for a scalar
+        # (EventAccumulator.Scalars); new_style writes tensors, which they list as tensors instead.
+        # metrics.jsonl keeps the doubles
+        for k, v in scalars.items():
+            self.w.add_scalar(k, v, step)
         self.w.flush()  # on disk with metrics.jsonl's line: a live view is current, a kill loses nothing
 
     def images(self, paths: dict[str, Path], step: int) -> None:
