@@ -4,12 +4,13 @@ named, Ctrl-C, and the messages and pictures around them."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from relayrl.cli import main
 from relayrl.config import ConfigError, load_config
 from tests.test_chat_template import chatml_tokenizer  # noqa: F401 - a fixture
-
 
 # ---------------------------------------------------------------- group_size=1 with a group baseline
 
@@ -55,7 +56,7 @@ def test_a_verifier_that_returns_a_non_number_fails_naming_what_it_returned(tmp_
     for key, shown in [("text-number", "returned str '1.0'"), ("text-word", "returned str 'correct'"),
                        ("none", "returned NoneType None"), ("long", "returned str 'xxxx")]:
         value, failure = got[key]
-        assert value != value and failure["kind"] == "reward", key  # (nan: no reward)
+        assert math.isnan(value) and failure["kind"] == "reward", key  # (no reward)
         assert failure["error"].startswith(shown) and "a reward must be a finite real number" in failure["error"]
         assert "could not convert" not in failure["error"] and "ValueError" not in failure["error"]
     assert len(got["long"][1]["error"]) < 200  # the repr is cut short
@@ -222,7 +223,7 @@ def test_ctrl_c_says_where_the_last_checkpoint_is_and_how_to_resume(tiny_path, t
             assert p.poll() is None and time.monotonic() < deadline, p.communicate()
             time.sleep(0.05)
         os.killpg(p.pid, signal.SIGINT)
-        out, err = p.communicate(timeout=120)
+        _, err = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
@@ -243,7 +244,7 @@ def test_ctrl_c_says_where_the_last_checkpoint_is_and_how_to_resume(tiny_path, t
 # ---------------------------------------------------------------- the endpoint: tools that change start a branch
 
 
-def test_a_request_whose_tools_changed_starts_a_new_branch_and_is_counted(chatml_tokenizer):
+def test_a_request_whose_tools_changed_starts_a_new_branch_and_is_counted(chatml_tokenizer):  # noqa: F811
     import json
 
     from relayrl.evaluation import episode_stats
@@ -288,8 +289,8 @@ def test_a_request_whose_tools_changed_starts_a_new_branch_and_is_counted(chatml
 
 
 def test_compared_runs_with_the_same_accuracy_before_training_both_show_at_step_0(tmp_path):
-    from tests.test_pictures import write_run
     from relayrl.tracking.pictures import curves_figure, read_run
+    from tests.test_pictures import write_run
 
     runs = [read_run(write_run(tmp_path / name, [0.1, 0.2, 0.3], {2: acc}, before=0.2))
             for name, acc in (("a", 0.3), ("b", 0.5), ("c", 0.4))]
