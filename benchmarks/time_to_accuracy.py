@@ -104,7 +104,7 @@ class Evaluator:
         from relayrl.data.datasets import load_prompts
         from relayrl.engine.hf import HFEngine
         from relayrl.models import load_policy, load_tokenizer
-        from relayrl.run.build import eval_settings, make_reward_runner, make_runner
+        from relayrl.run.build import make_reward_runner, make_runner
         from relayrl.engine.spec import eos_token_ids
 
         self.cfg = load_config(None, [f"model.path={model}", f"eval.size={a.eval_size}",
@@ -116,6 +116,7 @@ class Evaluator:
         self.runner = make_runner(self.cfg, self.engine, self.tok, self.reward, None, eos_token_ids(model, self.tok))
 
     def __call__(self, model, step: int) -> float:
+        from relayrl.run.build import eval_settings
         from relayrl.run.evaluation import evaluate
 
         self.engine.load_weights({k: v.detach() for k, v in model.state_dict().items()}, step)

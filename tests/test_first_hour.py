@@ -247,7 +247,7 @@ def test_ctrl_c_says_where_the_last_checkpoint_is_and_how_to_resume(tiny_path, t
 def test_a_request_whose_tools_changed_starts_a_new_branch_and_is_counted(chatml_tokenizer):  # noqa: F811
     import json
 
-    from relayrl.evaluation import episode_stats
+    from relayrl.run.evaluation import episode_stats
     from relayrl.records import Trajectory
     from tests.test_episodes import PROMPT, add, calc_reply
     from tests.test_serve import TOOLS, run, served

@@ -6,7 +6,6 @@ the failure policy and their deadlines, a flood of connections."""
 import asyncio
 import json
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,7 +20,7 @@ from relayrl.envs.base import ToolEnv
 from relayrl.envs.chat import render_ids
 from relayrl.rollout.driver import expand_branches
 from relayrl.rollout.runner import EpisodeLimits, EpisodeRunner
-from relayrl.records import FinishReason, Group, Prompt, SamplingParams, Trajectory
+from relayrl.records import Group, SamplingParams, Trajectory
 from relayrl.rollout.groups import training_batch
 from relayrl.serve.agent import AgentEpisodes, AgentProgram
 from relayrl.serve.server import Endpoint

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import re
 import sys
 import threading
 from dataclasses import dataclass, field
