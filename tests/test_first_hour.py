@@ -98,7 +98,7 @@ def test_no_room_for_a_prompt_gives_the_context_length_and_where_it_was_read(tin
 
 def test_a_prompt_too_long_says_how_the_room_was_counted(tiny_path):
     from relayrl.models import load_tokenizer
-    from relayrl.run.loop import check_prompts_fit
+    from relayrl.run.build import check_prompts_fit
     from relayrl.records import Prompt
 
     cfg = load_config(None, ["rollout.max_new_tokens=500"])
