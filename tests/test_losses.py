@@ -49,6 +49,31 @@ def test_gspo_token_equals_gspo_for_sequence_advantages():
     assert grads[0][2, 0].item() == pytest.approx(-2.0 * s2 / 2 / 3, rel=1e-5)
 
 
+def _gspo_grad(fn, log_r, adv, clip=(3e-4, 4e-4)):
+    """(value, ∂/∂log π_θ) of ``fn`` over one row aggregated with seq_mean_token_mean (anchor 0)."""
+    logp = T([log_r]).requires_grad_()
+    mask = torch.ones_like(logp)
+    loss, _ = fn(logp, torch.zeros_like(logp), torch.full_like(logp, adv), mask, *clip)
+    total = AGGREGATIONS["seq_mean_token_mean"](loss, mask, mask.sum().item(), 1, logp.shape[1])
+    total.backward()
+    return total.item(), logp.grad[0].tolist()
+
+
+@pytest.mark.parametrize("fn", [gspo, gspo_token], ids=["gspo", "gspo_token"])
+def test_gspo_forms_take_no_gradient_where_the_log_s_clamp_binds(fn):
+    # log r = (25, 0): log s = 12.5, clamped to 10, so ℓ = max(-e^10·A, -clip(e^10)·A) = e^10 (A = -1,
+    # unclipped) and ∂ℓ/∂log π = 0 (the clamp's derivative, as verl's compute_policy_loss_gspo)
+    value, grad = _gspo_grad(fn, [25.0, 0.0], -1.0)
+    assert value == pytest.approx(math.exp(10.0), rel=1e-6) and grad == [0.0, 0.0]
+    # unclamped: log r = (0.3, -0.1), s = e^0.1, A = -1: ℓ = s (unclipped), ∂/∂log π_t = s/|y| = 0.552585
+    value, grad = _gspo_grad(fn, [0.3, -0.1], -1.0)
+    assert value == pytest.approx(math.exp(0.1), rel=1e-6)
+    assert grad == pytest.approx([math.exp(0.1) / 2] * 2, rel=1e-6)
+    # and A = +1 with no trust region: ℓ = -s, ∂/∂log π_t = -s/2
+    value, grad = _gspo_grad(fn, [0.3, -0.1], 1.0, (None, None))
+    assert value == pytest.approx(-math.exp(0.1), rel=1e-6) and grad == pytest.approx([-math.exp(0.1) / 2] * 2, rel=1e-6)
+
+
 def test_cispo_clips_and_detaches_the_weight_hand_computed():
     # r = [1.5, 0.5], A = [1, -1], no lower bound, ε_high 0.28: w = [1.28, 0.5];
     # ℓ = -w·A·log π = [-1.28·log .3, 0.5·log .2]; ∂ℓ/∂log π = -w·A = [-1.28, 0.5]

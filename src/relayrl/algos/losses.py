@@ -79,10 +79,12 @@ def ppo_clip(
     return loss, _clip_metrics(ratio, is_clipped, mask, dual)
 
 
+SEQ_LOG_CLAMP = 10.0  # GSPO's bound on log s (verl's compute_policy_loss_gspo)
+
+
 def _seq_log_ratio(logp: Tensor, anchor_logp: Tensor, mask: Tensor) -> Tensor:
-    """log s_i = (1/|y_i|) Σ_t log r_t over the sequence's trained tokens, clamped at 10 (GSPO)."""
-    per_seq = ((logp - anchor_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-    return per_seq.clamp(max=10.0)
+    """log s_i = (1/|y_i|) Σ_t log r_t over the sequence's trained tokens (GSPO), not yet clamped."""
+    return ((logp - anchor_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
 
 
 def gspo(logp: Tensor, anchor_logp: Tensor, adv: Tensor, mask: Tensor, clip_low: float | None = 3e-4,
@@ -90,7 +92,7 @@ def gspo(logp: Tensor, anchor_logp: Tensor, adv: Tensor, mask: Tensor, clip_low:
     """GSPO (sequence level): s_i = exp(mean_t log r_t), A_i = the token mean of the sequence's
     advantages, ℓ_i = max(-s_i·A_i, -clip(s_i)·A_i), given to each of its tokens (aggregate with
     seq_mean_token_mean for the paper's mean over sequences). ``dual_clip`` is not part of GSPO."""
-    s = torch.exp(_seq_log_ratio(logp, anchor_logp, mask))
+    s = torch.exp(_seq_log_ratio(logp, anchor_logp, mask).clamp(max=SEQ_LOG_CLAMP))
     a = (adv * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
     unclipped, clipped = -s * a, -clip_ratio(s, clip_low, clip_high) * a
     loss = torch.maximum(unclipped, clipped).expand_as(logp)
@@ -101,9 +103,12 @@ def gspo_token(logp: Tensor, anchor_logp: Tensor, adv: Tensor, mask: Tensor, cli
                clip_high: float | None = 4e-4, dual_clip: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO-token, for per-token advantages: s_{i,t} = sg[s_i]·π_θ(y_t)/sg[π_θ(y_t)] (the value of
     s_i, the gradient of one token), ℓ = max(-s·A_t, -clip(s)·A_t). With an advantage constant
-    over each sequence and seq_mean_token_mean it equals ``gspo`` in value and gradient."""
-    s_seq = torch.exp(_seq_log_ratio(logp, anchor_logp, mask)).detach()
-    s = s_seq * torch.exp(logp - logp.detach())
+    over each sequence and seq_mean_token_mean it equals ``gspo`` in value and gradient, under the
+    clamp log s ≤ 10 too: the clamp is taken on log s_{i,t} = sg[log s_i] + log π_θ(y_t) − sg[log π_θ(y_t)]
+    (verl's compute_policy_loss_gspo), so where it binds the token has no gradient, as in ``gspo``.
+    (Clamping sg[log s_i] alone would leave the gradient e^10·∇log π_θ on every token of such a row.)"""
+    log_s = _seq_log_ratio(logp, anchor_logp, mask).detach() + logp - logp.detach()
+    s = torch.exp(log_s.clamp(max=SEQ_LOG_CLAMP))
     unclipped, clipped = -s * adv, -clip_ratio(s, clip_low, clip_high) * adv
     return torch.maximum(unclipped, clipped), _clip_metrics(s, clipped > unclipped, mask)
 
