@@ -164,11 +164,51 @@ def test_training_batch_overlong_filter_and_punish(tiny):
     per_row = batch.loss_mask.sum(1).tolist()
     assert per_row == [0 if i in (1, 6) else n for i, n in enumerate(lengths)]
     assert m["overlong/filtered_frac"] == pytest.approx(2 / 8) and batch.group.tolist() == [0] * 4 + [1] * 4
-    # the rewards of the other rows sit on their last tokens
-    assert batch.rewards.sum(1).tolist() == [0.0 if i in (1, 6) else t.reward for i, t in enumerate(trajs)]
+    # every row's reward sits on its last response token, the filtered rows' too (for their group baselines)
+    assert batch.rewards.sum(1).tolist() == [t.reward for t in trajs]
     batch, m = training_batch(groups, AlgoCfg(overlong="punish", overlong_buffer=4), 11, tok.pad_token_id)
     want = [t.reward + min(0.0, max(-1.0, (7 - n) / 4)) for t, n in zip(trajs, lengths)]
     assert batch.rewards.sum(1).tolist() == pytest.approx(want)
     assert any(n > 7 for n in lengths) and m["overlong/penalty_mean"] < 0
     last = [int(torch.nonzero(batch.loss_mask[i]).max()) for i in range(8)]
     assert all(batch.rewards[i, last[i]] == pytest.approx(want[i]) for i in range(8))
+
+
+
+def _filtered_batch(groups):
+    """The batch of groups of one-token responses, given as (rewards, indices cut at the budget), under
+    algo.overlong=filter, as the loop builds it."""
+    from relayrl.config import AlgoCfg
+    from relayrl.records import FinishReason, Group
+    from relayrl.rollout import training_batch
+
+    p, out = Prompt("p", [{"role": "user", "content": "q"}]), []
+    for k, (rewards, truncated) in enumerate(groups):
+        trajs = [Trajectory(p, f"g{k}", i, [1], [2], [0.0], [0],
+                            FinishReason.LENGTH if i in truncated else FinishReason.STOP, reward=r)
+                 for i, r in enumerate(rewards)]
+        out.append(Group(p, f"g{k}", trajs))
+    batch, _ = training_batch(out, AlgoCfg(overlong="filter"), 4, pad_id=0)
+    return batch
+
+
+S3, S03 = math.sqrt(1 / 3), math.sqrt(0.3)
+
+
+@pytest.mark.parametrize("name,want", [
+    # group 0: R = [1, 1, 0, 0], response 0 truncated: its reward 1 counts in the baseline (mean 0.5, Bessel
+    # std sqrt(1/3)), its advantage is 0 (no trained token); scored 0 instead it gave [0, 1.5, -0.5, -0.5].
+    # group 1: R = [1, 0], nothing truncated: mean 0.5, std sqrt(1/2)
+    ("grpo", [0.0, 0.5 / S3, -0.5 / S3, -0.5 / S3, 0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5)]),
+    ("dr_grpo", [0.0, 0.5, -0.5, -0.5, 0.5, -0.5]),
+    # leave-one-out: G/(G-1) · (R − mean); scored 0, group 0 gave [0, 1, -1/3, -1/3]
+    ("rloo", [0.0, 2 / 3, -2 / 3, -2 / 3, 1.0, -1.0]),
+    # R − mean over the 5 trained tokens [0.5, -0.5, -0.5, 0.5, -0.5], whitened: mean -0.1, Bessel var 0.3
+    ("reinforce_pp_baseline", [0.0, 0.6 / S03, -0.4 / S03, -0.4 / S03, 0.6 / S03, -0.4 / S03]),
+])
+def test_overlong_filter_keeps_the_true_reward_in_the_group_baseline(name, want):
+    batch = _filtered_batch([([1.0, 1.0, 0.0, 0.0], {0}), ([1.0, 0.0], set())])
+    assert batch.loss_mask.sum(1).tolist() == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]  # out of the loss: no gradient
+    adv, _, _ = ESTIMATORS[name](batch.rewards, batch.loss_mask, batch.group, None, Knobs())
+    assert torch.allclose(adv.sum(1), T(want), atol=1e-5), adv.sum(1)
+    assert (adv * (1 - batch.loss_mask)).abs().sum() == 0

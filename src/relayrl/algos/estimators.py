@@ -10,7 +10,11 @@ critic). Metrics are tensors. Formulas: algorithms.md §1.
 
 The outcome estimators of ``advantages.py`` (grpo, dr_grpo, rloo) take each response's reward
 R = Σ_t r_t (the outcome reward, plus the folded KL when ``algo.kl_mode=reward``, as verl sums
-``token_level_rewards``) and broadcast their advantage to its trained tokens. GiGPO (agents'
+``token_level_rewards``) and broadcast their advantage to its trained tokens. R sums the row's
+rewards, not only those on ``mask``: the batch puts rewards on trained tokens only, and a response
+``algo.overlong=filter`` took out of the loss (no trained token) keeps its reward, so it counts in
+its group's baseline (DAPO; TRL's ``mask_truncated_completions``) while its advantage, broadcast to
+no token, trains nothing. GiGPO (agents'
 step credit) is computed from the episodes' turns when the batch is built (``rollout.py``).
 """
 
@@ -35,11 +39,17 @@ class Knobs:
     evpo_level: str = "batch"
 
 
+def outcome(rewards: Tensor) -> Tensor:
+    """Each response's reward R = Σ_t r_t [B], over all its tokens: a response left out of the loss
+    (``algo.overlong=filter``, its mask all 0) keeps its reward for its group's baseline."""
+    return rewards.sum(-1)
+
+
 def per_response(fn):
     """An outcome estimator ``fn(R [B], group [B]) -> A [B]`` as a token-level one."""
 
     def estimator(rewards: Tensor, mask: Tensor, group: Tensor, values, k: Knobs):
-        adv = fn((rewards * mask).sum(-1), group)
+        adv = fn(outcome(rewards), group)
         return adv.unsqueeze(-1) * mask, None, {}
 
     estimator.__doc__ = f"{fn.__name__} over R = Σ_t r_t, broadcast to the response's trained tokens."
@@ -54,7 +64,7 @@ def reinforce_pp(rewards: Tensor, mask: Tensor, group: Tensor, values, k: Knobs)
 def reinforce_pp_baseline(rewards: Tensor, mask: Tensor, group: Tensor, values, k: Knobs):
     """REINFORCE++-baseline: R − mean_g R per response (a group of one: R), broadcast, then whitened
     over the batch's trained tokens."""
-    adv = dr_grpo((rewards * mask).sum(-1), group)
+    adv = dr_grpo(outcome(rewards), group)
     return masked_whiten(adv.unsqueeze(-1) * mask, mask), None, {}
 
 

@@ -28,7 +28,9 @@ class TrainBatch:
     behav_logp: torch.Tensor  # [N, L-1], engine log-probs (0 off the mask)
     versions: torch.Tensor  # [N, L-1], policy version per token (-1 off the mask)
     advantages: torch.Tensor  # [N, L-1], per token (a sequence's advantage broadcast, or step credit)
-    rewards: torch.Tensor | None = None  # [N, L-1], token-level rewards (outcome on the last trained token, ...)
+    # [N, L-1], token-level rewards (outcome on the last trained token, ...), 0 off the response's trained tokens;
+    # a row that ``algo.overlong=filter`` took out of the loss (loss_mask all 0) keeps its rewards
+    rewards: torch.Tensor | None = None
     group: torch.Tensor | None = None  # [N], each row's group (the responses to one prompt)
     values: torch.Tensor | None = None  # [N, L-1], the critic's values at training time
     returns: torch.Tensor | None = None  # [N, L-1], the critic's targets
@@ -66,7 +68,7 @@ def build_batch(trajs: list[Trajectory], advantages: torch.Tensor | list, pad_id
     loss, e.g. tool output and template tokens between turns. ``rewards``: per trajectory, a reward
     per response token (for the estimators run at training time), with ``group`` [N] and ``owner`` [N]
     (``TrainBatch.owner``); ``keep_rows`` [N] (0/1) takes whole responses out of the loss
-    (``algo.overlong=filter``)."""
+    (``algo.overlong=filter``): their loss mask is 0, their rewards stay, for their groups' baselines."""
     n = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
     N = len(trajs)
     ids = torch.full((N, n), pad_id, dtype=torch.long)
@@ -88,10 +90,12 @@ def build_batch(trajs: list[Trajectory], advantages: torch.Tensor | list, pad_id
         adv[i, span] = torch.as_tensor(advantages[i], dtype=torch.float)
         if tok_rewards is not None:
             tok_rewards[i, span] = torch.as_tensor(rewards[i], dtype=torch.float)
+    # rewards on the response's trained tokens, taken before ``keep_rows``: a row left out of the loss keeps
+    # its reward, which its group's baseline counts (DAPO's overlong filtering; TRL's mask_truncated_completions)
+    tok_rewards = None if tok_rewards is None else tok_rewards * mask
     if keep_rows is not None:
         mask = mask * keep_rows.to(mask.dtype).unsqueeze(-1)
-    return TrainBatch(ids, att, mask, behav, vers, adv * mask, None if tok_rewards is None else tok_rewards * mask,
-                      group, owner=owner)
+    return TrainBatch(ids, att, mask, behav, vers, adv * mask, tok_rewards, group, owner=owner)
 
 
 def micro_batches(batch: TrainBatch, token_budget: int) -> list[list[int]]:
