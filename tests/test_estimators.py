@@ -71,10 +71,16 @@ def test_reinforce_pp_whitens_token_returns_over_the_batch():
 
 
 def test_reinforce_pp_baseline_subtracts_the_group_mean_then_whitens():
-    # R = [1, 0 | 0.5]: group 0 → [0.5, -0.5]; a group of one keeps R = 0.5; whitened: mean 1/6, var 1/3
-    adv, _, _ = reinforce_pp_baseline(T([[1.0], [0.0], [0.5]]), torch.ones(3, 1), T([0, 0, 1]), None, Knobs())
-    s = math.sqrt(1 / 3)
-    assert torch.allclose(adv.flatten(), T([1 / 3 / s, -2 / 3 / s, 1 / 3 / s]), atol=1e-5)
+    # R = [1, 0 | 0.5 | 0.7, 0.1]: groups → [0.5, -0.5 | · | 0.3, -0.3]; group 1 is one response left of
+    # group_size 2 (relayrl.failures): A = 0 and out of the whitening. Over the other 4: mean 0, Bessel var 0.68/3
+    r, g = T([[1.0], [0.0], [0.5], [0.7], [0.1]]), T([0, 0, 1, 2, 2])
+    adv, _, _ = reinforce_pp_baseline(r, torch.ones(5, 1), g, None, Knobs(group_size=2))
+    s = math.sqrt(0.68 / 3)
+    assert torch.allclose(adv.flatten(), T([0.5 / s, -0.5 / s, 0.0, 0.3 / s, -0.3 / s]), atol=1e-5)
+    # group_size=1 chosen (each group one response by design, here all of them): R itself, whitened
+    adv, _, _ = reinforce_pp_baseline(T([[1.0], [0.0], [0.5]]), torch.ones(3, 1), T([0, 1, 2]), None,
+                                      Knobs(group_size=1))
+    assert torch.allclose(adv.flatten(), T([1.0, -1.0, 0.0]), atol=1e-4)  # mean 0.5, Bessel var 0.25
 
 
 def test_outcome_estimators_sum_the_token_rewards_and_broadcast():

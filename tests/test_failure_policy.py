@@ -76,6 +76,56 @@ def test_a_failed_episode_is_left_out_and_its_group_baseline_is_over_the_rest():
     assert math.isfinite(adv.sum().item())  # the failed one's nan never reaches the estimator
 
 
+@pytest.mark.parametrize("name,want", [
+    # group a: one survivor of two (reward 1); group b: rewards 0, 1. The survivor has no baseline: A = 0, not
+    # the single-sample rule's A = R = 1 (GRPO gave [1.0, -0.71, 0.71])
+    ("grpo", [0.0, -0.5 / math.sqrt(0.5), 0.5 / math.sqrt(0.5)]),
+    ("dr_grpo", [0.0, -0.5, 0.5]),
+    ("rloo", [0.0, -1.0, 1.0]),
+    # group b's [-0.5, 0.5] whitened over its 2 tokens (the survivor takes no part): mean 0, Bessel var 0.5
+    ("reinforce_pp_baseline", [0.0, -0.5 / math.sqrt(0.5), 0.5 / math.sqrt(0.5)]),
+])
+def test_a_group_left_with_one_episode_gets_advantage_0(name, want):
+    from relayrl.algos import ESTIMATORS
+    from relayrl.algos.estimators import Knobs
+
+    p = PROMPT
+    a = [Trajectory(p, "a", i, [1], [2], [0.0], [0], FinishReason.STOP, reward=1.0) for i in range(2)]
+    failures.fail(a[1], "reward", "reward.fn=x:y", "ValueError: bad")
+    b = [Trajectory(p, "b", i, [1], [2], [0.0], [0], FinishReason.STOP, reward=r) for i, r in enumerate([0.0, 1.0])]
+    kept, dropped = drop_failed([Group(p, "a", a), Group(p, "b", b)])
+    assert dropped == 1 and [len(g.trajectories) for g in kept] == [1, 2]
+    batch, _ = training_batch(kept, AlgoCfg(), 16, pad_id=0)
+    adv, _, _ = ESTIMATORS[name](batch.rewards, batch.loss_mask, batch.group, None, Knobs(group_size=2))
+    assert torch.allclose(adv.sum(1), torch.tensor(want), atol=1e-5), adv.sum(1)
+
+
+@pytest.mark.parametrize("name,want", [
+    ("grpo", [1.0, 0.0, 0.5]), ("dr_grpo", [1.0, 0.0, 0.5]), ("rloo", [1.0, 0.0, 0.5]),
+    # R = [1, 0, 0.5] whitened: mean 0.5, Bessel var 0.25
+    ("reinforce_pp_baseline", [1.0, -1.0, 0.0]),
+])
+def test_groups_of_one_by_choice_keep_the_single_sample_rule(name, want):
+    """rollout.group_size=1: every group is one response by design, A = R (mean 0, std 1), as before."""
+    from relayrl.algos import ESTIMATORS
+    from relayrl.algos.estimators import Knobs
+
+    groups = [Group(PROMPT, f"g{i}", [Trajectory(PROMPT, f"g{i}", 0, [1], [2], [0.0], [0], FinishReason.STOP,
+                                                 reward=r)]) for i, r in enumerate([1.0, 0.0, 0.5])]
+    batch, _ = training_batch(groups, AlgoCfg(), 16, pad_id=0)
+    adv, _, _ = ESTIMATORS[name](batch.rewards, batch.loss_mask, batch.group, None, Knobs(group_size=1))
+    assert torch.allclose(adv.sum(1), torch.tensor(want), atol=1e-4), adv.sum(1)
+
+
+def test_the_trainer_gets_the_configured_group_size(tiny):
+    from relayrl.pipeline import make_trainer
+
+    model, _ = tiny
+    for g in (1, 4):
+        cfg = load_config(None, [f"rollout.group_size={g}", "rollout.prompts_per_step=4", "rollout.budget=fixed"])
+        assert make_trainer(cfg, model).est_knobs.group_size == g
+
+
 def test_a_verifier_failure_fails_the_single_turn_episode(tok):
     failure = {"kind": "reward", "source": "reward.fn=x:y", "error": "ValueError: bad"}
     runner = EpisodeRunner(ScriptedEngine(tok, lambda c: "42"), tok, None, None,

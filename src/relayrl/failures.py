@@ -4,10 +4,14 @@ a training signal.
 An episode whose verifier raised or timed out, or whose environment raised or passed its deadline,
 is *left out*: it is not scored 0 and trained on, it is counted (``Trajectory.failure``: kind, the
 code that failed, the exception) and dropped before the advantages. Its group keeps its other
-episodes and takes its baseline over them: every group estimator here (GRPO, Dr.GRPO, RLOO, GiGPO)
-is defined for any group size, and a group left with one episode gets advantage 0 — leaving out the
-whole group would throw away its good samples for one bad call, while keeping the failed one as 0
-would push a correct but slow-to-verify answer down.
+episodes and takes its baseline over them: every group estimator here (GRPO, Dr.GRPO, RLOO,
+REINFORCE++-baseline, GiGPO) is defined for any group size — leaving out the whole group would throw
+away its good samples for one bad call, while keeping the failed one as 0 would push a correct but
+slow-to-verify answer down. A group left with one episode (``rollout.group_size`` ≥ 2) has nothing
+to compare it with: GRPO, Dr.GRPO, RLOO and REINFORCE++-baseline give it advantage 0
+(``algos.estimators.lone``), where their single-sample rule would give A = R; with
+``rollout.group_size=1`` chosen, every group is one episode and keeps that rule. (GiGPO's step credit,
+computed when the batch is built, does not know ``group_size``: such an episode keeps A^E = R.)
 
 Kinds: ``reward`` and ``reward_timeout`` (``reward.fn``), ``env`` and ``env_timeout`` (``env.name``'s
 reset/step/close, past ``env.step_timeout_s`` or ``env.episode_timeout_s``), ``engine`` (the

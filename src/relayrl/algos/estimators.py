@@ -32,11 +32,25 @@ from relayrl.algos.values import (explained_variance, gae, group_explained_varia
 
 @dataclass(frozen=True)
 class Knobs:
-    """algo.gamma (resolved), algo.lam, algo.evpo_level: plain numbers and names, no config object."""
+    """algo.gamma (resolved), algo.lam, algo.evpo_level, rollout.group_size: plain numbers and names,
+    no config object. ``group_size`` tells a group of one by choice (1) from one whose others failed."""
 
     gamma: float = 1.0
     lam: float = 1.0
     evpo_level: str = "batch"
+    group_size: int = 8
+
+
+def lone(group: Tensor, k: Knobs) -> Tensor:
+    """[B] bool: the rows alone in their group although ``rollout.group_size`` asked for several, the
+    others left out as failed (``relayrl.failures``). One response has no baseline to compare with, and
+    the estimators' single-sample rule (mean 0, std 1: A = R, verl's convention, algorithms.md §1) would
+    train the survivor on its raw reward, unlike every other row of the batch: it gets A = 0 instead (a
+    departure from the spec, decided for failures). With ``group_size=1`` chosen, none is: every row is
+    alone by design and keeps the single-sample rule."""
+    if k.group_size == 1 or not group.numel():
+        return torch.zeros(group.shape, dtype=torch.bool)
+    return torch.bincount(group)[group] == 1
 
 
 def outcome(rewards: Tensor) -> Tensor:
@@ -50,9 +64,11 @@ def per_response(fn):
 
     def estimator(rewards: Tensor, mask: Tensor, group: Tensor, values, k: Knobs):
         adv = fn(outcome(rewards), group)
+        adv = torch.where(lone(group, k), torch.zeros_like(adv), adv)
         return adv.unsqueeze(-1) * mask, None, {}
 
-    estimator.__doc__ = f"{fn.__name__} over R = Σ_t r_t, broadcast to the response's trained tokens."
+    estimator.__doc__ = (f"{fn.__name__} over R = Σ_t r_t, broadcast to the response's trained tokens; 0 for a "
+                         "row left alone in its group by failures (``lone``).")
     return estimator
 
 
@@ -62,9 +78,11 @@ def reinforce_pp(rewards: Tensor, mask: Tensor, group: Tensor, values, k: Knobs)
 
 
 def reinforce_pp_baseline(rewards: Tensor, mask: Tensor, group: Tensor, values, k: Knobs):
-    """REINFORCE++-baseline: R − mean_g R per response (a group of one: R), broadcast, then whitened
-    over the batch's trained tokens."""
+    """REINFORCE++-baseline: R − mean_g R per response (a group of one by ``group_size=1``: R), broadcast,
+    then whitened over the batch's trained tokens. A row left alone by failures (``lone``) gets 0 and
+    takes no part in the whitening (counted as 0 there, it would shift every other row's advantage)."""
     adv = dr_grpo(outcome(rewards), group)
+    mask = mask * (~lone(group, k)).to(mask.dtype).unsqueeze(-1)
     return masked_whiten(adv.unsqueeze(-1) * mask, mask), None, {}
 
 

@@ -210,7 +210,7 @@ def make_trainer(cfg: Config, policy, ref=None) -> Trainer:
     critic = make_critic(cfg.critic, cfg.trainer, cfg.model.path, cfg.model.dtype, cfg.run.seed, cfg.run.steps) \
         if cfg.algo.advantage in NEEDS_CRITIC else None
     return Trainer(policy, cfg.trainer, cfg.algo, r.temperature, cfg.run.steps, cfg.algo.norm_len or r.max_new_tokens,
-                   ref_model=ref, top_p=r.top_p, top_k=r.top_k, critic=critic)
+                   ref_model=ref, top_p=r.top_p, top_k=r.top_k, critic=critic, group_size=r.group_size)
 
 
 def follower_trainer(cfg: Config) -> Trainer:

@@ -87,7 +87,8 @@ class Trainer:
     reward. ``critic`` (``critic.Critic``) is trained on the same batch after the policy."""
 
     def __init__(self, model, tcfg: TrainerCfg, acfg: AlgoCfg, temperature: float, total_steps: int, norm_len: int,
-                 ref_model=None, top_p: float = 1.0, top_k: int = 0, mismatch_rows: int = 16, critic=None):
+                 ref_model=None, top_p: float = 1.0, top_k: int = 0, mismatch_rows: int = 16, critic=None,
+                 group_size: int = 8):
         self.model, self.tcfg, self.acfg = model, tcfg, acfg
         self.temperature, self.norm_len = temperature, norm_len
         self.top_p, self.top_k = top_p, top_k  # the engine's truncation, reproduced (sampling.py)
@@ -121,7 +122,8 @@ class Trainer:
         self.knobs = CorrectionKnobs(acfg.tis_cap, acfg.tis_level, acfg.m2po_tau)
         self.clip = acfg.clip()
         self.estimator = ESTIMATORS.get(acfg.advantage)  # None: advantages come with the batch (GiGPO)
-        self.est_knobs = EstimatorKnobs(acfg.discount(), acfg.lam, acfg.evpo_level)
+        # rollout.group_size: a group of one is alone by choice (1) or because the others failed (estimators.lone)
+        self.est_knobs = EstimatorKnobs(acfg.discount(), acfg.lam, acfg.evpo_level, group_size)
         self.kl_in_reward = self.ref is not None and acfg.kl_mode == "reward"
         self.critic = critic
         # (FSDP: every rank runs its share of the micro-batches in step with the others: the plain forward;
