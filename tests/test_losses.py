@@ -8,7 +8,7 @@ import torch
 
 from relayrl.algos import AGGREGATIONS, CORRECTIONS, POLICY_LOSSES
 from relayrl.algos.losses import cispo, count_seqs, gspo, gspo_token
-from relayrl.algos.offpolicy import Knobs, approx_prox_logp, m2po_mask
+from relayrl.algos.offpolicy import Knobs, approx_prox_logp
 
 T = torch.tensor
 L = math.log
@@ -126,14 +126,19 @@ def _by_hand(name, old, behav, adv, mask, stale):
         return old, torch.where(stale, w * (w <= 5), torch.ones_like(w)), True
     if name == "tis":
         return old, w.clamp(max=2.0) * mask, True
-    return behav, m2po_mask((old - behav) * mask, adv, mask, 0.04), False  # M2PO: no ε-clip
+    # M2PO (τ = 0.2 here): no ε-clip, the ratio against π_behav, weight 1 but on the masked tokens. By hand, from
+    # (log r)² = (old − behav)² on the 9 trained tokens, × marking the trust region (A > 0 and r > 1, or A < 0 and
+    # r < 1): [.6056×, .0724, .1424×, .0052× | .6952×, .5389×, .1986×, · | .3723, .9086×, ·, ·], sum 3.5393, mean
+    # .393 > τ. Masking the largest × first: .9086 → 2.6306/8 = .329; .6952 → 1.9354/7 = .276; .6056 →
+    # 1.3298/6 = .222; .5389 → .7909/5 = .158 ≤ τ: four masked
+    return behav, T([[0.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]]), False
 
 
 @pytest.mark.parametrize("loss_name", sorted(POLICY_LOSSES))
 @pytest.mark.parametrize("correction", sorted(CORRECTIONS))
 def test_every_loss_composes_with_every_correction(loss_name, correction):
     logp, old, behav, adv, mask, stale = _inputs()
-    anchor, weight, trust = CORRECTIONS[correction].apply(old, behav, adv, mask, stale, None, Knobs())
+    anchor, weight, trust = CORRECTIONS[correction].apply(old, behav, adv, mask, stale, None, Knobs(m2po_tau=0.2))
     want_anchor, want_w, want_trust = _by_hand(correction, old, behav, adv, mask, stale)
     w = torch.ones_like(mask) if weight is None else weight
     assert torch.equal(anchor, want_anchor) and trust == want_trust
@@ -145,3 +150,12 @@ def test_every_loss_composes_with_every_correction(loss_name, correction):
     assert torch.isfinite(loss).all() and set(m) >= {"clip_frac", "clip_frac_dual"}
     if not trust:  # without a trust region no loss clips
         assert m["clip_frac"].item() == 0
+
+
+def test_m2po_never_masks_a_token_outside_the_trust_region():
+    """τ = 0.1 on ``_inputs`` ((log r)² in ``_by_hand``): masking the 7 trust-region tokens leaves the 2 outside
+    it, (.0724 + .3723)/2 = .222 > τ, and they stay: a token the loss already pushes back towards π_behav (.3723:
+    A < 0, r > 1) is never masked, however far off."""
+    logp, old, behav, adv, mask, stale = _inputs()
+    _, keep, _ = CORRECTIONS["m2po"].apply(old, behav, adv, mask, stale, None, Knobs(m2po_tau=0.1))
+    assert torch.equal(keep, T([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
