@@ -3,12 +3,15 @@ placement, and every pipeline mode × partial rollouts × single-turn/agent.
 
 1. The trainer, the full product (7 estimators × 4 losses × 4 corrections × KL off / loss / reward,
    336 steps): one step on a batch with stale tokens (two policy versions) and token rewards; the
-   loss is finite, the policy's weights change, and the critic's too where there is one.
+   loss is finite, the policy's weights change, and the critic's too where there is one; the step
+   goes the advantages' way (Σ_t A_t·Δlog π_t > 0; the advantages rank the rewarded rows first),
+   and a few cells match a step computed by hand from the tensors.
 2. The whole pipeline, pairwise: two steps of ``relayrl train`` on a tiny model, on a set of runs
    that covers every *pair* of values of advantage, loss, correction, KL, mode, partial,
    single-turn/agent and adaptive sampling (fixed groups; dynamic sampling; adaptive budgets with
    dynamic sampling; VADE selection with both) at least once (``covering_runs``: a greedy covering array, deterministic);
-   losses finite, policy (and critic) weights changed, checkpoint written. The full product,
+   losses finite, policy (and critic) weights changed, checkpoint written, the first step along
+   ∇ Σ_t A_t·log π_t (to first order). The full product,
    8 × 4 × 4 × 3 × 3 × 2 × 2 × 4 = 18,432 runs, is far too slow for CI; pairs catch the interactions
    of two choices, the usual source of composition bugs.
 3. Combinations invalid by construction are rejected by the config, naming the fields.
@@ -41,7 +44,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-KL = {"off": {}, "loss": {"kl_coef": 0.1}, "reward": {"kl_coef": 0.1, "kl_mode": "reward"}}
+KL = {"off": {"kl_coef": 0.0}, "loss": {"kl_coef": 0.1}, "reward": {"kl_coef": 0.1, "kl_mode": "reward"}}
 
 
 def _stale_reward_batch(tok, model):
@@ -56,12 +59,65 @@ def _stale_reward_batch(tok, model):
     return batch
 
 
+# the cells whose step is also computed by hand (``_by_hand_step``): GRPO and KL off, every correction's weight
+# (m2po's batch mask aside) under the clipped ratio and the detached one
+BY_HAND = {("grpo", "ppo_clip", c, "off") for c in ("none", "tis", "decoupled")} | {("grpo", "cispo", "tis", "off")}
+
+
+def _by_hand_step(base, batch, loss: str, correction: str):
+    """(loss, gradient by parameter name) of one cell's step from the tensors, written out: one forward of the
+    whole batch, log π = log_softmax(logits)[target]; GRPO over R = [1, 0, 0, 1 | 0, 0, 1, 0] (row i: i % 3 == 0),
+    group 0 mean 1/2, Bessel std sqrt(1/3); group 1 mean 1/4, std 1/2; on-policy, so π_old = π_θ and r = 1
+    (inside every trust region): ℓ_t = -w_t·A·r_t (ppo_clip) or -w_t·A·log π_t (cispo, w·r detached),
+    token_mean over the batch's trained tokens. w: 1 (none); min(π_old/π_behav, 2) (tis); π_old/π_behav on the
+    stale rows 0-3, 0 above 5, 1 on the others (decoupled)."""
+    model = copy.deepcopy(base)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    mask = batch.loss_mask
+    a0, a1 = 0.5 / (math.sqrt(1 / 3) + 1e-6), 1 / (0.5 + 1e-6)
+    adv = torch.tensor([a0, -a0, -a0, a0, -0.25 * a1, -0.25 * a1, 0.75 * a1, -0.25 * a1])[:, None]
+    w = torch.exp(logp.detach() - batch.behav_logp)
+    stale = (torch.arange(8)[:, None] < 4) & mask.bool()
+    w = {"none": torch.ones_like(w), "tis": w.clamp(max=2.0),
+         "decoupled": torch.where(stale, w * (w <= 5), torch.ones_like(w))}[correction]
+    per_tok = -w * adv * (torch.exp(logp - logp.detach()) if loss == "ppo_clip" else logp)
+    total = (per_tok * mask).sum() / mask.sum()
+    total.backward()
+    return total.item(), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+
+
+def _watch(tr: Trainer) -> dict:
+    """What the step computed: its advantages (after ``_advantages``) and its gradient (before Adam's step,
+    after the norm clip)."""
+    seen = {}
+    advantages = tr._advantages
+
+    def with_advantages(*a):
+        out = advantages(*a)
+        seen["adv"] = out[0].advantages
+        return out
+
+    def before_step(*_):
+        seen["grad"] = {n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None}
+
+    tr._advantages = with_advantages
+    tr.opt.register_step_pre_hook(before_step)
+    return seen
+
+
 @pytest.mark.parametrize("advantage", sorted(ESTIMATORS))
 def test_trainer_full_product(tiny_path, tiny, advantage):
+    """Each cell: finite loss, changed weights, and the step's direction: the advantage-weighted change of the
+    trained tokens' log-probs, Σ_t A_t·Δlog π_t, is positive (a flipped sign or a loss that ignores A makes it
+    negative or zero); without a critic, the advantages rank the rewarded responses above the others. The
+    cells of ``BY_HAND`` also match a step computed by hand (a dropped or misapplied weight shows there)."""
     model, tok = tiny
     batch = _stale_reward_batch(tok, model)
     base, base_critic = load_policy(tiny_path), load_value_model(tiny_path)
     initial, head = base.state_dict(), base_critic.state_dict()
+    rewarded = torch.tensor([i % 3 == 0 for i in range(8)])  # reward_batch's rewards: row i is 1 when i % 3 == 0
+    before = None
     for loss, correction, kl in itertools.product(sorted(POLICY_LOSSES), sorted(CORRECTIONS), KL):
         what = f"{advantage} × {loss} × {correction} × KL {kl}"
         policy = copy.deepcopy(base)
@@ -70,9 +126,25 @@ def test_trainer_full_product(tiny_path, tiny, advantage):
             if advantage in NEEDS_CRITIC else None
         tr = Trainer(policy, tcfg, AlgoCfg(advantage=advantage, loss=loss, offpolicy=correction, **KL[kl]),
                      1.0, 10, 16, critic=critic)
+        before = tr.logprobs(batch) if before is None else before  # (every cell starts from the same weights)
+        seen = _watch(tr)
         m = tr.step(batch, version=1)
         assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0, (what, m)
         assert any(not torch.equal(p, initial[k]) for k, p in policy.state_dict().items()), what
+        adv, mask = seen["adv"], batch.loss_mask
+        gain = (adv * (tr.logprobs(batch) - before) * mask).sum().item()
+        assert gain > 0, (what, gain)
+        if advantage not in NEEDS_CRITIC:
+            row = (adv * mask).sum(1) / mask.sum(1)
+            assert row[rewarded].min() > 0 > row[~rewarded].max(), (what, row)
+        if (advantage, loss, correction, kl) in BY_HAND:
+            value, grad = _by_hand_step(base, batch, loss, correction)
+            norm = torch.sqrt(sum((g ** 2).sum() for g in grad.values())).item()
+            assert m["loss"] == pytest.approx(value, rel=1e-4, abs=1e-6) and m["grad_norm"] == pytest.approx(norm, rel=1e-3), \
+                (what, m["loss"], value, m["grad_norm"], norm)
+            scale = min(1.0, tcfg.grad_clip / norm)  # (the step's gradient is after the norm clip)
+            for k, g in grad.items():
+                torch.testing.assert_close(seen["grad"][k], g * scale, rtol=1e-3, atol=1e-6, msg=lambda e: f"{what} {k}: {e}")
         if critic is not None:
             assert math.isfinite(m["critic/loss"]), what
             assert any(not torch.equal(p, head[k]) for k, p in critic.model.state_dict().items()), what
@@ -155,17 +227,58 @@ def _args(run: dict, tiny_path: str) -> list[str]:
     return a
 
 
+def _watch_steps(monkeypatch) -> list[tuple[float, bool]]:
+    """Every ``Trainer.step`` of the run, as (⟨∇_θ Σ_t A_t·log π_t, Δθ⟩, whether any A ≠ 0): the step's
+    advantages (after ``_advantages``), the gradient taken at the weights before the step. First order, so
+    the size of the step does not matter (Σ_t A_t·Δlog π_t itself, after a step of lr 2e-2 on a trained model,
+    is dominated by the second-order terms)."""
+    out = []
+    step, advantages = Trainer.step, Trainer._advantages
+
+    def with_advantages(self, *a):
+        res = advantages(self, *a)
+        self._watched_adv = res[0].advantages * res[0].loss_mask
+        return res
+
+    def stepping(self, batch, version=None):
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        before = [p.detach().clone() for p in params]
+        m = step(self, batch, version)
+        adv, after = self._watched_adv, [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, b in zip(params, before):
+                p.copy_(b)
+        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+        logp = self._logp(logits[:, :-1], batch.input_ids[:, 1:])
+        grads = torch.autograd.grad((adv * logp).sum(), params, allow_unused=True)
+        with torch.no_grad():
+            for p, a in zip(params, after):
+                p.copy_(a)
+        inner = sum((g * (a - b)).sum() for g, a, b in zip(grads, after, before) if g is not None)
+        out.append((float(inner), bool((adv != 0).any())))
+        return m
+
+    monkeypatch.setattr(Trainer, "_advantages", with_advantages)
+    monkeypatch.setattr(Trainer, "step", stepping)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("run", RUNS, ids=["-".join(f"{v}" for v in r.values()) for r in RUNS])
-def test_pipeline_pairwise(tiny_path, tmp_path, run):
+def test_pipeline_pairwise(tiny_path, tmp_path, run, monkeypatch):
     from safetensors.torch import load_file
 
     from relayrl.models import resolve_model_path
     from relayrl.run.loop import train
 
     cfg = load_config(None, _args(run, tiny_path) + [f"run.output_dir={tmp_path}"])
+    steps = _watch_steps(monkeypatch)
     summary = train(cfg)
-    assert summary["steps"] == 2
+    assert summary["steps"] == 2 and len(steps) == 2
+    # the first step's direction (a fresh Adam: the second mixes in the first's momentum, from another batch):
+    # the trained tokens' log-probs move with their advantages, to first order
+    gain, moves = steps[0]
+    assert gain > 0 if moves else gain == 0, steps
     rows = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows), rows
     ckpt = cfg.run_dir / "checkpoints" / "step_000002"
