@@ -186,7 +186,7 @@ def _filtered_batch(groups):
     algo.overlong=filter, as the loop builds it."""
     from relayrl.config import AlgoCfg
     from relayrl.records import FinishReason, Group
-    from relayrl.rollout import training_batch
+    from relayrl.rollout.groups import training_batch
 
     p, out = Prompt("p", [{"role": "user", "content": "q"}]), []
     for k, (rewards, truncated) in enumerate(groups):

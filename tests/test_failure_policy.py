@@ -118,7 +118,7 @@ def test_groups_of_one_by_choice_keep_the_single_sample_rule(name, want):
 
 
 def test_the_trainer_gets_the_configured_group_size(tiny):
-    from relayrl.pipeline import make_trainer
+    from relayrl.run.build import make_trainer
 
     model, _ = tiny
     for g in (1, 4):
