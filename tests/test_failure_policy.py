@@ -121,8 +121,9 @@ def test_the_trainer_gets_the_configured_group_size(tiny):
     from relayrl.run.build import make_trainer
 
     model, _ = tiny
-    for g in (1, 4):
-        cfg = load_config(None, [f"rollout.group_size={g}", "rollout.prompts_per_step=4", "rollout.budget=fixed"])
+    for g, adv in ((1, "reinforce_pp"), (4, "grpo")):  # (group_size=1 with a group baseline is refused at load)
+        cfg = load_config(None, [f"rollout.group_size={g}", f"algo.advantage={adv}", "rollout.prompts_per_step=4",
+                                 "rollout.budget=fixed"])
         assert make_trainer(cfg, model).est_knobs.group_size == g
 
 
