@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -28,8 +29,21 @@ from common import FIXED_GROUPS, machine_info, write_results  # noqa: E402
 VARIANTS = {"default": [], "run.threads=1": ["run.threads=1"]}
 
 
-def one_run(overrides: list[str], hogs: int, steps: int, limit: float, env: dict) -> dict:
-    spinners = [subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) for _ in range(hogs)]
+def neighbour(kind: str, env: dict, out: str) -> subprocess.Popen:
+    """A busy neighbour: a single-threaded spinner, or another ``relayrl train`` with its defaults."""
+    if kind == "spin":
+        return subprocess.Popen(["yes"], stdout=subprocess.DEVNULL)
+    cmd = [sys.executable, "-m", "relayrl.cli", "train", "run.steps=100000", "data.eval_path=null", "run.progress=false",
+           f"run.output_dir={out}", f"run.name=neighbour{time.monotonic_ns()}", "run.save_every=0"]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    time.sleep(15)  # (loaded and stepping before the measured run starts)
+    return p
+
+
+def one_run(overrides: list[str], hogs: int, steps: int, limit: float, env: dict, kind: str = "spin",
+            neighbour_env: dict | None = None) -> dict:
+    scratch = tempfile.mkdtemp()
+    spinners = [neighbour(kind, neighbour_env or env, scratch) for _ in range(hogs)]
     try:
         with tempfile.TemporaryDirectory() as out:
             cmd = [sys.executable, "-m", "relayrl.cli", "train", f"run.steps={steps}", "data.eval_path=null",
@@ -50,6 +64,7 @@ def one_run(overrides: list[str], hogs: int, steps: int, limit: float, env: dict
         for s in spinners:
             s.kill()
             s.wait()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def main() -> None:
@@ -60,6 +75,10 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=override,override (added to the default and run.threads=1)")
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for every run's environment")
+    ap.add_argument("--neighbour", choices=["spin", "relayrl"], default="spin",
+                    help="what a busy neighbour is: a single-threaded spinner (yes > /dev/null), or another "
+                    "relayrl train with its default settings (running the same code, or --neighbour-env's)")
+    ap.add_argument("--neighbour-env", action="append", default=[], help="KEY=VALUE for the neighbours' environment")
     ap.add_argument("--name", default="busy_neighbours")
     ns = ap.parse_args()
     variants = dict(VARIANTS)
@@ -67,12 +86,14 @@ def main() -> None:
         name, _, ov = v.partition("=")
         variants[name] = [x for x in ov.split(",") if x]
     env = {**os.environ, **dict(e.split("=", 1) for e in ns.env)}
+    nenv = {**env, **dict(e.split("=", 1) for e in ns.neighbour_env)}
     results: dict[str, dict[int, dict]] = {v: {} for v in variants}
     for hogs in ns.hogs:  # the variants alternate at each load: the machine drifts, the comparison does not
         for name, ov in variants.items():
-            results[name][hogs] = r = one_run(ov, hogs, ns.steps, ns.limit, env)
-            print(f"{name:>20} with {hogs} busy neighbour(s): {r}", flush=True)
-    header = ["setting", *[f"{h} busy: s/step (× quiet)" for h in ns.hogs]]
+            results[name][hogs] = r = one_run(ov, hogs, ns.steps, ns.limit, env, ns.neighbour, nenv)
+            print(f"{name:>20} with {hogs} busy neighbour(s) ({ns.neighbour}): {r}", flush=True)
+    what = "busy" if ns.neighbour == "spin" else "relayrl runs beside"
+    header = ["setting", *[f"{h} {what}: s/step (× quiet)" for h in ns.hogs]]
     rows = []
     for name in variants:
         quiet = results[name].get(0, {}).get("step_s")
@@ -86,7 +107,8 @@ def main() -> None:
                              + (f", {r['trainer_threads']} thr" if r.get("trainer_threads") else ""))
         rows.append([name, *cells])
     write_results(Path(__file__).parent / "results", ns.name, header, rows,
-                  {"machine": machine_info(), "steps": ns.steps, "env": ns.env, "results": results})
+                  {"machine": machine_info(), "steps": ns.steps, "env": ns.env, "neighbour": ns.neighbour,
+                   "neighbour_env": ns.neighbour_env, "results": results})
 
 
 if __name__ == "__main__":

@@ -320,3 +320,31 @@ def test_tensorboard_metrics_read_back_as_scalars(tmp_path):
     assert {"reward_mean", "eval/accuracy"} <= set(ea.Tags()["scalars"])
     assert [(e.step, e.value) for e in ea.Scalars("reward_mean")] == [(1, 0.25), (2, 0.75)]
     assert [(e.step, e.value) for e in ea.Scalars("eval/accuracy")] == [(1, 0.5)]
+
+
+def test_threads_default_to_the_cores_neighbours_leave_free(monkeypatch):
+    """Item 1: a torch thread on a core another process keeps busy slows every step to its pace (the demo
+    3.4x with one busy neighbour at 2 threads, 1.5x at 1: benchmarks/busy_neighbours.py), so run.threads=0
+    counts the idle cores at start."""
+    from relayrl.config import RolloutCfg, RunCfg
+    from relayrl.engine import placement
+
+    monkeypatch.setattr(placement.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(placement.time, "sleep", lambda s: None)
+
+    def sampled(idle_share: dict[int, float]):
+        reads = iter([{c: (0, 0) for c in idle_share}, {c: (int(100 * s), 100) for c, s in idle_share.items()}])
+        monkeypatch.setattr(placement, "_cpu_times", lambda: next(reads))
+
+    sampled({0: 1.0, 1: 0.0})  # one core busy with a neighbour
+    assert placement.free_cores() == 1
+    sampled({0: 0.97, 1: 0.9})  # quiet
+    assert placement.free_cores() == 2
+    sampled({0: 0.05, 1: 0.1})  # both busy: still one thread
+    assert placement.free_cores() == 1
+    sampled({0: 1.0, 1: 0.0})
+    assert placement.threads(RolloutCfg(), RunCfg()) == (False, 0, 1)
+    sampled({0: 1.0, 1: 1.0})
+    assert placement.threads(RolloutCfg(), RunCfg(mode="async")) == (True, 1, 1)  # split between engine and trainer
+    monkeypatch.setattr(placement, "_cpu_times", lambda: pytest.fail("run.threads set: nothing to measure"))
+    assert placement.threads(RolloutCfg(), RunCfg(threads=2)) == (False, 0, 2)

@@ -39,8 +39,12 @@ class RunCfg(_Section):
     keep_checkpoints: int = Field(2, ge=1, description="How many recent checkpoints to keep.")
     progress: bool = Field(True, description="Show a live progress bar.")
     threads: int = Field(
-        0, ge=0, description="torch threads of the trainer (0: all cores; with an engine process in an overlapped "
-        "mode, the cores the engine does not take).")
+        0, ge=0, description="torch threads of the trainer (0: the cores other processes leave free when the run "
+        "starts, measured over 0.3 s; with an engine process in an overlapped mode, those the engine does not take). "
+        "A thread on a core a neighbour keeps busy slows every step to its pace: 2 threads beside one busy process "
+        "made the demo 3.4x slower, 1 thread 1.5x (benchmarks/busy_neighbours.py). Set it for runs that must repeat "
+        "bit for bit whatever the machine's load (the thread count changes float sums), or when neighbours start "
+        "after the run.")
     max_failure_frac: float = Field(
         0.5, ge=0, le=1, description="User code that fails (a verifier that raises or times out, an environment "
         "that raises or passes its deadline) leaves its episode out of training, counted by kind, never scored 0. "
