@@ -31,38 +31,38 @@ def _on_sigterm(signum, frame):
     raise _Shutdown
 
 
-def _serve(cfg_json: str) -> None:
-    cfg = json.loads(cfg_json)
+def _serve(settings_json: str) -> None:
+    settings = json.loads(settings_json)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes us
     signal.signal(signal.SIGTERM, _on_sigterm)
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)  # SIGTERM, not SIGKILL: we clean up our workers first
-    if cfg["parent_pid"] is not None and os.getppid() != cfg["parent_pid"]:
+    if settings["parent_pid"] is not None and os.getppid() != settings["parent_pid"]:
         return  # the trainer died before the line above
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # what a call orphans comes to us, to be killed
     try:
-        errors = _preload(cfg)
-        _write_all(cfg["fds"][1], json.dumps({"ready": True, "errors": errors}).encode() + b"\n")
+        errors = _preload(settings)
+        _write_all(settings["fds"][1], json.dumps({"ready": True, "errors": errors}).encode() + b"\n")
         if not errors:
-            _Loop(cfg).run()
+            _Loop(settings).run()
     except (_Shutdown, BrokenPipeError):
         pass  # told to stop, or the trainer is gone: nothing to report to
 
 
-def _preload(cfg: dict) -> dict[str, str]:
+def _preload(settings: dict) -> dict[str, str]:
     errors = {}
-    for name in cfg["imports"]:
+    for name in settings["imports"]:
         try:
             importlib.import_module(name)
         except Exception as e:
             errors[name] = f"{name!r} cannot be imported: {_describe(e)}"
-    for spec in cfg["preload"]:
+    for spec in settings["preload"]:
         try:
-            load(spec, cfg["cwd"])
+            load(spec, settings["cwd"])
         except ImportFailed as e:
             errors[spec] = str(e)
-    for spec, args in [] if errors else cfg["warmup"]:
+    for spec, args in [] if errors else settings["warmup"]:
         try:
-            load(spec, cfg["cwd"])(*args)
+            load(spec, settings["cwd"])(*args)
         except Exception:
             pass  # warming only; the real calls report their own errors
     return errors
@@ -90,13 +90,13 @@ class _Loop:
     verifier call). Only the first is running; its deadline starts when it does. When a
     worker is killed, the calls queued behind the one that failed go to another worker."""
 
-    def __init__(self, cfg: dict):
-        self.cfg = cfg
-        self.requests, self.replies = cfg["fds"]
+    def __init__(self, settings: dict):
+        self.settings = settings
+        self.requests, self.replies = settings["fds"]
         self.inbuf = bytearray()
         self.queue: deque[dict] = deque()
         self.outbox: list[bytes] = []  # replies to the trainer, written once per loop turn
-        self.slots: list[_Worker | None] = [None] * cfg["workers"]
+        self.slots: list[_Worker | None] = [None] * settings["workers"]
         self.sweep_until = 0.0
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
@@ -168,7 +168,7 @@ class _Loop:
                 self.slots[i] = self._fork()
         while self.queue:
             w = min(self.slots, key=lambda w: len(w.calls))
-            if len(w.calls) >= self.cfg["prefetch"]:
+            if len(w.calls) >= self.settings["prefetch"]:
                 break
             self._send(w, self.queue.popleft())
         for w in self.slots:
@@ -182,7 +182,7 @@ class _Loop:
             try:
                 os.close(to_w)
                 os.close(from_r)
-                _worker_main(self.cfg, to_r, from_w)
+                _worker_main(self.settings, to_r, from_w)
             finally:
                 os._exit(70)
         try:
@@ -238,8 +238,8 @@ class _Loop:
         w.deadline = time.monotonic() + w.calls[0]["timeout"] if w.calls else math.inf
         msg, keep = _parse_reply(line)
         if msg.get("kind") == "oom":
-            msg["error"] = f"killed: out of memory (memory_mb={self.cfg['memory_mb']})"
-        if not keep or w.done >= self.cfg["calls_per_worker"]:
+            msg["error"] = f"killed: out of memory (memory_mb={self.settings['memory_mb']})"
+        if not keep or w.done >= self.settings["calls_per_worker"]:
             self._retire(w)  # it left something behind, or has served long enough
         self._reply(call, msg)
 
@@ -346,7 +346,7 @@ def _write_all(fd: int, data: bytes) -> None:
 # ---------------------------------------------------------------- a worker process
 
 
-def _worker_main(cfg: dict, req_fd: int, res_fd: int) -> None:
+def _worker_main(settings: dict, req_fd: int, res_fd: int) -> None:
     """Set up the isolation, then run calls one at a time until told to stop."""
     os.setpgid(0, 0)
     server = os.getppid()
@@ -356,9 +356,9 @@ def _worker_main(cfg: dict, req_fd: int, res_fd: int) -> None:
     _install_fds(req_fd, res_fd)
     setup_error = None
     try:
-        _limit_resources(cfg["memory_mb"])
-        if cfg["drop_uid"] is not None:
-            _drop_root(cfg["drop_uid"], cfg["nproc"], writable=cfg["writable"])
+        _limit_resources(settings["memory_mb"])
+        if settings["drop_uid"] is not None:
+            _drop_root(settings["drop_uid"], settings["nproc"], writable=settings["writable"])
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid switch, which clears it
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # what a call orphans stays ours: _left_behind sees it
     except Exception as e:
