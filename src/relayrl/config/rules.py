@@ -57,7 +57,7 @@ def check(c: "Config") -> None:
 def _adaptive_sampling_where_it_applies(c: Config) -> None:
     """rollout.budget and rollout.dynamic_sampling, where the user left them unset: 'adaptive' and true with a
     group baseline over ≥ 2 responses (their signal is a group's reward variance; the default run learns on every
-    seed with them, not without: the seeds table under the README's Quick start), else 'fixed' and false."""
+    seed with them, not without: the seeds table in docs/performance.md), else 'fixed' and false."""
     from relayrl.algos.estimators import GROUP_BASELINE
 
     r = c.rollout

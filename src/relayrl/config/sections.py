@@ -281,7 +281,7 @@ class AlgoCfg(_Section):
     kl_coef: float = Field(
         0.05, ge=0, description="Coefficient β of KL to the frozen initial policy (0: off; a reference copy of the "
         "policy is kept and run on every batch). 0.05 (GRPO's 0.04, rounded): without it one demo seed in ten "
-        "learned a degenerate continuation that cost greedy accuracy (README, Quick start).")
+        "learned a degenerate continuation that cost greedy accuracy (docs/performance.md, why the default has a KL term).")
     kl_mode: Literal["loss", "reward"] = Field(
         "loss", description="Where the KL goes: 'loss' (a term β·KL of the policy loss, GRPO's) or 'reward' "
         "(−β·KL(π_old ‖ π_ref) on every token's reward before the advantages, PPO's).")

@@ -1,0 +1,227 @@
+"""The documentation is tested: the site builds with no warning, the generated configuration
+reference lists every field of the schema, the troubleshooting page every error kind, and every
+``relayrl ...`` command and YAML block of the README and the docs pages is valid (parsed by the
+command line's own parser and loaded by ``load_config``); the README's commands that train run, with
+tiny overrides (slow). ``tests/test_readme_env.py`` runs the environment guide's example as written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from relayrl import cli
+from relayrl.config import APPLIES_ONLY, Config, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+PAGES = [README, *sorted(DOCS.rglob("*.md"))]
+TINY = ["run.steps=2", "run.progress=false"]  # and a small held-out set where the run has one
+
+
+def gen_config():
+    spec = importlib.util.spec_from_file_location("gen_config", DOCS / "gen_config.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def blocks(page: Path, lang: str) -> list[str]:
+    """The bodies of the page's fenced blocks in ``lang`` (indented blocks inside lists too)."""
+    out = []
+    for indent, body in re.findall(rf"^( *)```{lang}\n(.*?)^\1```", page.read_text(), re.DOTALL | re.MULTILINE):
+        out.append("\n".join(line[len(indent):] for line in body.splitlines()))
+    return out
+
+
+def yaml_files(page: Path) -> dict[str, str]:
+    """The page's YAML blocks that name their file on the first line (``# my.yaml — ...``)."""
+    named = {}
+    for body in blocks(page, "yaml"):
+        m = re.match(r"#\s*(\S+\.ya?ml)\b", body)
+        if m:
+            named[m.group(1)] = body
+    return named
+
+
+def commands(page: Path) -> list[list[str]]:
+    """Every ``relayrl ...`` command in the page's bash blocks, as argv after ``relayrl`` (lines joined
+    at a trailing backslash, comments and ``...`` placeholders dropped; ``torchrun ... -m relayrl.cli``
+    counts)."""
+    out = []
+    for body in blocks(page, "bash"):
+        joined = re.sub(r"\\\n\s*", " ", body)
+        for line in joined.splitlines():
+            try:
+                words = shlex.split(line, comments=True)
+            except ValueError:  # a heredoc's body
+                continue
+            words = [w for w in words if w != "..."]
+            for i, w in enumerate(words):
+                if w == "relayrl" or (w == "relayrl.cli" and i and words[i - 1] == "-m"):
+                    out.append(words[i + 1:])
+                    break
+    return out
+
+
+def validate(argv: list[str], folder: Path):
+    """What ``relayrl`` does with the command before any work: its parser, and for train and eval the
+    config (the YAML file, then the overrides) through ``load_config``."""
+    if "--help" in argv or "-h" in argv:
+        with contextlib.redirect_stdout(io.StringIO()) as out, pytest.raises(SystemExit) as done:
+            cli._parser().parse_args(argv)
+        assert done.value.code == 0 and "train" in out.getvalue()
+        return None
+    ns = cli._parser().parse_args(argv)
+    if ns.cmd not in ("train", "eval"):
+        return None
+    config, overrides = cli._split(ns.args)
+    if config is not None:
+        config = str(folder / config) if (folder / config).exists() else str(ROOT / config)
+        assert Path(config).exists(), f"{argv}: {config} is neither a YAML block of the page nor a file of the repo"
+    extra = [f"eval.samples={ns.samples}"] if getattr(ns, "samples", None) else []
+    return load_config(config, overrides + extra)
+
+
+# ---- the site
+
+
+def test_mkdocs_config_uses_the_generator_and_lists_every_page():
+    text = (ROOT / "mkdocs.yml").read_text()
+    conf = yaml.safe_load(text.replace("!!python", "#"))
+    assert "docs/gen_config.py" in conf["hooks"]
+    listed = set(re.findall(r":\s*(\S+\.md)\s*$", text, re.MULTILINE))
+    pages = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")} | {gen_config().PAGE}
+    assert listed == pages, (listed ^ pages)
+
+
+def test_the_site_builds_strict_with_no_warning(tmp_path):
+    mkdocs = shutil.which("mkdocs") or pytest.skip("mkdocs is not installed: pip install -e '.[docs]'")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([mkdocs, "build", "--strict", "-d", str(tmp_path / "site")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "WARNING" not in done.stderr, done.stderr[-3000:]
+    page = (tmp_path / "site" / "reference" / "config" / "index.html").read_text()
+    for sec, name, _ in gen_config().fields():
+        assert f'id="{sec}-{name}"' in page, f"{sec}.{name}"
+
+
+# ---- the configuration reference
+
+
+def test_the_config_reference_lists_every_field_of_the_schema():
+    g = gen_config()
+    page = g.config_reference()
+    listed = re.findall(r"^### `(\w+\.\w+)`", page, re.MULTILINE)
+    schema = [f"{sec}.{name}" for sec, info in Config.model_fields.items() for name in info.annotation.model_fields]
+    assert listed == schema  # every field, once, in the schema's order
+    parts = dict(zip(listed, re.split(r"^### `\w+\.\w+`.*$", page, flags=re.MULTILINE)[1:]))
+    for sec, name, f in g.fields():
+        key, block = f"{sec}.{name}", parts[f"{sec}.{name}"]
+        assert g.type_name(f.annotation) in block, key
+        assert f"**Default** `{g.show(g.default_of(f))}`" in block, key
+        assert g.escape(f.description or "") in block, key
+        if key in APPLIES_ONLY:
+            _, when, deciding = APPLIES_ONLY[key]
+            assert g.escape(when) in block and all(f"`{d}`" in block for d in deciding), key
+        else:
+            assert "no mode or engine ignores it" in block, key
+    for sec in Config.model_fields:
+        assert f"\n## `{sec}`" in page
+
+
+def test_every_field_the_docs_name_exists():
+    """A `section.field` in backticks anywhere in the docs or the README is a field of the schema."""
+    fields = {f"{sec}.{name}" for sec, name, _ in gen_config().fields()}
+    sections = set(Config.model_fields)
+    unknown = set()
+    for page in PAGES:
+        for sec, name in re.findall(r"`(\w+)\.(\w+)(?:=[^`]*)?`", page.read_text()):
+            if sec in sections and f"{sec}.{name}" not in fields and name not in ("py", "yaml", "jsonl", "json", "md", "pt"):
+                unknown.add(f"{page.name}: {sec}.{name}")
+    assert not unknown, sorted(unknown)
+
+
+# ---- troubleshooting
+
+
+def test_troubleshooting_lists_every_error_kind_with_its_exit_status():
+    text = (DOCS / "reference" / "troubleshooting.md").read_text()
+    rows = {m.group(1): int(m.group(2)) for m in re.finditer(r"^\| `([\w ]+)` \| (\d+) \|", text, re.MULTILINE)}
+    assert rows == {kind: status for _, _, kind, status in cli.ERRORS}
+    for module, name, _, _ in cli.ERRORS:
+        assert name in text, name
+    assert str(cli.INTERRUPTED) in text
+
+
+# ---- commands and YAML blocks
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_yaml_block_loads_as_a_config(page, tmp_path):
+    for body in blocks(page, "yaml"):
+        f = tmp_path / "block.yaml"
+        f.write_text(body)
+        load_config(str(f), [])
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relayrl_command_is_valid(page, tmp_path):
+    # a file a page names (`relayrl train my.yaml`) is its own YAML block of that name, else another page's
+    named = {name: body for other in PAGES if other != page for name, body in yaml_files(other).items()}
+    for name, body in {**named, **yaml_files(page)}.items():
+        (tmp_path / name).write_text(body)
+    for argv in commands(page):
+        validate(argv, tmp_path)
+
+
+def test_the_pages_have_commands_to_check():
+    found = {p.name: len(commands(p)) for p in PAGES}
+    assert found["README.md"] >= 4 and sum(found.values()) >= 30, found
+
+
+def readme_training_commands() -> list[list[str]]:
+    return [argv for argv in commands(README) if argv[:1] == ["train"] and "--resume" not in argv and "--help" not in argv
+            and not any(w.startswith(("rollout.engine=vllm", "run.backend=ray", "trainer.fsdp")) for w in argv)]
+
+
+@pytest.mark.slow
+def test_the_readmes_training_commands_run(tmp_path):
+    """Each of the README's `relayrl train` commands (but vLLM, Ray and torchrun, which the engine and
+    distributed tests cover), run for 2 steps in a folder holding the README's files, as a user would."""
+    text = README.read_text()
+    for name, body in yaml_files(README).items():
+        (tmp_path / name).write_text(body)
+    for lang in ("python", "jsonl"):  # files the README names on their first line (`# my_reward.py`)
+        for body in blocks(README, lang):
+            m = re.match(r"#\s*(\S+\.py)\b", body)
+            if m:
+                (tmp_path / m.group(1)).write_text(body)
+    for body in blocks(README, "bash"):  # heredocs that write the data
+        for name, data in re.findall(r"cat > (\S+) <<'EOF'\n(.*?)^EOF", body, re.DOTALL | re.MULTILINE):
+            (tmp_path / name).write_text(data)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")  # the README's commands run from the repo's root
+    runs = readme_training_commands()
+    assert runs, "the README has no relayrl train command"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for i, argv in enumerate(runs):
+        cfg = validate(argv, tmp_path)
+        tiny = TINY + (["eval.size=8"] if cfg.data.eval_path is not None else [])
+        done = subprocess.run([sys.executable, "-m", "relayrl.cli", *argv, *tiny, f"run.output_dir={tmp_path}/r{i}"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, (argv, done.stderr[-3000:])
+        assert "done: 2 steps" in done.stdout + done.stderr, argv
+    assert "relayrl train" in text
