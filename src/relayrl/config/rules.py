@@ -155,6 +155,8 @@ APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] =
     "data.selection_key": _SELECT,
     "data.selection_prior": _SELECT,
     "rollout.fast_decode": (lambda c: c.rollout.engine == "hf", "with rollout.engine=hf", ("rollout.engine",)),
+    "rollout.dtype": (lambda c: c.rollout.engine != "vllm", "with rollout.engine=hf or hf-cb (vLLM loads the "
+                      "weights in model.dtype)", ("rollout.engine",)),
     "rollout.device": (lambda c: c.rollout.engine != "vllm", "with rollout.engine=hf or hf-cb (vLLM places "
                        "itself)", ("rollout.engine",)),
     "trainer.share_prefix": (lambda c: not c.trainer.fsdp, "with trainer.fsdp=false (the sharded ranks forward "

@@ -186,6 +186,11 @@ class RolloutCfg(_Section):
         True, description="hf: decode Llama-family models (llama, mistral, qwen2, qwen3) through relayrl's own "
         "forward (fused projections, a KV cache written in place, a prompt's G copies prefilled once; checked "
         "against the model's forward when the engine starts). false, or any other model: the model's forward.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="hf/hf-cb: the dtype of the engine's copy of the policy ('auto': model.dtype). bfloat16 "
+        "beside a float32 trainer halves the engine's weights and memory traffic; each weight update is cast as it is "
+        "copied in, and the behaviour log-probs stay float32 (from its bfloat16 logits, upcast), differing from the "
+        "trainer's by bfloat16's rounding (logprob_mismatch_mean shows how much). vllm: model.dtype.")
     partial: bool = Field(
         False,
         description="Partial rollouts (APRIL): responses in flight at a weight update are cut and continue under "

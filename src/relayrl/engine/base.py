@@ -24,7 +24,9 @@ class EngineError(RuntimeError):
 
 
 def copy_weights(model, state_dict: dict[str, torch.Tensor]) -> None:
-    """Copy ``state_dict`` into ``model`` in place (the engine's own copy of the policy)."""
+    """Copy ``state_dict`` into ``model`` in place (the engine's own copy of the policy), each tensor cast
+    to its parameter's dtype on the way (``load_state_dict`` copies with ``copy_``): a float32 trainer's
+    weights into a bfloat16 engine (``rollout.dtype``) need no float32 copy on the engine's side."""
     with torch.no_grad():
         missing, unexpected = model.load_state_dict(state_dict, strict=False)
     if unexpected or [k for k in missing if "rotary" not in k]:

@@ -152,7 +152,7 @@ class HFEngine(Engine):
 
     def load_weights(self, state_dict, version: int) -> None:
         with self.pause():
-            copy_weights(self.model, state_dict)
+            copy_weights(self.model, state_dict)  # (cast to the engine's dtype as it is copied: rollout.dtype)
             self._version = version
             self._step_version = version
 
@@ -353,6 +353,8 @@ class HFEngine(Engine):
                              device=self.device) if seeded else None
         at = torch.tensor([len(c) for c in ctx], device=self.device)  # where in its context a row samples next
         while True:
+            # (float32 scores whatever the engine's dtype, rollout.dtype: the log-probs are float32 values, from
+            # its bfloat16 logits upcast, as the trainer takes its own from float32 logits)
             scores = sampling_scores(logits, p.temperature, p.top_k, p.top_p)  # the trainer reproduces this
             if p.temperature > 0:
                 tok = sample_tokens(scores, seeds, at)

@@ -9,7 +9,11 @@ Protocol: requests, aborts, pause/resume and weight loads go down one command qu
 applied in order; completions come back on one queue, acknowledgements on another. Weights
 travel through tensors in shared memory, allocated once: ``load_weights`` copies the policy into
 them, and the child copies them into its model under its engine's own pause, then acknowledges,
-so when ``load_weights`` returns, every later token is sampled by the new version. The child
+so when ``load_weights`` returns, every later token is sampled by the new version. The buffers
+are in the engine's dtype (``rollout.dtype``), not the trainer's: with a bfloat16 engine beside
+a float32 trainer the cast happens in the copy into them (which the parent makes anyway, at about
+a float32 copy's cost), so the shared memory is half the size, the child reads half the bytes,
+and its own copy into the model is a plain one. The child
 exits when told to, or when its parent is gone (a ``kill -9`` of the run leaves no orphan).
 """
 
@@ -102,7 +106,11 @@ class ProcessEngine(Engine):
         ctx = mp.get_context("spawn")
         self._cmd, self._out, self._ack = ctx.Queue(), ctx.Queue(), ctx.Queue()
         # the shared weight buffers, allocated once; every later update is an in-place copy
-        self._shared = {k: v.detach().clone().share_memory_() for k, v in state_dict.items()}
+        from relayrl.models import DTYPES
+
+        dtype = DTYPES[spec.engine_dtype]  # (floating tensors only: an integer buffer keeps its dtype)
+        self._shared = {k: v.detach().to(dtype if v.is_floating_point() else v.dtype, copy=True).share_memory_()
+                        for k, v in state_dict.items()}
         self._proc = ctx.Process(target=_serve, args=(spec, os.getpid(), self._shared, self._cmd, self._out, self._ack),
                                  name="relayrl-engine", daemon=True)
         self._proc.start()

@@ -220,7 +220,14 @@ class RayEngine(Engine):
             self._call("resume")
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        ref = state_dict if isinstance(state_dict, self._ray.ObjectRef) else self._ray.put(state_dict)
+        """The weights go into Ray's store in the engine's dtype (``rollout.dtype``: a float32 trainer's
+        cast to bfloat16 here, half the bytes to store and send; the actor's engine would cast them anyway)."""
+        if not isinstance(state_dict, self._ray.ObjectRef):
+            from relayrl.models import DTYPES
+
+            dtype = DTYPES[self._spec.engine_dtype]
+            state_dict = self._ray.put({k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()})
+        ref = state_dict
         with self._lock:
             self._weights, self._version = ref, version
         self._call("load_weights", ref, version)

@@ -26,6 +26,13 @@ class EngineSpec:
     seed: int = 0
     max_model_len: int = 2048  # vLLM's context
 
+    @property
+    def engine_dtype(self) -> str:
+        """The dtype of the engine's copy of the weights: ``rollout.dtype``, or model.dtype where it is 'auto'
+        (vLLM: always model.dtype; the config refuses rollout.dtype there)."""
+        r = self.rollout
+        return self.dtype if r.dtype == "auto" or r.engine == "vllm" else r.dtype
+
     def reseeded(self, seed: int) -> "EngineSpec":
         return dataclasses.replace(self, seed=seed)
 
@@ -51,8 +58,10 @@ def eos_token_ids(weights: str, tokenizer) -> list[int]:
 
 
 def build_local_engine(spec: EngineSpec, driven: bool = False, model=None, tokenizer=None) -> Engine:
-    """One engine, in the calling process (``model``/``tokenizer``: already loaded, else from the spec)."""
-    from relayrl.models import load_policy, load_tokenizer
+    """One engine, in the calling process (``model``/``tokenizer``: already loaded, else from the spec). A
+    ``model`` passed becomes the engine's: it is moved to ``rollout.device`` and cast to ``spec.engine_dtype``
+    in place."""
+    from relayrl.models import DTYPES, load_policy, load_tokenizer
 
     r = spec.rollout
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(spec.tokenizer)
@@ -65,6 +74,6 @@ def build_local_engine(spec: EngineSpec, driven: bool = False, model=None, token
                           sleep=r.vllm_sleep)
     from relayrl.models import resolve_device
 
-    model = model if model is not None else load_policy(spec.weights, spec.dtype)
-    model = model.to(resolve_device(r.device, "rollout.device"))
+    model = model if model is not None else load_policy(spec.weights, spec.engine_dtype)
+    model = model.to(resolve_device(r.device, "rollout.device"), DTYPES[spec.engine_dtype])
     return make_engine(r, model, tokenizer, version=spec.version, driven=driven)

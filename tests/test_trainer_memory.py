@@ -1,0 +1,59 @@
+"""benchmarks/trainer_memory.py: every requested configuration a row, each cell measured in its own
+process, a TrainerCfg field this version lacks read as such."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _module():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import trainer_memory
+
+        return trainer_memory
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_fields_this_version_lacks_are_told_apart_from_bad_values():
+    from relayrl.config import TrainerCfg
+
+    tm = _module()
+    takes, lacking, dropped = tm.plan({"share_prefix": False, "bf16": True, "no_such_feature": 3}, 1024)
+    assert takes == {"share_prefix": False, "bf16": True} and dropped == ["no_such_feature"] and not lacking
+    if "pack" not in TrainerCfg.model_fields:  # (until trainer.pack lands)
+        assert tm.plan({"pack": True}, 1024)[1] == ["pack"]  # an 'on' row that needs it cannot run
+        assert tm.plan({"pack": False}, 1024)[2] == ["pack"]  # off: left out, the row runs without it
+    with pytest.raises(Exception, match="micro_batch_tokens"):
+        tm.plan({"micro_batch_tokens": 0}, 1024)  # a known field's bad value is an error, not "unavailable"
+    names = [n for n, _ in tm.configurations(1024, ["float32", "bf16"])]
+    assert len(names) == 10 and "bf16 · logprob_chunk_tokens=1024" in names and "float32 · all on" in names
+
+
+@pytest.mark.slow
+def test_the_script_end_to_end_at_tiny_scale(tmp_path):
+    configs = ["all off", "gradient_checkpointing=on"]
+    p = subprocess.run([sys.executable, str(BENCH / "trainer_memory.py"), "--model-scale", "tiny", "--lengths", "160",
+                        "--precisions", "float32", "--configs", *configs, "--steps", "1", "--longtail-rows", "4",
+                        "--longtail-length", "192", "--out", str(tmp_path), "--name", "t"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    data = json.loads((tmp_path / "t.json").read_text())
+    rows = {r[0]: r[1:] for r in data["table"]["rows"]}
+    assert [n for n in rows if "long tail" not in n] == [f"float32 · {c}" for c in configs]
+    assert data["table"]["header"][1] == "L=160 (2 rows)"
+    number = re.compile(r"^[\d.]+ GiB, [\d,]+ tok/s$")
+    assert number.match(rows["float32 · all off"][0]), rows
+    gc = rows["float32 · gradient_checkpointing=on"][0]
+    assert number.match(gc) or gc.startswith("not available in this version"), gc
+    r = data["results"]["float32 · all off/160"]
+    assert r["tokens"] == 2 * 160 and r["rows"] == 2 and r["peak_gib"] > r["cpu_rss_before_model_gib"] > 0
+    padded = [n for n in rows if n.endswith("padded")]
+    assert padded and "padding" in rows[padded[0]][0] and any(n.endswith("packed") for n in rows)
