@@ -164,6 +164,10 @@ def _scenarios(tok, model) -> dict:
         "critic (gae, two updates each), resumed between the steps": (
             {**base, "updates_per_step": 2}, {"advantage": "gae", "kl_coef": 0.1, "kl_mode": "reward"}, "float32",
             [(_with_rewards(tok, 1), None), (_with_rewards(tok, 2), None)], 1),
+        "checkpointed layers, the LM head in chunks of 7 tokens, KL, critic, resumed": (
+            {**base, "gradient_checkpointing": "on", "logprob_chunk_tokens": 7},
+            {"advantage": "gae", "kl_coef": 0.1, "entropy_coef": 0.01}, "float32",
+            [(_with_rewards(tok, 1), None), (_with_rewards(tok, 2), None)], 1),
     }
 
 
