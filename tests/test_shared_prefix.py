@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import types
 import warnings
 
 import pytest
@@ -113,10 +114,10 @@ def test_a_model_whose_shared_forward_differs_trains_with_the_plain_one(tiny):
     model, tok = tiny
     batch = _groups(tok)
     blind = copy.deepcopy(model)
-    forward = blind.forward
-    # a model that cannot read a KV cache: its suffixes see no prompt
-    blind.forward = lambda **kw: forward(**{k: v for k, v in kw.items() if k not in ("cache", "past_key_values",
-                                                                                     "cache_position")})
+    # a model that cannot read a KV cache: its suffixes see no prompt (bound to it: the KL reference, its deep
+    # copy, runs its own weights)
+    blind.forward = types.MethodType(lambda self, **kw: type(self).forward(self, **{
+        k: v for k, v in kw.items() if k not in ("cache", "past_key_values", "cache_position")}), blind)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         tr, _ = _step(blind, batch, True)

@@ -18,7 +18,7 @@ import warnings
 import torch
 from torch import nn
 
-from relayrl.train import distributed
+from relayrl.train import checkpointing, distributed
 from relayrl.algos.values import value_loss
 from relayrl.train.batch import TrainBatch, micro_batches
 from relayrl.models import DTYPES, _load
@@ -74,6 +74,8 @@ class Critic:
         from relayrl.train.trainer import lr_lambda
 
         self.model, self.ccfg, self.budget, self.device, self.dp = model, ccfg, tcfg.micro_batch_tokens, device, dp
+        if checkpointing.wanted(tcfg.gradient_checkpointing, model):  # (trainer.gradient_checkpointing, as the policy)
+            checkpointing.enable(model)
         model.to(device)
         if dp:
             distributed.shard(model)

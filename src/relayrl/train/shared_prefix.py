@@ -58,13 +58,16 @@ def _logits(out) -> torch.Tensor:
 class Prefixes:
     """The prefixes of ``batch``'s groups forwarded once (``grad``: the graph kept for ``backward``),
     and its rows' outputs given micro-batch by micro-batch (``outputs``). ``model``: the module that
-    takes the cache (a causal LM, or the critic's body); ``call(**kwargs)`` runs it (default: itself);
-    ``readout(output)`` [k, S, X]: what is read off its output (default: the logits)."""
+    takes the cache (a causal LM, or the critic's body); ``call(targets, **kwargs)`` runs it (default: itself,
+    ``targets`` ignored): ``targets`` is None for the prefixes' pass (its outputs are not read, only its cache)
+    and, for a micro-batch's suffixes, (the token each position predicts [k, S], whether it is trained [k, S]),
+    for a head that reads only those (``logprobs.reading``); ``readout(output)`` [k, S, X]: what is read off
+    its output (default: the logits)."""
 
     def __init__(self, model, batch, owner: torch.Tensor, cut: torch.Tensor, budget: int, grad: bool, call=None,
                  readout=_logits):
         self.model, self.batch, self.owner, self.cut, self.readout = model, batch, owner, cut, readout
-        self.call = call or (lambda **kw: model(**kw))
+        self.call = call or (lambda targets=None, **kw: model(**kw))
         self.dev = next(model.parameters()).device
         self.kw = cache_kwarg(model)
         self.config = getattr(model, "module", model).config
@@ -91,8 +94,8 @@ class Prefixes:
                 pairs.append(None)
                 continue
             cache = DynamicCache(config=self.config)
-            self.call(input_ids=ids[t, :c].to(self.dev), attention_mask=self.mask[t, :c].to(self.dev), use_cache=True,
-                      **{self.kw: cache})
+            self.call(None, input_ids=ids[t, :c].to(self.dev), attention_mask=self.mask[t, :c].to(self.dev),
+                      use_cache=True, **{self.kw: cache})
             pairs.append([tuple(F.pad(x, (0, 0, 0, C - c)) for x in (layer.keys, layer.values))
                           for layer in cache.layers])
         like = next(p for p in pairs if p is not None)
@@ -132,13 +135,17 @@ class Prefixes:
         rows = self.batch.input_ids[t]
         ids = torch.where(inside, rows.gather(1, pos.clamp(max=rows.shape[1] - 1)), 0)
         att = torch.cat([self.mask[own, :C], inside.long()], 1)
+        # what each suffix position predicts (the row's next token), and whether that is trained
+        nxt = rows.gather(1, (pos + 1).clamp(max=rows.shape[1] - 1))
+        lm = self.batch.loss_mask[t]
+        trained = (pos < lm.shape[1]) & lm.gather(1, pos.clamp(max=lm.shape[1] - 1)).bool()
         cache = DynamicCache(config=self.config)
         o = own.to(self.dev)
         for layer, (k, v) in enumerate(self.leaves):
             cache.update(k[o, :, :C], v[o, :, :C], layer)
         d = self.dev
-        out = self.call(input_ids=ids.to(d), attention_mask=att.to(d), position_ids=pos.to(d),
-                        cache_position=torch.arange(C, C + S, device=d), use_cache=True,
+        out = self.call((nxt.to(d), trained.to(d)), input_ids=ids.to(d), attention_mask=att.to(d),
+                        position_ids=pos.to(d), cache_position=torch.arange(C, C + S, device=d), use_cache=True,
                         **{self.kw: cache})
         out = self.readout(out)  # [k, S, X]
         at = (torch.arange(L - 1) - cut.unsqueeze(1)).clamp(0, S - 1).to(d)  # [k, L-1]
@@ -170,17 +177,17 @@ class PrefixSharing:
         return Prefixes(model, batch, owner, cut, self.budget, grad, call, readout)
 
     @torch.no_grad()
-    def verify(self, model, batch, plain=None, readout=_logits) -> None:
+    def verify(self, model, batch, plain=None, readout=_logits, call=None) -> None:
         """Once: one group's rows' outputs through the shared prefix against the plain forward's
         (``plain(mb)`` [k, L-1, X]; default: ``model``'s logits), on the positions they train; off (and
-        said) where they differ by more than ``tol``."""
+        said) where they differ by more than ``tol``. ``call``: as ``Prefixes``'."""
         if self.verified or not self.enabled or batch.group is None:
             return
         self.verified = True
         rows = torch.nonzero(batch.group == batch.group[0]).flatten()[:8].tolist()
         mb = batch.select(rows)
         try:
-            pre = self.prefixes(model, mb, grad=False, readout=readout)
+            pre = self.prefixes(model, mb, grad=False, call=call, readout=readout)
             if pre is None:
                 self.verified = False  # (nothing shared in this batch: check the next one)
                 return

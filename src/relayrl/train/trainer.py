@@ -9,7 +9,7 @@ micro-batch is moved there, and everything returned (log-probs, metrics, ``full_
 on the CPU. Weights and activations keep ``model.dtype`` (the engine samples in that dtype, so the
 trainer's log-probs match its own; they are taken in float32 from the logits), unless
 ``trainer.bf16``: the forward and backward under bfloat16 autocast, the output
-projection in float32 (``_float32_head``: logits rounded to bfloat16's 8 bits would move every
+projection in float32 (``logprobs.install_head``: logits rounded to bfloat16's 8 bits would move every
 log-prob by up to a few hundredths; MiniMax-M1 traced a training-inference mismatch to it), and on
 a CPU the attention as matrix products (transformers' eager attention: the flash kernel's bfloat16
 backward took 2.4x its float32 time there). With
@@ -24,12 +24,11 @@ import copy
 import dataclasses
 import math
 import time
-import types
 import warnings
 
 import torch
 
-from relayrl.train import distributed
+from relayrl.train import checkpointing, distributed
 from relayrl.algos import AGGREGATIONS, CORRECTIONS, ESTIMATORS, NEEDS_CRITIC, POLICY_LOSSES, kl_penalty, lookup
 from relayrl.algos.estimators import GROUP_BASELINE, over_episodes
 from relayrl.algos.estimators import Knobs as EstimatorKnobs
@@ -40,8 +39,7 @@ from relayrl.algos.shaping import fold_kl
 from relayrl.train.batch import TrainBatch, build_batch, micro_batches
 from relayrl.config import AlgoCfg, TrainerCfg
 from relayrl.fault_injection import fault_point
-from relayrl.models import entropy_from_logits
-from relayrl.algos.token_sampling import sampled_logprobs
+from relayrl.train.logprobs import Readout, install_head
 from relayrl.train.shared_prefix import PrefixSharing
 
 __all__ = ["Trainer", "TrainBatch", "build_batch", "micro_batches", "lr_lambda"]
@@ -68,18 +66,6 @@ def lr_lambda(warmup_steps: int, schedule: str, total_steps: int):
     return f
 
 
-def _float32_head(model) -> None:
-    """The output projection of ``model`` in float32 under autocast (its weight: the float32 parameter
-    it has, tied or its own; only this module's forward changes, bound to it so that a deep copy's
-    is its copy's)."""
-    def forward(head, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False):
-            return torch.nn.functional.linear(x.float(), head.weight, head.bias)
-
-    head = model.get_output_embeddings()
-    head.forward = types.MethodType(forward, head)
-
-
 class Trainer:
     """The policy's optimiser steps, and around them what the step composes by name (``relayrl.algos``):
     the advantage estimator (at training time, with the critic's values when it needs them), the
@@ -99,12 +85,16 @@ class Trainer:
         if acfg.kl_coef > 0:  # frozen reference: the given model, else a copy of the policy as it is now
             self.ref = (ref_model or copy.deepcopy(model)).eval().requires_grad_(False)
         self.device = distributed.resolve_device(tcfg.device)
-        if tcfg.bf16:
-            for m in (model, self.ref):
-                if m is not None:
-                    _float32_head(m)
-                    if self.device.type == "cpu":  # (the CPU's bfloat16 SDPA backward: 2.4x its float32 time)
-                        m.set_attn_implementation("eager")
+        # the log-probs: whole logits, or (trainer.logprob_chunk_tokens) the head chunk by chunk (logprobs.py)
+        self.readout = Readout(tcfg.logprob_chunk_tokens, temperature, top_k, top_p)
+        for m in (model, self.ref):
+            if m is not None and (tcfg.bf16 or tcfg.logprob_chunk_tokens):
+                install_head(m, float32=tcfg.bf16)  # (the float32 head of trainer.bf16, and the chunked readout)
+                if tcfg.bf16 and self.device.type == "cpu":  # (the CPU's bfloat16 SDPA backward: 2.4x its float32 time)
+                    m.set_attn_implementation("eager")
+        # (the policy only: the reference runs under no_grad, where a checkpointed layer would run plainly anyway)
+        if checkpointing.wanted(tcfg.gradient_checkpointing, model):
+            checkpointing.enable(model)
         self.dp = distributed.setup(self.device) if tcfg.fsdp else None  # None: this process trains alone
         for m in (model, self.ref):
             if m is not None:
@@ -144,9 +134,12 @@ class Trainer:
         return self.dp.share(groups) if self.dp else groups
 
     # -- forward helpers -------------------------------------------------------------------
-    def _logits(self, model, mb: TrainBatch, params: dict | None = None) -> torch.Tensor:
-        return self._caller(model, params)(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                                           use_cache=False).logits[:, :-1]
+    def _logits(self, model, mb: TrainBatch, params: dict | None = None, entropy: bool = False) -> torch.Tensor:
+        """[k, L-1, X]: logits, or (chunked) (log-prob, entropy) on the trained positions (0 elsewhere)."""
+        pad = lambda x: torch.nn.functional.pad(x, (0, 1))  # noqa: E731 (the last position predicts nothing)
+        with self.readout.context(model, pad(mb.input_ids[:, 1:]), pad(mb.loss_mask.bool()), entropy):
+            return self._caller(model, params)(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                               use_cache=False).logits[:, :-1]
 
     @staticmethod
     def _caller(model, params: dict | None):
@@ -155,17 +148,29 @@ class Trainer:
             return lambda **kw: model(**kw)
         return lambda **kw: torch.func.functional_call(model, params, (), kw)
 
-    def _passes(self, model, batch: TrainBatch, grad: bool, params: dict | None = None):
-        """(micro-batches, logits of one): through the group's shared prefixes where ``trainer.share_prefix``
-        finds some (``shared_prefix``: the prefixes forwarded once, here), else the plain forward of each."""
-        pre = self.sharing.prefixes(model, batch, grad, self._caller(model, params)) if self.dp is None else None
+    def _prefix_call(self, model, params: dict | None = None, entropy: bool = False):
+        """How ``Prefixes`` runs ``model``: its prefixes' pass (targets None) and suffixes' (targets, trained)."""
+        caller = self._caller(model, params)
+
+        def call(targets=None, **kw):
+            with self.readout.context(model, *(targets or (None, None)), entropy):
+                return caller(**kw)
+
+        return call
+
+    def _passes(self, model, batch: TrainBatch, grad: bool, params: dict | None = None, entropy: bool = False):
+        """(micro-batches, outputs of one: ``_logits``'): through the group's shared prefixes where
+        ``trainer.share_prefix`` finds some (``shared_prefix``: the prefixes forwarded once, here), else the
+        plain forward of each."""
+        call = self._prefix_call(model, params, entropy)
+        pre = self.sharing.prefixes(model, batch, grad, call) if self.dp is None else None
         if pre is None:
-            return self._micro_batches(batch), None, lambda idx, mb: self._logits(model, mb, params)
+            return self._micro_batches(batch), None, lambda idx, mb: self._logits(model, mb, params, entropy)
         return pre.micro_batches(self.tcfg.micro_batch_tokens), pre, lambda idx, mb: pre.outputs(idx)
 
     def _logp(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """log π of the targets under the distribution the engine samples from (T, top-k, top-p)."""
-        return sampled_logprobs(logits, targets, self.temperature, self.top_k, self.top_p)
+        return self.readout.logp(logits, targets)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, model=None, params: dict | None = None) -> torch.Tensor:
@@ -174,13 +179,13 @@ class Trainer:
         model = model or self.model
         out = torch.zeros_like(batch.behav_logp)
         with self._swapped(params) if self.dp and params is not None else contextlib.nullcontext():
-            groups, _, logits_of = self._passes(model, batch, False, None if self.dp else params)
+            groups, _, outputs_of = self._passes(model, batch, False, None if self.dp else params)
             for idx in groups:
                 if idx is None:  # (FSDP) this rank has no rows left: a forward all the same
                     self._logits(model, batch.select([0]).to(self.device))
                     continue
                 mb = batch.select(idx).to(self.device)
-                lp = self._logp(logits_of(idx, mb), mb.input_ids[:, 1:])
+                lp, _ = self.readout.split(outputs_of(idx, mb), mb.input_ids[:, 1:])
                 out[torch.tensor(idx), : lp.shape[1]] = lp.cpu()
         if self.dp:  # each rank filled its own rows
             out = self.dp.reduce(out)
@@ -217,7 +222,7 @@ class Trainer:
                 "mismatch_max": 0.0, "mismatch_tokens": 0.0, "seq_log_w": torch.zeros(batch.size)}
         a = self.acfg
         dev = self.device
-        groups, prefixes, logits_of = self._passes(self.model, batch, True)
+        groups, prefixes, outputs_of = self._passes(self.model, batch, True, entropy=True)
         for idx in groups:
             if idx is None:  # (FSDP) this rank has no rows left: a zero-loss pass, as FSDP needs every rank's
                 (self._logits(self.model, batch.select([0]).to(dev)).sum() * 0).backward()
@@ -226,8 +231,7 @@ class Trainer:
             t = torch.tensor(idx)
             L = mb.loss_mask.shape[1]
             fault_point("train")
-            logits = logits_of(idx, mb)
-            logp = self._logp(logits, mb.input_ids[:, 1:])
+            logp, entropy = self.readout.split(outputs_of(idx, mb), mb.input_ids[:, 1:], bool(a.entropy_coef))
             # on-policy single update: π_old is the current policy, so this forward gives it for free
             old = logp.detach() if old_logp is None else old_logp[t, :L].to(dev)
             stale = (mb.versions < version) & mb.loss_mask.bool() if version is not None else None
@@ -246,7 +250,6 @@ class Trainer:
                 kl = agg(kl_penalty(logp, ref_logp[t, :L].to(dev), a.kl_estimator))
                 loss = loss + a.kl_coef * kl
                 sums["kl"] += kl.item()
-            entropy = entropy_from_logits(logits if a.entropy_coef else logits.detach(), self.temperature)
             if a.entropy_coef:
                 loss = loss - a.entropy_coef * agg(entropy)
             loss.backward()
@@ -316,7 +319,9 @@ class Trainer:
         if self._leads:
             self.dp.send("step", batch, version)
         if self.dp is None:
-            self.sharing.verify(self.model, batch)  # (once; in eval mode, where dropout cannot tell them apart)
+            # (once; in eval mode, where dropout cannot tell them apart; chunked: log-probs, not logits)
+            self.sharing.verify(self.model, batch, lambda mb: self._logits(self.model, mb),
+                                call=self._prefix_call(self.model))
         self.model.train()
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.tcfg.bf16):
             totals, mismatch, est_metrics, batch = self._update(batch, version)
