@@ -77,18 +77,23 @@ def versions_text(runs: list[list[int]]) -> str:
 
 def list_view(console: Console, records: list[dict], shown: list[dict], run_dir: Path) -> None:
     t = Table(title=f"{run_dir}: rollouts", title_justify="left", header_style="bold", expand=False)
-    for col, kw in [("#", {"justify": "right"}), ("step", {"justify": "right"}), ("id", {}), ("status", {}),
-                    ("reward", {"justify": "right"}), ("finish", {}), ("len", {"justify": "right"}),
-                    ("stale", {"justify": "right"}), ("versions", {}), ("turns", {"justify": "right"}),
-                    ("response", {"overflow": "ellipsis", "max_width": 60})]:
-        t.add_column(col, no_wrap=True, **kw)
-    for r in shown:
-        note = f"[red]{escape(one_line(r['failure'].get('kind', 'failed'), 12))}[/red] " if r.get("failure") else ""
-        t.add_row(str(r["#"]), str(r["step"]), escape(r["id"]),
-                  f"[{STATUS_STYLE.get(r['status'], '')}]{r['status']}", f"{r['reward']:.3g}",
-                  str(r["finish_reason"] or "-"), str(r["length"]), str(r["staleness"]),
-                  versions_text(r["versions"]), str(r.get("info", {}).get("turns", 1)),
-                  note + escape(one_line(r["response"], 60)))
+    rows = [[str(r["#"]), str(r["step"]), escape(r["id"]), f"[{STATUS_STYLE.get(r['status'], '')}]{r['status']}",
+             f"{r['reward']:.3g}", str(r["finish_reason"] or "-"), str(r["length"]), str(r["staleness"]),
+             versions_text(r["versions"]), str(r.get("info", {}).get("turns", 1)),
+             (f"[red]{escape(one_line(r['failure'].get('kind', 'failed'), 14))}[/red] " if r.get("failure") else "")
+             + escape(one_line(r["response"], 60))] for r in shown]
+    columns = [("#", "right"), ("step", "right"), ("id", "left"), ("status", "left"), ("reward", "right"),
+               ("finish", "left"), ("len", "right"), ("stale", "right"), ("versions", "left"), ("turns", "right")]
+    if all(row[9] == "1" for row in rows):  # single-turn episodes: no turns column
+        columns, rows = columns[:9], [row[:9] + row[10:] for row in rows]
+    used = 1  # every column but the response as wide as its widest cell: the response takes what is left
+    for i, (col, justify) in enumerate(columns):
+        width = max([len(col)] + [Text.from_markup(row[i]).cell_len for row in rows])
+        t.add_column(col, justify=justify, no_wrap=True, min_width=width)
+        used += width + 3
+    t.add_column("response", no_wrap=True, overflow="ellipsis", width=min(60, max(12, console.width - used - 3)))
+    for row in rows:
+        t.add_row(*row)
     console.print(t)
     steps = sorted({r["step"] for r in records})
     console.print(f"{len(shown)} of {len(records)} episodes ({_span(steps)}); open one: relayrl show {run_dir} "

@@ -16,6 +16,11 @@ checkpoint; each tracker follows as far as it allows):
   Each step is written when it is logged (trackio's thread would wait 0.5 s: a run killed before
   its first write is not found, and --resume would start a second run).
 - swanlab: the same run id, ``resume="allow"`` (offline: a new run folder of the same id).
+
+The rollout records (``run.save_rollouts``) go to each as a table per recorded step (``table``):
+TensorBoard a markdown text summary ``rollouts``, W&B a ``wandb.Table`` ``rollouts``, MLflow
+``log_table`` to the artifact ``rollouts/step_NNNNNN.json`` (its tables have no step), trackio a
+``trackio.Table``. SwanLab has no table type (text, images, echarts): it gets none.
 """
 
 from __future__ import annotations
