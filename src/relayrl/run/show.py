@@ -35,7 +35,7 @@ def load_records(run: str | Path, step: int | None = None) -> tuple[Path, list[d
     steps = recorded_steps(run_dir)
     if not steps:
         why = "its config has run.save_rollouts=0, or it is from before rollout records" \
-            if (run_dir / "config.yaml").exists() else "it is not a run folder (no config.yaml)"
+            if (run_dir / "config.yaml").exists() else "it is not a run folder: no config.yaml"
         raise ShowError(f"{run}: no rollout records in {run_dir / 'rollouts'} ({why})")
     if step is not None and step not in steps:
         raise ShowError(f"{run}: step {step} has no records; recorded: {_span(list(steps))}")
