@@ -1,4 +1,5 @@
-"""``relayrl train|eval [CONFIG.yaml] [section.key=value ...]``, ``relayrl plot RUN [RUN ...]``.
+"""``relayrl train|eval [CONFIG.yaml] [section.key=value ...]``, ``relayrl plot RUN [RUN ...]``,
+``relayrl show RUN [--episode ID]``.
 
 Every error in the input reaches the user as one line on stderr, ``relayrl: <kind> error:
 <message>``, exit status 2; an engine failure, or user code that fails too often at run time
@@ -40,6 +41,7 @@ ERRORS = [
     ("relayrl.run.resume", "ResumeError", "resume", 2),
     ("relayrl.tracking.trackers", "TrackerError", "tracker", 2),
     ("relayrl.tracking.pictures", "PlotError", "plot", 2),
+    ("relayrl.run.show", "ShowError", "show", 2),
     ("relayrl.engine.base", "EngineError", "engine", 1),
     ("relayrl.failures", "UserCodeError", "user code", 1),
     ("builtins", "ValueError", "input", 2),
@@ -111,6 +113,17 @@ def _parser() -> argparse.ArgumentParser:
                     "for one run, compare_<names>.png beside the first run for several)")
     pl.add_argument("--x", choices=["step", "time"], default="step",
                     help="x axis: training steps, or wall-clock minutes (to compare modes)")
+    sh = sub.add_parser("show", help="a run's rollout records: the episodes by step, or one episode")
+    sh.add_argument("run", metavar="RUN", help="a run folder (<run.output_dir>/<run.name>, e.g. runs/demo)")
+    sh.add_argument("--episode", metavar="ID", help="open one episode: its id (e.g. g3/1) or its # in the list")
+    sh.add_argument("--step", type=int, metavar="N", help="only step N's episodes")
+    sh.add_argument("--failures", action="store_true", help="only the episodes that failed (left out of training)")
+    sh.add_argument("--status", choices=["trained", "failed", "filtered"], help="only those trained, failed or "
+                    "filtered by dynamic sampling")
+    sh.add_argument("--sort", choices=["reward", "length"], help="highest first (default: the run's order)")
+    sh.add_argument("--min-reward", type=float, metavar="R")
+    sh.add_argument("--max-reward", type=float, metavar="R")
+    sh.add_argument("--limit", type=int, default=50, metavar="K", help="at most K rows (default 50; 0: all)")
     b = sub.add_parser("build-demo-model", help="(re)build the demo model into a folder")
     b.add_argument("out")
     return p
@@ -168,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str] | None) -> int:
     ns = _parser().parse_args(argv)
     _quiet_libraries()
+    if ns.cmd == "show":
+        from relayrl.run.show import show
+
+        show(ns.run, ns.episode, ns.step, ns.failures, ns.status, ns.min_reward, ns.max_reward, ns.sort, ns.limit)
+        return 0
     if ns.cmd == "build-demo-model":
         from relayrl.demo.model import build_demo_model
 

@@ -143,6 +143,8 @@ class EpisodeRollout:
         self.filter, self.filter_cap = filter_groups, filter_max * batch
         self.filtered_ids: list[str] = list(counters.get("filtered_pending", []))  # since the last step
         self.filtered_tokens = 0  # generated for filtered groups since the last step
+        self.filtered_groups: list[Group] = []  # since the last step (for the rollout records)
+        self.last_filtered: list[Group] = []  # those ``take_filtered`` took
         self.filtered_total = counters.get("filtered_total", 0)
         self.filtered_since_batch = self.filter_exhausted = 0
         # adaptive budgets: (first stage, group_size, most); the surplus per window; groups admitted so far
@@ -242,9 +244,11 @@ class EpisodeRollout:
         self.runner.loop.call_soon_threadsafe(self.wake.set)
 
     def take_filtered(self) -> tuple[list[str], dict]:
-        """The prompt ids dynamic sampling filtered since the last call, and its metrics."""
+        """The prompt ids dynamic sampling filtered since the last call, and its metrics (the groups
+        themselves: ``last_filtered``)."""
         with self.cv:
             ids, self.filtered_ids = self.filtered_ids, []
+            self.last_filtered, self.filtered_groups = self.filtered_groups, []
             tokens, self.filtered_tokens = self.filtered_tokens, 0
         if not self.filter:
             return ids, {}
@@ -391,6 +395,7 @@ class EpisodeRollout:
         self.filtered_since_batch += 1
         self.filtered_total += 1
         self.filtered_ids.append(g.prompt.id)
+        self.filtered_groups.append(g)
         self.filtered_tokens += sum(int(sum(t.mask)) if t.mask else len(t.response_ids) for t in g.trajectories)
         self.changes += 1
         self.cv.notify_all()

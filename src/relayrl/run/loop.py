@@ -24,6 +24,7 @@ from relayrl.run.checkpoint import CheckpointWriter, RunState, restore_rng
 from relayrl.run.evaluation import episode_stats
 from relayrl.run.resume import ResumeError, check_compatible, data_fingerprint, prepare_run_dir, start_state
 from relayrl.tracking import MetricsLog, ProgressBar, RunReport, Timers, Trackers
+from relayrl.tracking.rollouts import RolloutLog
 from relayrl.tracking.timeline import Timeline
 from relayrl.train import distributed
 
@@ -98,6 +99,7 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
         log(f"eval before: {fmt_eval(state.eval_before)}")
     metrics = RunReport(cfg.run, run_dir, resolved_tree(cfg), state, log)  # metrics.jsonl, the trackers of run.report_to, curves.png
     trained_log = MetricsLog(run_dir / "trained_prompts.jsonl", resume_step=state.step)
+    rollouts = RolloutLog(run_dir, cfg.run.save_rollouts, state.step, c.tokenizer)  # rollouts/step_N.jsonl.gz
     timers, t_start, tl = Timers(), time.perf_counter() - state.wall_seconds, Timeline()
     startup = evaluating - entered  # loading, engines, workers (not the evaluation before training)
     writer = CheckpointWriter(run_dir, c.policy, c.tokenizer, cfg.run.keep_checkpoints, c.trainer.full_state_dict,
@@ -113,6 +115,7 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                 with timers("step"):
                     with timers("generate"):  # all of it when synchronous; what training did not hide otherwise
                         groups, generated = source.next_batch()
+                    batch_groups = groups  # (with the failed episodes: the rollout records have them)
                     groups, failed = take_failures(groups, state, cfg)  # (episodes scored themselves, off this thread)
                     batch, shaping = training_batch(groups, cfg.algo, response_budget(cfg), c.tokenizer.pad_token_id)
                     with timers("train"), tl.busy("trainer"), c.engine.asleep():  # (rollout.vllm_sleep)
@@ -127,6 +130,9 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                 filtered, dynamic = source.take_filtered()
                 if watch and (note := watch.update(len(filtered))):
                     log(f"[yellow]{note}", highlight=False)
+                if rollouts.due(state.step):
+                    metrics.table(state.step, rollouts.write(state.step, batch_groups, groups, source.last_filtered,
+                                                             trained_at=state.version - 1))
                 m = record_step(cfg, c, state, groups, generated, {**train_metrics, **idle, **source.metrics(), **dynamic,
                                 **c.sampler.metrics(),
                                 **engine_counters(c.engine), **failures.metrics(failed, state.failures)},

@@ -16,6 +16,11 @@ checkpoint; each tracker follows as far as it allows):
   Each step is written when it is logged (trackio's thread would wait 0.5 s: a run killed before
   its first write is not found, and --resume would start a second run).
 - swanlab: the same run id, ``resume="allow"`` (offline: a new run folder of the same id).
+
+The rollout records (``run.save_rollouts``) go to each as a table per recorded step (``table``):
+TensorBoard a markdown text summary ``rollouts``, W&B a ``wandb.Table`` ``rollouts``, MLflow
+``log_table`` to the artifact ``rollouts/step_NNNNNN.json`` (its tables have no step), trackio a
+``trackio.Table``. SwanLab has no table type (text, images, echarts): it gets none.
 """
 
 from __future__ import annotations
@@ -26,6 +31,16 @@ import time
 from pathlib import Path
 
 from relayrl.tracking.base import Tracker, TrackerContext, TrackerError, _import, check_reachable, quietly
+
+
+def markdown_table(columns: list[str], rows: list[list]) -> str:
+    """A markdown table; cells on one line, ``|`` escaped."""
+    def cell(v) -> str:
+        return (f"{v:.4g}" if isinstance(v, float) else str(v)).replace("\\", "\\\\").replace("|", "\\|") \
+            .replace("\r", " ").replace("\n", " ⏎ ")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows])
 
 
 def _plain(v):
@@ -67,6 +82,10 @@ class TensorBoard(Tracker):
         for k, v in scalars.items():
             self.w.add_scalar(k, v, step)
         self.w.flush()  # on disk with metrics.jsonl's line: a live view is current, a kill loses nothing
+
+    def table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        self.w.add_text(name, markdown_table(columns, rows), step)  # (TensorBoard's text plugin renders markdown)
+        self.w.flush()
 
     def images(self, paths: dict[str, Path], step: int) -> None:
         import numpy as np
@@ -134,6 +153,11 @@ class WandB(Tracker):
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)
+
+    def table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        import wandb
+
+        self.run.log({name: wandb.Table(columns=columns, data=rows)}, step=step)
 
     def images(self, paths: dict[str, Path], step: int) -> None:
         import wandb
@@ -208,6 +232,11 @@ class MLflow(Tracker):
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in scalars.items()])
 
+    def table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        # an artifact per step (MLflow's tables are artifacts: no step of their own, so the step is in the name)
+        self.client.log_table(self.run_id, {c: [r[i] for r in rows] for i, c in enumerate(columns)},
+                              f"{name}/step_{step:06d}.json")
+
     def images(self, paths: dict[str, Path], step: int) -> None:
         for p in paths.values():
             self.client.log_artifact(self.run_id, str(p), artifact_path="pictures")
@@ -259,6 +288,12 @@ class Trackio(Tracker):
         if flush is not None and lock is not None and getattr(self.run, "_is_local", False):
             with lock:
                 flush()
+
+    def table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        import trackio
+
+        self.run.log({name: trackio.Table(columns=columns, data=rows)}, step=step)
+        self.persist()
 
     def images(self, paths: dict[str, Path], step: int) -> None:
         import trackio

@@ -64,6 +64,9 @@ class Tracker:
     def images(self, paths: dict[str, Path], step: int) -> None:
         raise NotImplementedError
 
+    def table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        """A table at a step (the rollout records, ``run.save_rollouts``); a tracker without tables skips it."""
+
     def summary(self, scalars: dict[str, float], step: int) -> None:
         """The run's final numbers (summary.json's); by default logged as ``final/<key>`` at the last step."""
         self.log({f"final/{k}": v for k, v in scalars.items()}, step)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from relayrl.tracking.metrics import MetricsLog
 from relayrl.tracking.pictures import save_curves
+from relayrl.tracking.rollouts import TABLE_COLUMNS, table_rows
 from relayrl.tracking.trackers import TrackerContext, Trackers
 
 
@@ -35,6 +36,10 @@ class RunReport:
         self.trackers.log(record)
         if time.monotonic() - self.drawn > self.REDRAW_S:
             self.curves()
+
+    def table(self, step: int, records: list[dict]) -> None:
+        """A step's rollout records as a table, to the trackers that have tables."""
+        self.trackers.table("rollouts", TABLE_COLUMNS, table_rows(records), step)
 
     def curves(self) -> Path:
         self.drawn = time.monotonic()

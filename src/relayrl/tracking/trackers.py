@@ -92,6 +92,9 @@ class Trackers:
         values, step = scalars(record), int(record["step"])
         self._each(f"step {step}", lambda t: t.log(values, step))
 
+    def table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        self._each(f"the {name} table at step {step}", lambda t: t.table(name, columns, rows, step))
+
     def finish(self, summary: dict, pictures: dict[str, Path], step: int) -> None:
         """The summary's numbers and the pictures, then each run is closed as finished."""
         numbers = {k: v for k, v in scalars(summary).items() if "/" not in k}
