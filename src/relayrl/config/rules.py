@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from relayrl.config.sections import CriticCfg, RolloutCfg
+from relayrl.config.sections import RolloutCfg
+from relayrl.config.training import CriticCfg
 
 if TYPE_CHECKING:
     from relayrl.config.schema import Config

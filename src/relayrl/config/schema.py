@@ -15,9 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from relayrl.config.rules import check
 from relayrl.config.sections import (
-    AlgoCfg, CriticCfg, DataCfg, EnvCfg, EvalCfg, ModelCfg, RayCfg, RewardCfg, RolloutCfg, RunCfg, ServeCfg,
-    TrainerCfg,
+    DataCfg, EnvCfg, EvalCfg, ModelCfg, RayCfg, RewardCfg, RolloutCfg, RunCfg, ServeCfg,
 )
+from relayrl.config.training import AlgoCfg, CriticCfg, TrainerCfg
 
 
 class Config(BaseModel):
