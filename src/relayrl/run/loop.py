@@ -62,7 +62,7 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
     distributed.check_launch(cfg.trainer, cfg.rollout.device)  # a device this machine lacks; torchrun without fsdp
     if distributed.is_follower(cfg.trainer):  # torchrun rank > 0: trains its share of rank 0's batches
         return distributed.run_follower(follower_trainer(cfg))
-    console = console or Console()
+    console = console or Console(soft_wrap=True)  # (a long line left to the terminal, not broken mid-sentence)
     log = console.print
     entered = time.perf_counter()
     # everything that can be wrong with the input is found before the run directory is touched
