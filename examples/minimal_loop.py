@@ -20,10 +20,10 @@ from relayrl.rollout.groups import drop_failed, make_groups, training_batch
 from relayrl.rollout.runner import EpisodeRunner
 from relayrl.train.trainer import Trainer
 
-STEPS, PROMPTS, GROUP, MAX_TOKENS = int(sys.argv[1]) if len(sys.argv) > 1 else 20, 16, 8, 96
+PROMPTS, GROUP, MAX_TOKENS = 16, 8, 96
 
 
-def main(steps: int = STEPS, seed: int = 0) -> list[float]:
+def main(steps: int = 20, seed: int = 0) -> list[float]:
     torch.manual_seed(seed)
     path = resolve_model_path("builtin:demo")  # a 1.8M-parameter Llama shipped with relayrl
     tokenizer = load_tokenizer(path, "chat")
@@ -64,4 +64,4 @@ def main(steps: int = STEPS, seed: int = 0) -> list[float]:
 
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 20)
