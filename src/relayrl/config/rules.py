@@ -5,16 +5,19 @@ Called by ``Config``'s validator; every message names the fields.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
+
+from pydantic import BaseModel
 
 from relayrl.config.sections import RolloutCfg
 from relayrl.config.training import CriticCfg
 
-if TYPE_CHECKING:
-    from relayrl.config.schema import Config
+# The rules read a whole configuration: the root ``config.schema.Config``, which calls them from its
+# validator. They take it as the pydantic model it is, without importing it (the schema imports the
+# rules, one way).
 
 
-def check(c: "Config") -> None:
+def check(c: BaseModel) -> None:
     """Every rule, in order; the first broken one raises ``ValueError`` naming its fields."""
     _adaptive_sampling_where_it_applies(c)
     r, t = c.rollout, c.trainer
@@ -55,7 +58,7 @@ def check(c: "Config") -> None:
         raise ValueError(f"{field} is set, but it only applies {when} (here {now}): remove it")
 
 
-def _adaptive_sampling_where_it_applies(c: Config) -> None:
+def _adaptive_sampling_where_it_applies(c: BaseModel) -> None:
     """rollout.budget and rollout.dynamic_sampling, where the user left them unset: 'adaptive' and true with a
     group baseline over ≥ 2 responses (their signal is a group's reward variance; the default run learns on every
     seed with them, not without: the seeds table in docs/performance.md), else 'fixed' and false."""
@@ -75,7 +78,7 @@ def budget_bounds(r: RolloutCfg) -> tuple[int, int]:
             r.budget_max if r.budget_max is not None else 2 * r.group_size)
 
 
-def _check_algo(c: Config) -> None:
+def _check_algo(c: BaseModel) -> None:
     """Combinations of the algorithm's choices that cannot work, by name."""
     a, r = c.algo, c.rollout
     from relayrl.algos.estimators import GROUP_BASELINE
@@ -103,7 +106,7 @@ def _check_algo(c: Config) -> None:
                          f"rollout.prompts_per_step × rollout.group_size = {batch}")
 
 
-def _critic(c: Config) -> bool:
+def _critic(c: BaseModel) -> bool:
     from relayrl.algos import NEEDS_CRITIC
 
     return c.algo.advantage in NEEDS_CRITIC
@@ -138,7 +141,7 @@ _CRITIC = (_critic, "with a critic (algo.advantage=gae or evpo)", ("algo.advanta
 # Fields that the chosen mode/options ignore: field -> (does it apply?, when it applies, the fields
 # that decide). Setting one where it does not apply would silently do nothing, so it is an error
 # (only when set explicitly: defaults are always present).
-APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] = {
+APPLIES_ONLY: dict[str, tuple[Callable[[BaseModel], bool], str, tuple[str, ...]]] = {
     "rollout.max_staleness": _ASYNC,
     "rollout.cb_num_blocks": _CB,
     "rollout.cb_page_size": _CB,
@@ -209,7 +212,7 @@ APPLIES_ONLY: dict[str, tuple[Callable[[Config], bool], str, tuple[str, ...]]] =
 }
 
 
-def inapplicable_set(cfg: Config) -> list[str]:
+def inapplicable_set(cfg: BaseModel) -> list[str]:
     """Fields set explicitly (pydantic's ``model_fields_set``) where the configuration ignores them."""
     out = []
     for field, (applies, _, _) in APPLIES_ONLY.items():

@@ -1,7 +1,7 @@
 """The episode, and the public interface every kind of episode is written on.
 
 An episode runs one ``Trajectory`` to its end on an ``EpisodeRunner`` (``rollout.runner``), through
-three public calls (AReaL's ``RolloutWorkflow`` is the model):
+three public calls of an ``EpisodeHost`` (AReaL's ``RolloutWorkflow`` is the model):
 
     text = await runner.turn(t, turn, start, limit, params, train)   generate a turn onto ``t`` (mask 1)
     runner.append(t, ids, logprobs, versions, mask, turn)             record tokens that are not the policy's
@@ -32,7 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from relayrl.engine.base import EngineError
 from relayrl.envs.base import Env
@@ -41,8 +41,20 @@ from relayrl.envs.tools import tool_schemas
 from relayrl.failures import UserCodeError
 from relayrl.records import FinishReason, SamplingParams, Trajectory
 
-if TYPE_CHECKING:
-    from relayrl.rollout.runner import EpisodeRunner
+class EpisodeHost(Protocol):
+    """What an episode is written on: ``rollout.runner.EpisodeRunner`` is one; a test's stand-in or
+    another runner can be. Episodes never call anything else of it."""
+
+    tokenizer: Any
+    limits: "EpisodeLimits | None"
+    eos_ids: list[int]
+
+    async def turn(self, t: Trajectory, turn: int, start: int, limit: int, params: SamplingParams, train: bool,
+                   watch: Callable[[], bool] | None = None) -> str: ...
+
+    def append(self, t: Trajectory, ids, logprobs, versions, mask: int, turn: int) -> None: ...
+
+    async def verified(self, text: str, prompt) -> tuple[float, dict | None]: ...
 
 
 @dataclass(frozen=True)
@@ -84,7 +96,7 @@ def anchor(messages: list[dict]) -> int:
     return int.from_bytes(hashlib.sha256(blob).digest()[:7], "little")
 
 
-async def env_episode(runner: "EpisodeRunner", make_env: Callable[[], Env], t: Trajectory, params: SamplingParams,
+async def env_episode(runner: EpisodeHost, make_env: Callable[[], Env], t: Trajectory, params: SamplingParams,
                       train: bool) -> None:
     """An episode with an environment (``env.name``): reset, then turns and steps until done; the
     verifier decides on the last turn unless the environment gave the final reward."""
@@ -99,7 +111,7 @@ async def env_episode(runner: "EpisodeRunner", make_env: Callable[[], Env], t: T
         if callable(getattr(env, "close", None)):  # skyrl-gym style: release what the episode held
             await env_call(runner, env, "close", (), budget, final=True)
 
-async def env_call(runner: "EpisodeRunner", env, method: str, args: tuple, budget: list[float], final: bool = False):
+async def env_call(runner: EpisodeHost, env, method: str, args: tuple, budget: list[float], final: bool = False):
     """``env.<method>(*args)`` under its deadline (``env.step_timeout_s``, and what is left of
     ``env.episode_timeout_s``); what goes wrong raises ``EpisodeFailed`` naming the method."""
     source = f"{type(env).__name__}.{method} (env.name={runner.limits.env_name})"
@@ -125,7 +137,7 @@ async def env_call(runner: "EpisodeRunner", env, method: str, args: tuple, budge
     finally:
         budget[0] -= time.monotonic() - start
 
-async def _run_env_episode(runner: "EpisodeRunner", env, t: Trajectory, params: SamplingParams, train: bool,
+async def _run_env_episode(runner: EpisodeHost, env, t: Trajectory, params: SamplingParams, train: bool,
                            budget: list[float]) -> None:
     messages = list(await env_call(runner, env, "reset", (t.prompt,), budget))
     tools = tool_schemas(env.tools) if getattr(env, "tools", None) else None
