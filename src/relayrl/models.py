@@ -8,6 +8,7 @@ path and the reason, in one line.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -212,3 +213,26 @@ def resolve_device(name: str, field: str = "trainer.device") -> torch.device:
                          f"{'a CPU-only build' if torch.version.cuda is None else 'no GPU visible'}): use "
                          f"{field}=auto or cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A LoRA adapter's shape (``model.lora``), as the trainer and the engines need it: rank, alpha, and the
+    target modules (PEFT's ``target_modules``: module-name suffixes such as "q_proj"). With it, an engine's
+    ``load_weights(state_dict, version)`` receives the adapter's tensors only, under PEFT's saved names
+    (``peft.get_peft_model_state_dict``: "base_model.model.<module>.lora_A.weight" [r, in] and
+    ".lora_B.weight" [out, r]); the update of a target weight W is (alpha / r) · B @ A, on the base weights."""
+
+    r: int
+    alpha: float
+    targets: tuple[str, ...]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.r
+
+    def adapter_config(self, base_model: str) -> dict:
+        """PEFT's ``adapter_config.json`` for this adapter on ``base_model``."""
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": self.r,
+                "lora_alpha": self.alpha, "target_modules": list(self.targets), "lora_dropout": 0.0, "bias": "none",
+                "fan_in_fan_out": False, "inference_mode": True}
