@@ -17,8 +17,10 @@ feature runs without it). ``trainer.share_prefix`` is off in every row (``--base
 each row measures its features alone. Each cell is its own process (this script with ``--one``), so
 peaks do not mix: the process's peak RSS on a CPU (``ru_maxrss``: weights, gradients, optimiser state
 and activations), ``torch.cuda.max_memory_allocated`` on a GPU, measured over the last of
-``--steps`` steps (the first warms up: kernels, allocator, Adam's state), and the tokens per second
-of that step. Also printed: how fast the peak grows per 1,024 tokens of row length from 1,024 to
+``--steps`` steps (the first warms up: kernels, allocator; Adam's state is allocated before it, by a
+step on zero gradients, so a single step already holds everything), and the tokens per second of
+that step. A cell whose peak, extrapolated from its row's shorter lengths, would pass ``--limit-gib``
+is not run (on a CPU without swap the kernel would kill it, or a neighbour). Also printed: how fast the peak grows per 1,024 tokens of row length from 1,024 to
 4,096 (or the first and last lengths asked for), as a ratio to the all-off row of its precision;
 and, with ``trainer.pack``, a long-tail batch (``--longtail-rows`` rows, lengths log-normal up to
 ``--longtail-length``) packed against padded: the padded micro-batches' padding fraction, step
@@ -132,14 +134,24 @@ def make_batch(spec: dict, vocab: int):
     return build_batch(trajs, adv, 0)
 
 
-def padding_fraction(batch, budget: int) -> float:
-    """The share of the tokens the padded micro-batches forward (rows × longest, grouped by length under
-    the token budget, as the trainer groups them) that are padding."""
+def padding_fraction(batch, budget: int, packed: bool = False) -> float:
+    """The share of the token positions the trainer's micro-batches forward that are padding (rows ×
+    longest, grouped by length under the token budget, as the trainer groups them; packed: none)."""
     from relayrl.train.batch import micro_batches
+    from relayrl.train.packing import padding_fraction as fraction
 
-    lengths = batch.attention_mask.sum(1).tolist()
-    forwarded = sum(len(g) * max(lengths[i] for i in g) for g in micro_batches(batch, budget))
-    return 1 - sum(lengths) / forwarded
+    return fraction(batch.attention_mask.sum(1).tolist(), micro_batches(batch, budget, packed=packed), packed)
+
+
+def prime_optimizer(tr) -> None:
+    """Adam's state allocated before the first step (a step on zero gradients: the weights do not move), so
+    that even a single measured step holds weights, gradients, optimiser state and activations at once."""
+    import torch
+
+    for p in tr.model.parameters():
+        p.grad = torch.zeros_like(p)
+    tr.opt.step()
+    tr.opt.zero_grad(set_to_none=True)
 
 
 def measure_one(spec: dict) -> dict:
@@ -161,6 +173,7 @@ def measure_one(spec: dict) -> dict:
     cfg = TrainerCfg.model_validate({"device": spec["device"], "micro_batch_tokens": budget, "warmup_steps": 0,
                                      **spec["overrides"]})
     tr = Trainer(model, cfg, AlgoCfg(kl_coef=0.0), 1.0, 10, spec["length"])
+    prime_optimizer(tr)
     cuda = tr.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for i in range(spec["steps"]):
@@ -174,7 +187,7 @@ def measure_one(spec: dict) -> dict:
         step_s = time.perf_counter() - t0
     out = {"tokens": tokens, "rows": b.size, "step_s": step_s, "tokens_per_s": tokens / step_s,
            "cpu_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "cpu_rss_before_model_gib": before,
-           "padding_fraction": padding_fraction(b, budget), "micro_batch_tokens": budget, "loss": m["loss"]}
+           "padding_fraction": padding_fraction(b, budget, bool(spec["overrides"].get("pack"))), "micro_batch_tokens": budget, "loss": m["loss"]}
     if cuda:
         out["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         out["gpu_peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -207,12 +220,35 @@ def cell(r: dict | None) -> str:
     return f"{r['peak_gib']:.2f} GiB, {r['tokens_per_s']:,.0f} tok/s"
 
 
-def growth(results: dict[int, dict], a: int, b: int) -> float | None:
-    """GiB of peak per 1,024 tokens of row length, from length ``a`` to ``b``."""
-    ra, rb = results.get(a), results.get(b)
-    if a == b or not ra or not rb or "peak_gib" not in ra or "peak_gib" not in rb:
+def growth(results: dict[int, dict], a: int, b: int) -> tuple[float, int] | None:
+    """(GiB of peak per 1,024 tokens of row length from length ``a`` to ``b``, or to the longest length measured
+    below ``b``; that length)."""
+    done = [L for L, r in results.items() if a < L <= b and "peak_gib" in r]
+    if "peak_gib" not in results.get(a, {}) or not done:
         return None
-    return (rb["peak_gib"] - ra["peak_gib"]) / ((b - a) / 1024)
+    b = max(done)
+    return (results[b]["peak_gib"] - results[a]["peak_gib"]) / ((b - a) / 1024), b
+
+
+def projected(per_length: dict[int, dict], L: int) -> float | None:
+    """The peak at length ``L`` extrapolated linearly from the two longest lengths measured below it (memory
+    that grows faster than linearly makes this an underestimate), or None."""
+    done = sorted(x for x, r in per_length.items() if x < L and "peak_gib" in r)
+    if len(done) < 2:
+        return None
+    a, b = done[-2:]
+    ga, gb = per_length[a]["peak_gib"], per_length[b]["peak_gib"]
+    return gb + (gb - ga) * (L - b) / (b - a)
+
+
+def _memory_gib() -> float:
+    """The machine's memory, GiB (0 where it cannot be read)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        return 0.0
 
 
 # -- the table ------------------------------------------------------------------------------------------
@@ -221,7 +257,7 @@ def main() -> None:
     ap.add_argument("--one", help=argparse.SUPPRESS)  # (a child: one configuration, as JSON)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--model-scale", choices=list(SCALES), default="0.5b")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192],
+    ap.add_argument("--lengths", type=int, nargs="*", default=[1024, 2048, 4096, 8192],
                     help="tokens per row, prompt (128) included")
     ap.add_argument("--long", action="store_true", help=f"also {LONG:,} tokens, with one row")
     ap.add_argument("--rows", type=int, default=2, help="rows per batch")
@@ -234,10 +270,16 @@ def main() -> None:
     ap.add_argument("--base", nargs="*", default=["share_prefix=false"], help="TrainerCfg overrides of every row")
     ap.add_argument("--longtail-rows", type=int, default=16, help="0: no long-tail packed-vs-padded rows")
     ap.add_argument("--longtail-length", type=int, default=4096)
+    ap.add_argument("--limit-gib", type=float, default=None,
+                    help="skip a cell whose peak, extrapolated from its row's shorter lengths, exceeds this (0: run "
+                    "all; default on a CPU: the machine's memory less 1 GiB, where the kernel would kill the cell and "
+                    "maybe a neighbour: this machine has no swap; on a GPU: 0, an OOM there is an exception)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per cell")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="trainer_memory")
     a = ap.parse_args()
+    if a.limit_gib is None:
+        a.limit_gib = 0.0 if a.device == "cuda" else _memory_gib() - 1
     if a.one:
         print("RESULT " + json.dumps(measure_one(json.loads(a.one))), flush=True)
         return
@@ -254,8 +296,11 @@ def main() -> None:
         takes, lacking, dropped = plan({**base, **overrides}, a.chunk)
         per_length = {}
         for L in lengths:
+            guess = projected(per_length, L)
             if lacking:
                 r = {"unavailable": lacking}
+            elif a.limit_gib and guess is not None and guess > a.limit_gib:  # (no swap here: the kernel would kill)
+                r = {"error": f"not run: projected ≥ {guess:.1f} GiB > {a.limit_gib:g} GiB"}
             else:
                 spec = {**common, "overrides": takes, "length": L, "rows": 1 if L == LONG else a.rows}
                 r = {**run_one(spec, a.timeout), "overrides": takes, "left_out": dropped}
@@ -268,9 +313,10 @@ def main() -> None:
     rows = []
     for name, per_length in table:
         g, ref = growth(per_length, lo, hi), all_off.get(name.split(" · ")[0])
-        ratio = f"{g / ref:.2f}x" if g is not None and ref else ""
-        data["results"][f"{name}/growth"] = {"gib_per_1k": g, "vs_all_off": ratio}
-        rows.append([name, *[cell(per_length[L]) for L in lengths], "" if g is None else f"{g:.3f}", ratio])
+        ratio = f"{g[0] / ref[0]:.2f}x" if g is not None and ref and ref[0] else ""
+        data["results"][f"{name}/growth"] = {"gib_per_1k": g and g[0], "to_length": g and g[1], "vs_all_off": ratio}
+        text = "" if g is None else f"{g[0]:.3f}" + ("" if g[1] == hi else f" (to {g[1]:,})")
+        rows.append([name, *[cell(per_length[L]) for L in lengths], text, ratio])
     header = ["configuration", *[f"L={L:,}" + (" (1 row)" if L == LONG else f" ({a.rows} rows)") for L in lengths],
               f"peak GiB per 1k tokens, L {lo:,}→{hi:,}", "vs all off"]
     if a.longtail_rows:

@@ -167,8 +167,8 @@ def _scenarios(tok, model) -> dict:
         "critic (gae, two updates each), resumed between the steps": (
             {**base, "updates_per_step": 2}, {"advantage": "gae", "kl_coef": 0.1, "kl_mode": "reward"}, "float32",
             [(_with_rewards(tok, 1), None), (_with_rewards(tok, 2), None)], 1),
-        "checkpointed layers, the LM head in chunks of 7 tokens, entropy, KL reward, critic, resumed": (
-            {**base, "gradient_checkpointing": "on", "logprob_chunk_tokens": 7},
+        "checkpointed layers, the LM head in chunks of 7 tokens, packed rows, entropy, KL reward, critic, resumed": (
+            {**base, "gradient_checkpointing": "on", "logprob_chunk_tokens": 7, "pack": True},
             {"advantage": "gae", "kl_coef": 0.1, "kl_mode": "reward", "entropy_coef": 0.01}, "float32",
             [(_with_rewards(tok, 1), None), (_with_rewards(tok, 2), None)], 1),
     }

@@ -149,6 +149,16 @@ class TrainerCfg(_Section):
         "tokens already holds more activations than the weights and Adam state (~16 bytes a parameter), and peers "
         "(verl, TRL, SkyRL) turn it on; off below, where memory is not what limits (the demo's 1.8M parameters: its "
         "step would take 1.2-1.3x as long with it on, measured).")
+    pack: bool = Field(
+        False, description="Padding-free micro-batches: a micro-batch's rows concatenated end to end into one "
+        "sequence of their real tokens (at most trainer.micro_batch_tokens), position ids restarting at each row, "
+        "attention confined to each row (transformers' packed-sequence masking): the same log-probs and gradient as "
+        "padded rows, without computing the padding. It pays where rows differ in length (a long tail of responses) "
+        "and with a varlen attention kernel (flash attention on a GPU); on a CPU, SDPA computes every row pair's "
+        "attention block of a packed sequence, so many short rows cost more attention packed than padded. Off by "
+        "default: on the demo (short rows grouped by length) padding is already small (see benchmarks/"
+        "trainer_memory.py for the padding fraction of a long-tail batch). Where trainer.share_prefix forwards a "
+        "group's prompt once, its micro-batches of responses stay padded.")
     logprob_chunk_tokens: int = Field(
         4096, ge=0, description="Apply the LM head this many tokens at a time, forward and backward, for the "
         "log-probs and entropy (relayrl.train.logprobs): float32 logits are never held for more tokens than this (a "

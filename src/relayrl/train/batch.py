@@ -98,18 +98,20 @@ def build_batch(trajs: list[Trajectory], advantages: torch.Tensor | list, pad_id
     return TrainBatch(ids, att, mask, behav, vers, adv * mask, tok_rewards, group, owner=owner)
 
 
-def micro_batches(batch: TrainBatch, token_budget: int) -> list[list[int]]:
-    """Groups of row indices, sorted by length, each with rows × longest ≤ budget (at least one row)."""
+def micro_batches(batch: TrainBatch, token_budget: int, packed: bool = False) -> list[list[int]]:
+    """Groups of row indices, sorted by length, each within the token budget (at least one row): rows ×
+    longest ≤ budget (padded rows), or the rows' lengths summed ≤ budget (``packed``: ``packing.Packed``)."""
     lengths = batch.attention_mask.sum(1).tolist()
     order = sorted(range(batch.size), key=lambda i: lengths[i])
-    groups, cur, longest = [], [], 0
+    groups, cur, longest, total = [], [], 0, 0
     for i in order:
         longest_if = max(longest, lengths[i])
-        if cur and longest_if * (len(cur) + 1) > token_budget:
+        cost = total + lengths[i] if packed else longest_if * (len(cur) + 1)
+        if cur and cost > token_budget:
             groups.append(cur)
-            cur, longest_if = [], lengths[i]
+            cur, longest_if, total = [], lengths[i], 0
         cur.append(i)
-        longest = longest_if
+        longest, total = longest_if, total + lengths[i]
     if cur:
         groups.append(cur)
     return groups

@@ -22,6 +22,7 @@ from relayrl.train import checkpointing, distributed
 from relayrl.algos.values import value_loss
 from relayrl.train.batch import TrainBatch, micro_batches
 from relayrl.models import DTYPES, _load
+from relayrl.train.packing import Packed
 from relayrl.train.shared_prefix import PrefixSharing
 
 
@@ -40,8 +41,10 @@ class ValueModel(nn.Module):
             self.head.bias.zero_()
         self._no_split_modules = getattr(body, "_no_split_modules", None)  # FSDP2's unit: a decoder layer
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        h = self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False).last_hidden_state
         return self.head(h).squeeze(-1).float()
 
 
@@ -74,6 +77,7 @@ class Critic:
         from relayrl.train.trainer import lr_lambda
 
         self.model, self.ccfg, self.budget, self.device, self.dp = model, ccfg, tcfg.micro_batch_tokens, device, dp
+        self.pack = tcfg.pack  # (trainer.pack, as the policy: rows packed end to end, train/packing.py)
         if checkpointing.wanted(tcfg.gradient_checkpointing, model):  # (trainer.gradient_checkpointing, as the policy)
             checkpointing.enable(model)
         model.to(device)
@@ -87,11 +91,14 @@ class Critic:
                                      log=lambda m: warnings.warn(f"(critic) {m}", stacklevel=3))
 
     def _micro_batches(self, batch: TrainBatch) -> list[list[int] | None]:
-        groups = micro_batches(batch, self.budget)
+        groups = micro_batches(batch, self.budget, packed=self.pack)
         return self.dp.share(groups) if self.dp else groups
 
     def _forward(self, mb: TrainBatch) -> torch.Tensor:
-        return self.model(mb.input_ids, mb.attention_mask)[:, :-1]
+        if not self.pack:
+            return self.model(mb.input_ids, mb.attention_mask)[:, :-1]
+        p = Packed(mb.attention_mask)
+        return p.unflat(self.model(p.flat(mb.input_ids), None, p.position_ids))[:, :-1]
 
     def _head(self, out) -> torch.Tensor:
         return self.model.head(out.last_hidden_state).float()  # [k, S, 1]

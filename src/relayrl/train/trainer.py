@@ -40,6 +40,7 @@ from relayrl.train.batch import TrainBatch, build_batch, micro_batches
 from relayrl.config import AlgoCfg, TrainerCfg
 from relayrl.fault_injection import fault_point
 from relayrl.train.logprobs import Readout, install_head
+from relayrl.train.packing import Packed
 from relayrl.train.shared_prefix import PrefixSharing
 
 __all__ = ["Trainer", "TrainBatch", "build_batch", "micro_batches", "lr_lambda"]
@@ -130,16 +131,23 @@ class Trainer:
 
     def _micro_batches(self, batch: TrainBatch) -> list[list[int] | None]:
         """This rank's micro-batches of ``batch`` (None: a pass with no rows, to keep in step)."""
-        groups = micro_batches(batch, self.tcfg.micro_batch_tokens)
+        groups = micro_batches(batch, self.tcfg.micro_batch_tokens, packed=self.tcfg.pack)
         return self.dp.share(groups) if self.dp else groups
 
     # -- forward helpers -------------------------------------------------------------------
     def _logits(self, model, mb: TrainBatch, params: dict | None = None, entropy: bool = False) -> torch.Tensor:
-        """[k, L-1, X]: logits, or (chunked) (log-prob, entropy) on the trained positions (0 elsewhere)."""
+        """[k, L-1, X]: logits, or (chunked) (log-prob, entropy) on the trained positions (0 elsewhere); the
+        rows forwarded padded, or (``trainer.pack``) as one sequence of their real tokens (``packing``)."""
         pad = lambda x: torch.nn.functional.pad(x, (0, 1))  # noqa: E731 (the last position predicts nothing)
-        with self.readout.context(model, pad(mb.input_ids[:, 1:]), pad(mb.loss_mask.bool()), entropy):
-            return self._caller(model, params)(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                                               use_cache=False).logits[:, :-1]
+        targets, trained = pad(mb.input_ids[:, 1:]), pad(mb.loss_mask.bool())
+        call = self._caller(model, params)
+        if not self.tcfg.pack:
+            with self.readout.context(model, targets, trained, entropy):
+                return call(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1]
+        p = Packed(mb.attention_mask)
+        with self.readout.context(model, p.flat(targets), p.flat(trained), entropy):
+            out = call(input_ids=p.flat(mb.input_ids), position_ids=p.position_ids, use_cache=False).logits
+        return p.unflat(out)[:, :-1]
 
     @staticmethod
     def _caller(model, params: dict | None):

@@ -1,0 +1,51 @@
+"""Padding-free micro-batches (``trainer.pack``): rows concatenated end to end into one sequence.
+
+A padded micro-batch forwards rows × its longest row; with responses of a long tail (most short, a
+few at the length limit) most of that is padding, computed through every layer and thrown away.
+Packed, a micro-batch is one sequence of its rows' real tokens only, under a budget of real tokens
+(``micro_batches(..., packed=True)``); each row's position ids restart at 0, and transformers'
+masking (``masking_utils.find_packed_sequence_indices``: called with no 2-D attention mask and no
+KV cache) confines each token's attention to the earlier tokens of its own row, so every row sees
+what it sees padded: the same per-token log-probs and gradient (tested against the padded path).
+
+The attention kernel decides what packing costs: a varlen kernel (flash attention on a GPU) skips
+the other rows' blocks, while SDPA and eager attention on a CPU materialise a T × T mask and
+compute every block, so a packed micro-batch of many short rows costs more attention than padded
+rows of them. The MLP and the head cost per real token, and that is what padding wastes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Packed:
+    """The real tokens of right-padded rows (``attention_mask`` [k, L]) as one row, and back."""
+
+    def __init__(self, attention_mask: torch.Tensor):
+        self.keep = attention_mask.bool()  # [k, L]
+        lengths = self.keep.sum(1)
+        # position of each real token within its own row: 0, 1, ..., l_i - 1, row after row
+        starts = torch.cumsum(lengths, 0) - lengths
+        total = int(lengths.sum())
+        self.position_ids = (torch.arange(total, device=lengths.device)
+                             - torch.repeat_interleave(starts, lengths)).unsqueeze(0)  # [1, T]
+
+    def flat(self, x: torch.Tensor) -> torch.Tensor:
+        """[k, L, ...] → [1, T, ...]: the real tokens' entries, row after row."""
+        return x[self.keep].unsqueeze(0)
+
+    def unflat(self, y: torch.Tensor) -> torch.Tensor:
+        """[1, T, ...] → [k, L, ...], zero at the padding."""
+        out = y.new_zeros(*self.keep.shape, *y.shape[2:])
+        out[self.keep] = y[0]
+        return out
+
+
+def padding_fraction(lengths: list[int], groups: list[list[int]], packed: bool) -> float:
+    """The share of the token positions the micro-batches ``groups`` forward that are padding: rows ×
+    longest each (padded), or none (packed)."""
+    if packed or not groups:
+        return 0.0
+    forwarded = sum(len(g) * max(lengths[i] for i in g) for g in groups)
+    return 1 - sum(lengths[i] for g in groups for i in g) / forwarded
