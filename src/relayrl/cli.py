@@ -42,6 +42,7 @@ ERRORS = [
     ("relayrl.tracking.trackers", "TrackerError", "tracker", 2),
     ("relayrl.tracking.pictures", "PlotError", "plot", 2),
     ("relayrl.run.show", "ShowError", "show", 2),
+    ("relayrl.engine.base", "PolicyMismatch", "sampling", 1),
     ("relayrl.engine.base", "EngineError", "engine", 1),
     ("relayrl.failures", "UserCodeError", "user code", 1),
     ("builtins", "ValueError", "input", 2),

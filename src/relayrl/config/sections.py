@@ -53,6 +53,18 @@ class RunCfg(_Section):
         "made the demo 3.4x slower, 1 thread 1.5x (benchmarks/busy_neighbours.py). Set it for runs that must repeat "
         "bit for bit whatever the machine's load (the thread count changes float sums), or when neighbours start "
         "after the run.")
+    mismatch_alarm: float = Field(
+        0.05, ge=0, description="Stop the run when the engine is not sampling the trained policy, seen in the "
+        "engine's log-probs of the tokens it sampled against the trainer's under the weights of the version that "
+        "sampled them: (a) more than this apart per token on average (logprob_mismatch_mean), or (b) on 8 rows "
+        "checked each step against the previous version's weights too, further from this version's than twice the "
+        "previous one's, and by more than a tenth of this (logprob_mismatch_check, _check_prev_weights): the engine "
+        "samples older weights than it says. One line names the step and version; its metrics are written, the "
+        "last checkpoint kept. 0: never (and no check). Measured on the demo (benchmarks/mismatch_alarm.py, 6 "
+        "steps): a float32 engine and vLLM's CPU build agree to ~3e-7, a bfloat16 engine (rollout.dtype) to "
+        "~2e-3 (rows checked: 1e-3-6e-3, always closer to this version than to the previous); an engine whose "
+        "weights stopped following from the 2nd update was 5e-3 off at step 3 and 5-8x closer to the previous "
+        "weights: caught at step 3, in float32 and bfloat16.")
     max_failure_frac: float = Field(
         0.5, ge=0, le=1, description="User code that fails (a verifier that raises or times out, an environment "
         "that raises or passes its deadline) leaves its episode out of training, counted by kind, never scored 0. "

@@ -23,6 +23,12 @@ class EngineError(RuntimeError):
     pass
 
 
+class PolicyMismatch(EngineError):
+    """The engine's log-probs of the tokens it sampled disagree with the trainer's under the weights of the
+    version the tokens say they were sampled with (``run.mismatch_alarm``): the engine is not sampling the
+    trained policy (a weight update that did not apply, an adapter left out, other sampling settings)."""
+
+
 def copy_weights(model, state_dict: dict[str, torch.Tensor]) -> None:
     """Copy ``state_dict`` into ``model`` in place (the engine's own copy of the policy), each tensor cast
     to its parameter's dtype on the way (``load_state_dict`` copies with ``copy_``): a float32 trainer's

@@ -203,6 +203,9 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
     return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params, runner)
 
 
+ALARM_ROWS = 8  # rows of fresh tokens run.mismatch_alarm checks each step against the previous weights too
+
+
 def make_trainer(cfg: Config, policy, ref=None) -> Trainer:
     """The trainer, with its critic when the advantage estimator needs one (on every torchrun rank
     alike with trainer.fsdp: the critic is sharded as the policy is)."""
@@ -210,7 +213,8 @@ def make_trainer(cfg: Config, policy, ref=None) -> Trainer:
     critic = make_critic(cfg.critic, cfg.trainer, cfg.model.path, cfg.model.dtype, cfg.run.seed, cfg.run.steps) \
         if cfg.algo.advantage in NEEDS_CRITIC else None
     return Trainer(policy, cfg.trainer, cfg.algo, r.temperature, cfg.run.steps, cfg.algo.norm_len or r.max_new_tokens,
-                   ref_model=ref, top_p=r.top_p, top_k=r.top_k, critic=critic, group_size=r.group_size)
+                   ref_model=ref, top_p=r.top_p, top_k=r.top_k, critic=critic, group_size=r.group_size,
+                   check_rows=ALARM_ROWS if cfg.run.mismatch_alarm else 0)
 
 
 def follower_trainer(cfg: Config) -> Trainer:

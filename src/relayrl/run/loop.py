@@ -14,6 +14,7 @@ from rich.console import Console
 from relayrl import failures
 from relayrl.config import Config, dump_config, resolved_tree
 from relayrl.engine import EngineError
+from relayrl.engine.base import PolicyMismatch
 from relayrl.engine.placement import engine_counters
 from relayrl.records import Group, group_to_dict
 from relayrl.rollout.driver import FilterWatch, flatten, versions_behind
@@ -139,6 +140,7 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                                 timers.pop(), metrics, source)
                 trained_log.write({"step": state.step, "prompt_ids": [g.prompt.id for g in groups],
                                    **({"filtered_prompt_ids": filtered} if filtered else {})})
+                check_sampling(m, cfg.run.mismatch_alarm, state.version - 1)  # (its metrics written, no checkpoint)
                 bar.update(m)
                 last = state.step == cfg.run.steps or reached(cfg, m, log)
                 if (cfg.run.save_every and state.step % cfg.run.save_every == 0) or last:
@@ -176,6 +178,33 @@ def take_failures(groups: list[Group], state: RunState, cfg: Config) -> tuple[li
         raise failures.UserCodeError(f"{where}: every episode of the batch failed ({dict(counts)}); first: "
                                      f"{next(t.failure for t in flatten(groups) if t.failure)}")
     return kept, counts
+
+
+def check_sampling(m: dict, alarm: float, version: int) -> None:
+    """``run.mismatch_alarm``: the run stops when the engine is not sampling the trained policy, seen in the
+    engine's log-probs of the tokens it sampled (``Trainer.step``'s metrics), against the trainer's under the
+    weights of the version that sampled them: (a) more than ``alarm`` apart per token on average; or (b) on
+    the rows checked against the previous version's weights too, further from this version's than twice
+    the previous one's, and by more than ``alarm / 10``: the engine samples weights older than it says."""
+    mean, check, prev = (m.get(k) for k in ("logprob_mismatch_mean", "logprob_mismatch_check",
+                                              "logprob_mismatch_check_prev_weights"))
+    if not alarm:
+        return
+    if mean is not None and mean > alarm:
+        seen = (f"the {m['logprob_mismatch_tokens']:,} tokens checked have log-probs {mean:.3g} apart per token on "
+                f"average (largest {m['logprob_mismatch_max']:.3g}) between the engine and the trainer, over "
+                f"run.mismatch_alarm={alarm:g}")
+    elif check is not None and check > max(2 * prev, alarm / 10):
+        seen = (f"its tokens are {check:.3g} apart per token from the trainer's log-probs under version {version}'s "
+                f"weights but {prev:.3g} under version {version - 1}'s: the engine samples older weights than it says "
+                f"(run.mismatch_alarm={alarm:g})")
+    else:
+        return
+    raise PolicyMismatch(
+        f"the engine is not sampling the trained policy: at step {m['step']} (policy version {version}), {seen}. "
+        "The engine's weights are not the trained ones: a weight update (or a LoRA adapter) that did not apply, or "
+        "the engine samples otherwise than the trainer reads it (rollout.temperature/top_p/top_k); metrics.jsonl "
+        "has the step")
 
 
 def record_step(cfg: Config, c: Components, state: RunState, groups, generated: int, train_metrics: dict,

@@ -75,12 +75,15 @@ class Trainer:
 
     def __init__(self, model, tcfg: TrainerCfg, acfg: AlgoCfg, temperature: float, total_steps: int, norm_len: int,
                  ref_model=None, top_p: float = 1.0, top_k: int = 0, mismatch_rows: int = 16, critic=None,
-                 group_size: int = 8):
+                 group_size: int = 8, check_rows: int = 0):
         self.model, self.tcfg, self.acfg = model, tcfg, acfg
         self.temperature, self.norm_len = temperature, norm_len
         self.top_p, self.top_k = top_p, top_k  # the engine's truncation, reproduced (sampling.py)
         # the weights of one version ago, to measure the engine-trainer mismatch on tokens they sampled
         self.mismatch_rows = mismatch_rows
+        # fresh rows checked each step against this version's weights and the previous version's (the weights of one
+        # version ago kept for it: run.mismatch_alarm); 0: no check
+        self.check_rows = check_rows
         self._prev: tuple[int, dict] | None = None
         self.ref = None
         if acfg.kl_coef > 0:  # frozen reference: the given model, else a copy of the policy as it is now
@@ -354,6 +357,7 @@ class Trainer:
         loss_ref = None if self.kl_in_reward else ref_logp
         fresh = batch.loss_mask if version is None else batch.loss_mask * (batch.versions >= version)
         mismatch = [_mismatch(old_logp, batch.behav_logp, fresh)] if old_logp is not None else []
+        prev_check = self._fresh_against_previous(batch, version)  # (before the line below replaces the previous weights)
         mismatch.append(self._previous_version_mismatch(batch, version))
         perm = torch.randperm(batch.size)
         perm = (self.dp.broadcast(perm) if self.dp else perm).tolist()  # (FSDP: rank 0's order on every rank)
@@ -395,7 +399,7 @@ class Trainer:
             for k, v in sums.items():
                 totals[k] = totals.get(k, 0.0) + v / len(chunks)
         totals["rows_skipped"] = skipped
-        return totals, mismatch, est_metrics, batch
+        return totals, mismatch, {**est_metrics, **prev_check}, batch
 
     def _contributing(self, mini: TrainBatch, ref_logp) -> list[int] | None:
         """The rows of ``mini`` whose gradient is not zero: a row whose every trained token has advantage 0
@@ -410,6 +414,26 @@ class Trainer:
         if bool(moves.all()) or not bool(moves.any()):
             return None
         return torch.nonzero(moves).flatten().tolist()
+
+    @torch.no_grad()
+    def _fresh_against_previous(self, batch: TrainBatch, version: int | None) -> dict:
+        """The engine's log-probs of up to ``check_rows`` rows of tokens it sampled with this version, against
+        the trainer's under this version's weights and under the previous version's: an engine that samples
+        the trained policy agrees better with the first (to its numerics: ~1e-7 in float32, ~2e-3 in bfloat16),
+        one whose weights stopped following agrees better with the second (``run.mismatch_alarm``). {} on the
+        first step (no previous weights kept) or with no such tokens."""
+        if version is None or not self.check_rows or self._prev is None or self._prev[0] != version - 1:
+            return {}
+        sel = batch.loss_mask * (batch.versions == version)
+        rows = torch.nonzero(sel.sum(1) > 0).flatten()[: self.check_rows].tolist()
+        if not rows:
+            return {}
+        sub = batch.select(rows)
+        sel = sel[torch.tensor(rows), : sub.loss_mask.shape[1]]
+        now = _mismatch(self.logprobs(sub), sub.behav_logp, sel)
+        prev = _mismatch(self.logprobs(sub, params={k: v.to(self.device) for k, v in self._prev[1].items()}),
+                         sub.behav_logp, sel)
+        return {"logprob_mismatch_check": now[0] / now[2], "logprob_mismatch_check_prev_weights": prev[0] / prev[2]}
 
     @torch.no_grad()
     def _previous_version_mismatch(self, batch: TrainBatch, version: int | None) -> tuple[float, float, float]:
@@ -429,7 +453,8 @@ class Trainer:
                 lp = self.logprobs(sub, params=on_device)
                 del on_device
                 out = _mismatch(lp, sub.behav_logp, sel[torch.tensor(rows), : lp.shape[1]])
-        if bool(((batch.versions < version) & batch.loss_mask.bool()).any()):  # a mode with stale tokens
+        # a mode with stale tokens, or the check of the fresh ones against the previous weights (``check_rows``)
+        if self.check_rows or bool(((batch.versions < version) & batch.loss_mask.bool()).any()):
             # kept on the CPU (a GPU trainer would otherwise hold a second copy of the weights all run long);
             # FSDP's shards stay where they are (a rank holds 1/N of the weights)
             where = self.device if self.dp else torch.device("cpu")

@@ -1,0 +1,79 @@
+"""run.mismatch_alarm: a run whose engine stops taking the trained weights stops at the first step after,
+with one line naming the step and version; a correct run (float32 or a bfloat16 engine) never does."""
+
+import json
+
+import pytest
+
+from relayrl.cli import main
+from relayrl.engine import hf
+from relayrl.engine.base import PolicyMismatch
+from relayrl.run.loop import check_sampling
+from tests.test_e2e import EASY
+
+ALARM = 0.05
+
+
+def _m(mean=None, check=None, prev=None):
+    return {"step": 3, "logprob_mismatch_mean": mean, "logprob_mismatch_max": None if mean is None else 2 * mean,
+            "logprob_mismatch_tokens": 120, "logprob_mismatch_check": check, "logprob_mismatch_check_prev_weights": prev}
+
+
+@pytest.mark.parametrize("m, fires", [
+    (_m(3e-7, 3e-7, 3e-3), False),  # a float32 engine
+    (_m(2e-3, 6e-3, 5e-3), False),  # a bfloat16 engine: its noise above a tenth of the alarm, but not closer to v-1
+    (_m(2e-3, 2e-3, 2e-3), False),  # an update that moved nothing: as close to both
+    (_m(0.06), True),  # (a) too far apart on average
+    (_m(5e-3, 5.4e-3, 2.8e-7), True),  # (b) closer to the previous version's weights
+    (_m(5e-3, 4e-3, 1e-4), False),  # (b) closer to v-1, but within a tenth of the alarm: numerics
+    (_m(None), False),  # nothing checkable (every token stale, a step of failed episodes only)
+])
+def test_the_rule(m, fires):
+    if fires:
+        with pytest.raises(PolicyMismatch, match=r"^the engine is not sampling the trained policy: at step 3 \(policy "
+                                                 r"version 2\)"):
+            check_sampling(m, ALARM, 2)
+    else:
+        check_sampling(m, ALARM, 2)
+    check_sampling({**m, "logprob_mismatch_mean": 1.0, "logprob_mismatch_check": 1.0}, 0.0, 2)  # 0: never
+
+
+def _args(tiny_path, tmp_path, *extra):
+    return ["train", *EASY, f"model.path={tiny_path}", f"run.output_dir={tmp_path}", "run.name=a", "run.steps=5",
+            "trainer.warmup_steps=0", "run.progress=false", *extra]
+
+
+@pytest.fixture()
+def broken_sync(monkeypatch):
+    """The engine keeps the version it is told but stops copying the weights from the 2nd update on."""
+    real, calls = hf.copy_weights, [0]
+
+    def skipping(model, state_dict):
+        calls[0] += 1
+        if calls[0] < 2:
+            real(model, state_dict)
+
+    monkeypatch.setattr(hf, "copy_weights", skipping)
+    return calls
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_a_broken_sync_stops_the_run_at_the_first_step_after(tiny_path, tmp_path, capsys, broken_sync, dtype):
+    assert main(_args(tiny_path, tmp_path, f"rollout.dtype={dtype}")) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("relayrl: sampling error: the engine is not sampling the trained policy: at step 3 (policy "
+                          "version 2)") and "\n" not in err, err
+    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]  # the step that showed it is written, no step after it
+    assert broken_sync[0] == 3  # updates 1, 2 (ignored), 3 (ignored, published before the check)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_a_correct_run_never_stops_and_records_the_check(tiny_path, tmp_path, dtype):
+    assert main(_args(tiny_path, tmp_path, f"rollout.dtype={dtype}")) == 0
+    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 5 and all(r["logprob_mismatch_check"] < r["logprob_mismatch_check_prev_weights"]
+                                  for r in rows[1:]), [(r["logprob_mismatch_check"],
+                                                        r["logprob_mismatch_check_prev_weights"]) for r in rows]
