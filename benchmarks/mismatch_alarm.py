@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_info, write_results  # noqa: E402
+from common import machine_info, write_results
 
 
 @contextlib.contextmanager

@@ -297,8 +297,11 @@ def main() -> None:
         per_length = {}
         for L in lengths:
             guess = projected(per_length, L)
+            failed = [x for x, r in per_length.items() if x < L and r.get("error") == "OOM"]
             if lacking:
                 r = {"unavailable": lacking}
+            elif failed:  # (longer only needs more)
+                r = {"error": f"not run: OOM at L={failed[0]:,}"}
             elif a.limit_gib and guess is not None and guess > a.limit_gib:  # (no swap here: the kernel would kill)
                 r = {"error": f"not run: projected ≥ {guess:.1f} GiB > {a.limit_gib:g} GiB"}
             else:
@@ -328,14 +331,15 @@ def main() -> None:
 
 
 def longtail(a, base: dict, common: dict, data: dict, width: int) -> list[list[str]]:
-    """A long-tail batch, padded (all off) against packed (pack=true): padding fraction, step time, peak."""
+    """A long-tail batch, padded against packed (the other features on): padding fraction, step time, peak."""
     out = []
-    budget = a.micro_batch_tokens or 4 * a.longtail_length
+    budget = a.micro_batch_tokens or 2 * a.longtail_length
     for prec in a.precisions:
         for label, pack in (("padded", False), ("packed", True)):
-            overrides = {**base, **{k: v[0] for k, v in features(a.chunk).items()}, "pack": pack, "bf16": prec == "bf16"}
+            # (the other memory features on: the padded rows of a long tail would not fit otherwise)
+            overrides = {**base, **{k: v[1] for k, v in features(a.chunk).items()}, "pack": pack, "bf16": prec == "bf16"}
             takes, lacking, dropped = plan(overrides, a.chunk)
-            name = f"{prec} · long tail, {a.longtail_rows} rows ≤ {a.longtail_length:,}, {label}"
+            name = f"{prec} · long tail, {a.longtail_rows} rows ≤ {a.longtail_length:,}, {label} (the rest on)"
             if lacking:
                 r = {"unavailable": lacking}
                 text = cell(r)

@@ -88,8 +88,8 @@ def test_attention_leaking_across_rows_would_be_seen(tiny):
 
 
 def test_critic_values_and_gradient_equal_the_padded_rows(tiny_path):
-    from tests.test_critic import reward_batch
     from relayrl.models import load_tokenizer
+    from tests.test_critic import reward_batch
 
     batch = reward_batch(load_tokenizer(tiny_path), 1)
     out = {}

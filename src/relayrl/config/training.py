@@ -160,13 +160,16 @@ class TrainerCfg(_Section):
         "trainer_memory.py for the padding fraction of a long-tail batch). Where trainer.share_prefix forwards a "
         "group's prompt once, its micro-batches of responses stay padded.")
     logprob_chunk_tokens: int = Field(
-        4096, ge=0, description="Apply the LM head this many tokens at a time, forward and backward, for the "
+        1024, ge=0, description="Apply the LM head this many tokens at a time, forward and backward, for the "
         "log-probs and entropy (relayrl.train.logprobs): float32 logits are never held for more tokens than this (a "
         "16k-token micro-batch of a 152k vocabulary holds 10 GB of them at once otherwise, and as much again for "
         "their gradient), and only the trained positions are computed. The same values and gradients (to float "
-        "rounding). 0: whole logits. 4096 (prime-rl: 8192, SkyRL: 1024) bounds them to 2.3 GB at a 152k vocabulary; "
-        "the demo's step is no slower with it (a 64-row, 2,240-token demo batch, one thread on a busy 2-core CPU, "
-        "median of 12 and 18 interleaved steps: 0.377 and 0.514 s against 0.437 and 0.507 s with 0).")
+        "rounding). 0: whole logits. A chunk's softmax, log-softmax and entropy hold a few vocabulary-sized "
+        "tensors per token (~2.4 MB a token at 152k), so 1024 (SkyRL's; prime-rl: 8192): a Qwen2.5-0.5B-shaped step "
+        "over two rows of 1,024 tokens peaked at 10.7 GiB with 1024 and 13.3 GiB with 4096, every memory feature "
+        "on (benchmarks/trainer_memory.py, AMD EPYC). The demo's step is no slower with it (a 64-row, 2,240-token "
+        "demo batch, one thread on a busy 2-core CPU, median of 12 and 18 interleaved steps: 0.377 and 0.514 s "
+        "with 4096 against 0.437 and 0.507 s with 0; its trained tokens fit one chunk of 1024 too).")
     updates_per_step: int = Field(
         1, ge=1, description="Optimiser steps per rollout batch (mini-batches); at most the batch, "
         "rollout.prompts_per_step × rollout.group_size.")
