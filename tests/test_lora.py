@@ -64,7 +64,7 @@ def test_targets_that_cannot_take_an_adapter_name_the_field(tiny_path, targets, 
 
 def test_the_trainer_trains_the_adapter_only_and_publishes_it(tiny, tiny_path):
     _, tok = tiny
-    model, spec = _wrapped(tiny_path)
+    model, _ = _wrapped(tiny_path)
     base = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
     tr = Trainer(model, TrainerCfg(lr=1e-2, warmup_steps=0), AlgoCfg(), 1.0, 10, 16)
     assert {id(p) for g in tr.opt.param_groups for p in g["params"]} == {id(p) for p in lora.trainable(model).values()}
