@@ -247,3 +247,24 @@ def test_the_engine_process_takes_the_adapter_only(tiny, tiny_path):
             eng.load_weights(copy.copy(load_policy(tiny_path).state_dict()), 2)
     finally:
         eng.close()
+
+
+def test_the_continuous_batching_engine_samples_the_base_plus_the_adapter(tiny, tiny_path):
+    """hf-cb, built from its spec as a run builds it (``build_local_engine``: the base in model.dtype for the
+    adapter's float32 copy, then the cast), takes adapter-only updates too."""
+    from relayrl.engine.spec import EngineSpec, build_local_engine
+
+    _, tok = tiny
+    model, spec = _wrapped(tiny_path)
+    _randomise_b(model)
+    r = RolloutCfg(engine="hf-cb", cb_num_blocks=64, cb_page_size=16, cb_max_batch_tokens=256, max_new_tokens=12)
+    eng = build_local_engine(EngineSpec(r, tiny_path, tiny_path, "float32", lora=spec), tokenizer=tok)
+    try:
+        eng.load_weights(lora.adapter_state(model), 1)
+        model.eval()
+        req = _req(tok, "cb")
+        c = eng.generate([req])[0]
+        assert set(c.versions) == {1} and c.token_ids
+        _check_logprobs(model, req, c)
+    finally:
+        eng.close()
