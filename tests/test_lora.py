@@ -268,3 +268,17 @@ def test_the_continuous_batching_engine_samples_the_base_plus_the_adapter(tiny, 
         _check_logprobs(model, req, c)
     finally:
         eng.close()
+
+
+def test_a_moved_base_is_found_from_the_runs_recorded_model_path(tiny_path, tmp_path):
+    """An adapter checkpoint whose adapter_config.json names a base folder that is gone (the run moved, the
+    package was installed elsewhere) takes its run's recorded model.path (state.json)."""
+    import json
+
+    model, spec = _wrapped(tiny_path)
+    lora.write_adapter(tmp_path, lora.adapter_state(model), spec.adapter_config("/nowhere/base"))
+    assert lora.read_adapter(tmp_path)[1] == "/nowhere/base"  # (no state.json: as written)
+    (tmp_path / "state.json").write_text(json.dumps({"config": {"model": {"path": tiny_path}}}))
+    got, base, weights = lora.read_adapter(tmp_path)
+    assert base == tiny_path and got == spec and weights.keys() == lora.adapter_state(model).keys()
+    assert lora.read_adapter(tiny_path) is None  # a whole model: no adapter

@@ -257,6 +257,10 @@ def describe() -> str:
                 typ = "one of " + "|".join(map(str, get_args(f.annotation)))
             elif get_origin(f.annotation) is list and get_origin(get_args(f.annotation)[0]) is Literal:
                 typ = "a list of " + "|".join(map(str, get_args(get_args(f.annotation)[0])))
+            elif get_origin(f.annotation) in (Union, types.UnionType) and any(
+                    get_origin(a) is Literal for a in get_args(f.annotation)):  # ('all-linear' or list[str])
+                typ = " or ".join(", ".join(map(repr, get_args(a))) if get_origin(a) is Literal else
+                                  str(a).replace("typing.", "") for a in get_args(f.annotation))
             else:
                 typ = getattr(f.annotation, "__name__", None) or str(f.annotation).replace("typing.", "")
             out.append(f"  {sec}.{name} ({typ}, default {default!r})\n      {f.description}")

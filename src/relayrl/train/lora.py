@@ -135,9 +135,23 @@ def read_adapter(folder: str | Path) -> tuple[LoraSpec, str, dict[str, torch.Ten
         raise ModelError(f"{folder}: the adapter is not a plain LoRA adapter (peft_type {c.get('peft_type')!r}, "
                          f"use_dora {c.get('use_dora')}, use_rslora {c.get('use_rslora')})")
     base = c.get("base_model_name_or_path")
+    if (not base or base.startswith("/") and not Path(base).exists()) and (folder / "state.json").is_file():
+        base = _recorded_base(folder) or base  # (moved: a relayrl checkpoint records its run's model.path)
     if not base:
         raise ModelError(f"{folder}/{ADAPTER_CONFIG} names no base model (base_model_name_or_path)")
     return spec, base, weights
+
+
+def _recorded_base(folder: Path) -> str | None:
+    """The base model of a relayrl checkpoint from its run's recorded model.path (state.json), resolved
+    (``builtin:demo``: where this installation keeps it)."""
+    from relayrl.models import resolve_model_path
+
+    try:
+        path = json.loads((folder / "state.json").read_text())["config"]["model"]["path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return resolve_model_path(path, log=lambda *a, **k: None) if path else None
 
 
 def export_merged(checkpoint: str | Path, out: str | Path, dtype: str = "float32") -> Path:
