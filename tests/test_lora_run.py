@@ -19,11 +19,13 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "periodic"])
+@pytest.mark.parametrize("mode", ["sync", "periodic"], ids=["sync", "periodic-two-engine-processes"])
 def test_a_lora_run_samples_the_trained_adapter_and_saves_it_for_the_ecosystem(tiny_path, tmp_path, mode, capsys):
+    """sync: the engine in-process; periodic: two engine processes behind the router, each taking the adapter."""
     over = [o for o in EASY if not o.startswith("trainer.lr")]  # (the adapter's own default lr)
     cfg = load_config(None, [*over, f"model.path={tiny_path}", f"run.output_dir={tmp_path}", "run.steps=4",
-                             "run.save_every=2", "model.lora.r=4", "algo.kl_coef=0.05", f"run.mode={mode}"])
+                             "run.save_every=2", "model.lora.r=4", "algo.kl_coef=0.05", f"run.mode={mode}",
+                             *(["rollout.engines=2"] if mode == "periodic" else [])])
     assert cfg.trainer.lr == pytest.approx(1e-3)
     train(cfg)
     m = _metrics(cfg.run_dir)
@@ -36,6 +38,11 @@ def test_a_lora_run_samples_the_trained_adapter_and_saves_it_for_the_ecosystem(t
     names = {p.name for p in ckpt.iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors", "README.md", "trainer.pt", "tokenizer.json"} <= names
     assert "model.safetensors" not in names and "config.json" not in names  # the adapter only
+    # eval --checkpoint: the base in the engine(s), the adapter loaded into it, as the run's config says
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(ckpt), "data.eval_path=builtin:demo-eval", "eval.size=8"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert 0 <= result["accuracy"] <= 1
     if mode == "periodic":
         return
     # export --merge: a plain model whose logits are the base's with the adapter on
@@ -52,14 +59,19 @@ def test_a_lora_run_samples_the_trained_adapter_and_saves_it_for_the_ecosystem(t
         want, got = peft(input_ids=ids).logits, merged(input_ids=ids).logits
         base = AutoModelForCausalLM.from_pretrained(tiny_path)(input_ids=ids).logits
     assert torch.allclose(want, got, atol=1e-5) and not torch.allclose(base, got, atol=1e-4)
-    # eval --checkpoint: the base in the engine, the adapter loaded into it
-    capsys.readouterr()
-    assert main(["eval", "--checkpoint", str(ckpt), "data.eval_path=builtin:demo-eval", "eval.size=8"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert 0 <= result["accuracy"] <= 1
 
 
 def test_export_of_a_folder_without_an_adapter_is_a_model_error(tiny_path, tmp_path, capsys):
     assert main(["export", tiny_path, "--merge", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "relayrl: model error:" in err and "no LoRA adapter there (adapter_config.json)" in err
+
+
+def test_resume_refuses_another_adapter(tiny_path):
+    from relayrl.run.resume import ResumeError, check_compatible
+
+    saved = load_config(None, [f"model.path={tiny_path}", "model.lora.r=4"]).model_dump(mode="json")
+    for change in (["model.lora.r=8"], ["model.lora.r=0", "trainer.lr=1e-3"], ["model.lora.r=4", "model.lora.alpha=8"]):
+        with pytest.raises(ResumeError, match="model.lora was .* the checkpoint holds that adapter"):
+            check_compatible(saved, load_config(None, [f"model.path={tiny_path}", *change]), "", "", Path("ckpt"))
+    check_compatible(saved, load_config(None, [f"model.path={tiny_path}", "model.lora.r=4"]), "", "", Path("ckpt"))
