@@ -75,3 +75,19 @@ def test_resume_refuses_another_adapter(tiny_path):
         with pytest.raises(ResumeError, match="model.lora was .* the checkpoint holds that adapter"):
             check_compatible(saved, load_config(None, [f"model.path={tiny_path}", *change]), "", "", Path("ckpt"))
     check_compatible(saved, load_config(None, [f"model.path={tiny_path}", "model.lora.r=4"]), "", "", Path("ckpt"))
+
+
+def test_eval_takes_an_adapter_peft_saved_itself(tiny_path, tmp_path, capsys):
+    """An adapter from elsewhere (``PeftModel.save_pretrained``: no tokenizer, PEFT's full adapter_config.json):
+    ``relayrl eval model.path=ADAPTER`` loads its base, the base's tokenizer, and the adapter into the engine."""
+    from relayrl.config.sections import LoraCfg
+    from relayrl.models import load_policy
+    from relayrl.train import lora
+
+    model, _ = lora.wrap(load_policy(tiny_path), LoraCfg(r=2, targets=["q_proj", "v_proj"]))
+    model.save_pretrained(tmp_path / "adapter")
+    assert not (tmp_path / "adapter" / "tokenizer.json").exists()
+    capsys.readouterr()
+    assert main(["eval", f"model.path={tmp_path / 'adapter'}", "data.eval_path=builtin:demo-eval", "eval.size=4",
+                 f"run.output_dir={tmp_path}"]) == 0
+    assert 0 <= json.loads(capsys.readouterr().out)["accuracy"] <= 1

@@ -294,9 +294,11 @@ def evaluate_only(cfg: Config, out_dir: str | Path | None = None, settings: str 
     reward = make_reward_runner(cfg)
     try:
         path = resolve_model_path(cfg.model.path, log=log)
-        tokenizer, tok_path = load_tokenizer_for(cfg, path, log)
-        # a LoRA checkpoint (PEFT's files): its base model in the engine, then the adapter, as a run sends it
+        # a LoRA checkpoint (PEFT's files): its base model in the engine, then the adapter, as a run sends it;
+        # the tokenizer the checkpoint's own (a relayrl checkpoint has it), else the base's
         lora_spec, base, adapter = lora.read_adapter(path) or (None, path, None)
+        own = adapter is None or any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+        tokenizer, tok_path = load_tokenizer_for(cfg, path if own else base, log)
         path = base
         check_prompts_fit(cfg, path, tokenizer, [], prompts)
         engine = open_engine(engine_spec(cfg.rollout, cfg.model.dtype, path, tok_path, 0, cfg.run.seed,
