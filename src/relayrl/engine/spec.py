@@ -79,8 +79,10 @@ def build_local_engine(spec: EngineSpec, driven: bool = False, model=None, token
     from relayrl.models import resolve_device
 
     adapter = None
-    if spec.lora is not None:  # loaded in model.dtype: the adapter merges from its float32 copy of the base, taken
-        from relayrl.engine.adapter import AdapterMerge  # before the cast to the engine's dtype (rollout.dtype)
+    if spec.lora is not None:
+        # loaded in model.dtype: the adapter merges from its float32 copy of the base, taken before the cast to
+        # the engine's dtype (rollout.dtype)
+        from relayrl.engine.adapter import AdapterMerge
 
         model = model if model is not None else load_policy(spec.weights, spec.dtype)
         adapter = AdapterMerge(model, spec.lora)

@@ -66,8 +66,8 @@ def render(config: dict, step: int, samples: int, before: dict | None, after: di
         f"after {samples:,} trained responses.", "",
         "| | |", "|---|---|",
         f"| base model | `{model['path']}` |",
-        *([f"| adapter | LoRA, rank {adapter}, alpha {model['lora']['alpha']} (PEFT's files here; `relayrl export "
-           "CHECKPOINT --merge OUT` writes a merged model) |"] if adapter else []),
+        *([(f"| adapter | LoRA, rank {adapter}, alpha {model['lora']['alpha']} (PEFT's files here; `relayrl export "
+            "CHECKPOINT --merge OUT` writes a merged model) |")] if adapter else []),
         f"| training data | `{data['path']}` (prompt field `{data['prompt_field']}`) |",
         f"| reward | `{config['reward']['fn']}` |",
         f"| held-out data | `{data.get('eval_path')}` ({config.get('eval', {}).get('size', '—')} prompts) |",
