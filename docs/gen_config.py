@@ -24,7 +24,7 @@ HEADER = """# Configuration reference
 Generated from the schema (`relayrl.config.Config`, fields in `src/relayrl/config/sections.py` and `training.py`, rules in
 `src/relayrl/config/rules.py`) each time the site is built: it lists every field there is.
 
-One typed, validated config, two levels deep (`section.key`). Load order: defaults < a YAML file <
+One typed, validated config, two levels deep (`section.key`; a section's own section, `model.lora`, three). Load order: defaults < a YAML file <
 dotted command-line overrides (`relayrl train my.yaml trainer.lr=1e-5`). A misspelled key, a wrong
 type, a value out of range, or a field set where the chosen mode or engine ignores it (the
 **Applies** line below) fails before any work starts, one line naming the field, exit status 2.
@@ -99,14 +99,15 @@ def first_sentence(doc: str | None) -> str:
 def fields() -> list[tuple[str, str, Any]]:
     """(section, name, pydantic FieldInfo) for every field of every section, in the schema's order."""
     from relayrl.config import Config
+    from relayrl.config.load import nested_fields
 
-    return [(sec, name, f) for sec, info in Config.model_fields.items()
-            for name, f in info.annotation.model_fields.items()]
+    return [(sec, name, f) for sec, info in Config.model_fields.items() for name, f in nested_fields(info.annotation)]
 
 
 def config_reference() -> str:
     """The whole page, Markdown."""
     from relayrl.config import APPLIES_ONLY, Config
+    from relayrl.config.load import nested_fields
 
     out = [HEADER, "## Sections\n"]
     out += [f"- [`{sec}`](#{sec}): {escape(first_sentence(info.annotation.__doc__))}"
@@ -115,7 +116,7 @@ def config_reference() -> str:
         cls = info.annotation
         doc = " ".join(line.strip() for line in (cls.__doc__ or "").strip().splitlines())
         out.append(f"\n## `{sec}` {{ #{sec} }}\n\n{escape(doc)}\n")
-        for name, f in cls.model_fields.items():
+        for name, f in nested_fields(cls):  # (a section's own section by its fields: model.lora.r)
             key = f"{sec}.{name}"
             line = f"**Type** {type_name(f.annotation)}"
             if bounds(f):

@@ -51,10 +51,12 @@ def test_cli_typo_fails_at_once(capsys):
 def test_help_documents_every_field():
     text = describe()
     from relayrl.config import Config
+    from relayrl.config.load import nested_fields
 
     for sec, info in Config.model_fields.items():
-        for name in info.annotation.model_fields:
+        for name, _ in nested_fields(info.annotation):
             assert f"{sec}.{name} " in text
+    assert "model.lora.r " in text  # (a section's own section, by its fields)
 
 
 @pytest.mark.parametrize("overrides, needle", [
@@ -297,3 +299,47 @@ def test_agent_settings_load():
 def test_adaptive_sampling_is_the_default_where_a_group_baseline_uses_it(overrides, budget, dynamic):
     cfg = load_config(None, overrides)
     assert (cfg.rollout.budget, cfg.rollout.dynamic_sampling) == (budget, dynamic)
+
+
+# ---- model.lora: a section's own section (three levels)
+
+
+def test_lora_learning_rate_follows_the_adapter_unless_set():
+    from relayrl.config.sections import LORA_LR_FACTOR
+
+    default = load_config(None, []).trainer.lr
+    on = load_config(None, ["model.lora.r=8"])
+    assert on.model.lora.r == 8 and on.trainer.lr == pytest.approx(default * LORA_LR_FACTOR)
+    assert load_config(None, ["model.lora.r=8", "trainer.lr=3e-4"]).trainer.lr == 3e-4  # set: stays
+    assert load_config(None, ["trainer.lr=3e-4"]).trainer.lr == 3e-4
+    assert load_config(None, ["model.lora.r=0"]).trainer.lr == default  # off: full fine-tuning's
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["model.lora.alpha=16"], "model.lora.alpha is set, but it only applies with an adapter (model.lora.r > 0)"),
+    (["model.lora.targets=[q_proj]"], "model.lora.targets is set"),
+    (["model.lora.rank=8"], "unknown key 'model.lora.rank'"),
+    (["model.lora.r=-1"], "model.lora.r: Input should be greater than or equal to 0"),
+    (["model.lora.r=8", "model.lora.dropout=1"], "model.lora.dropout"),
+    (["model.lora.r=8", "model.lora.targets=[]"], "model.lora.targets: must be 'all-linear' or a non-empty list"),
+    (["model.lora=8"], "'model.lora' must be a mapping"),
+    (["model.lora.r.x=8"], "must be section.key"),
+])
+def test_lora_errors_name_the_field(overrides, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(None, overrides)
+
+
+def test_lora_from_yaml_round_trips(tmp_path):
+    from relayrl.config import dump_config, recorded_tree
+
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  lora:\n    r: 4\n    targets: q_proj, v_proj\n")
+    cfg = load_config(str(f), ["model.lora.alpha=8"])  # the command line over the file, field by field
+    assert (cfg.model.lora.r, cfg.model.lora.alpha, cfg.model.lora.targets) == (4, 8.0, ["q_proj", "v_proj"])
+    dump_config(cfg, tmp_path / "out.yaml")
+    assert load_config(str(tmp_path / "out.yaml"), []) == cfg
+    assert load_config(None, [], base=recorded_tree(cfg.model_dump(mode="json"))) == cfg
+    off = load_config(None, [])  # off: the adapter's other fields are left out of the resolved config
+    dump_config(off, tmp_path / "off.yaml")
+    assert load_config(str(tmp_path / "off.yaml"), []) == off

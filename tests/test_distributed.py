@@ -39,7 +39,18 @@ def _free_port() -> int:
 def _trainer(path: str, tkw: dict, akw: dict, dtype: str = "float32", weights: dict | None = None,
              **placement) -> Trainer:
     policy = load_policy(path, dtype)
-    if weights:
+    tkw = dict(tkw)
+    if r := tkw.pop("lora", 0):  # model.lora: the policy PEFT-wrapped (the same adapter in every process)
+        from peft import set_peft_model_state_dict
+
+        from relayrl.config.sections import LoraCfg
+        from relayrl.train import lora
+
+        torch.manual_seed(1234)
+        policy, _ = lora.wrap(policy, LoraCfg(r=r))
+        if weights:  # (full_state_dict: the adapter's tensors)
+            set_peft_model_state_dict(policy, weights)
+    elif weights:
         policy.load_state_dict(weights)
     tcfg, critic = TrainerCfg(**tkw, **placement), None
     if akw.get("advantage") in NEEDS_CRITIC:  # the critic, placed and sharded as the policy is
@@ -58,7 +69,7 @@ def _capture_grads(tr: Trainer, grads: list) -> None:
         if tr.opt.param_groups[0]["lr"] == 0:
             return real_step(*a, **k)
         grads.append({n: (p.grad.full_tensor() if tr.dp else p.grad).detach().cpu().clone()
-                      for n, p in tr.model.named_parameters()})
+                      for n, p in tr.model.named_parameters() if p.requires_grad})
         return real_step(*a, **k)
 
     tr.opt.step = step
@@ -94,7 +105,7 @@ def _by_name(tr: Trainer, model, state: dict) -> dict:
     """The optimiser state by parameter name (as FSDP's full optimiser state is), without step counts."""
     optim = state["optimizer"]["state"]
     if tr.dp is None:
-        names = [n for n, _ in model.named_parameters()]
+        names = [n for n, p in model.named_parameters() if p.requires_grad]  # (the optimiser's, in order)
         optim = {names[i]: s for i, s in optim.items()}
     return {n: {k: v.cpu() for k, v in s.items() if k != "step"} for n, s in optim.items()}
 
@@ -378,3 +389,33 @@ def test_critic_fsdp_on_gpus(tiny_path, tmp_path):
     got = _sharded(tiny_path, scenarios, tmp_path, world=min(2, torch.cuda.device_count()), device="cuda")["critic"]
     _close(got["critic"], ref["critic"], "critic", 1e-3, 1e-5)
     _close(got["critic_optim"], ref["critic_optim"], "critic optimiser", 1e-3, 1e-7)
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")  # (_capture_grads)
+def test_two_gloo_ranks_give_the_unsharded_step_with_a_lora_adapter(tiny_path, tmp_path):
+    """model.lora under trainer.fsdp: the adapter's gradient, its weights as published (PEFT's names, gathered on
+    rank 0) and its optimiser state on two sharded ranks = one process's; the KL reference (the adapter off) and
+    the mismatch check under the previous version's adapter run sharded too; resumed between the steps."""
+    tok = load_tokenizer(tiny_path)
+    stale = _stale_batch(tok, load_policy(tiny_path))
+    later = _stale_batch(tok, load_policy(tiny_path))
+    later.versions = torch.where(later.loss_mask.bool(), later.versions + 1, -1)
+    base = {"lr": 1e-2, "warmup_steps": 0, "micro_batch_tokens": 60, "logprob_chunk_tokens": 0, "lora": 4}
+    scenarios = {"lora r=4, KL, stale tokens, resumed": (base, {"kl_coef": 0.1}, "float32", [(stale, 1), (later, 2)],
+                                                         1)}
+    tkw, akw, dtype, steps, resume = scenarios["lora r=4, KL, stale tokens, resumed"]
+
+    def make(weights=None):
+        return _trainer(tiny_path, {**tkw, "share_prefix": False}, akw, dtype, weights, device="cpu")
+
+    torch.manual_seed(0)
+    r = _run(make, steps, resume)
+    g = _sharded(tiny_path, scenarios, tmp_path)["lora r=4, KL, stale tokens, resumed"]
+    assert r["grads"] and all("lora_" in k for k in r["grads"][0])
+    assert set(r["weights"]) == set(g["weights"]) and all(".lora_A.weight" in k or ".lora_B.weight" in k
+                                                          for k in g["weights"])
+    assert r["metrics"][1]["kl"] > 0 and r["metrics"][1]["logprob_mismatch_tokens"] > 0
+    _close(g["metrics"], r["metrics"], "metrics", 1e-4, 1e-6)
+    _close(g["grads"], r["grads"], "grads", 1e-4, 1e-6)
+    _close(g["weights"], r["weights"], "weights", 0, 1e-6)
+    _close(g["optim"], r["optim"], "optimiser", 1e-4, 1e-9)

@@ -65,3 +65,17 @@ def test_model_card_names_a_hub_base_model_and_says_which_checkpoint_it_is(tmp_p
     assert "intermediate" not in stopped.text and "25.0% before → 75.0% after" in stopped.text
     local = ModelCard(render(resolved_tree(load_config(None, [f"model.path={tmp_path}"])), 1, 8, None, None))
     assert local.data.base_model is None and local.data.eval_results is None and f"`{tmp_path}`" in local.text
+
+
+def test_model_card_of_an_adapter_says_so():
+    from huggingface_hub import ModelCard
+
+    from relayrl.config import load_config, resolved_tree
+    from relayrl.run.model_card import render
+
+    tree = resolved_tree(load_config(None, ["model.path=Qwen/Qwen2.5-0.5B-Instruct", "model.lora.r=8"]))
+    card = ModelCard(render(tree, 4, 256, None, None))
+    assert card.data.library_name == "peft" and card.data.base_model == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert "LoRA, rank 8, alpha 32.0" in card.text
+    full = ModelCard(render(resolved_tree(load_config(None, [])), 4, 256, None, None))
+    assert full.data.library_name == "transformers" and "LoRA" not in full.text

@@ -169,3 +169,15 @@ def test_replan_draws_earlier_moments():
     assert (a.lo, a.hi, a.delay_hi) == (1, 1, 1.5)
     a = K.replan(K.after_step(1, 4), A("", drawn=1, delay=1.2), logged=2)  # logged +1, exited within the delay
     assert (a.lo, a.hi, a.delay_hi) == (1, 1, 0.6)
+
+
+@pytest.mark.slow
+def test_killed_run_with_a_lora_adapter_resumes_exactly(tmp_path):
+    """Case 2 (periodic + partial, SIGKILLed in a training micro-batch) with model.lora.r=4: the adapter (PEFT's
+    files) and its optimiser state travel with the checkpoint, the engine process starts from the base and takes
+    the checkpoint's adapter; the final checkpoint loads with from_pretrained (transformers reads PEFT's files)."""
+    r = kill_torture.run_case(1, tmp_path, seed=0, extra=["model.lora.r=4"])
+    assert r["kills"] == 1, r["notes"]
+    assert r["passed"], json.dumps({k: r[k] for k in ("where", "checks", "notes", "resumed_from")}, indent=1,
+                                   ensure_ascii=False) + "\n" + "\n".join(
+        f"attempt {i} log tail:\n{a['log_tail']}" for i, a in enumerate(r["attempts"]) if a["log_tail"])

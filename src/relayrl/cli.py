@@ -1,5 +1,5 @@
 """``relayrl train|eval [CONFIG.yaml] [section.key=value ...]``, ``relayrl plot RUN [RUN ...]``,
-``relayrl show RUN [--episode ID]``.
+``relayrl show RUN [--episode ID]``, ``relayrl export CHECKPOINT --merge OUT``.
 
 Every error in the input reaches the user as one line on stderr, ``relayrl: <kind> error:
 <message>``, exit status 2; an engine failure, or user code that fails too often at run time
@@ -125,6 +125,11 @@ def _parser() -> argparse.ArgumentParser:
     sh.add_argument("--min-reward", type=float, metavar="R")
     sh.add_argument("--max-reward", type=float, metavar="R")
     sh.add_argument("--limit", type=int, default=50, metavar="K", help="at most K rows (default 50; 0: all)")
+    x = sub.add_parser("export", help="write a checkpoint's policy as a plain Hugging Face model")
+    x.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint folder of a run with model.lora (PEFT's "
+                   "adapter_config.json and adapter_model.safetensors)")
+    x.add_argument("--merge", required=True, metavar="OUT", help="the folder to write: the base model with the "
+                   "adapter merged into its weights, and the tokenizer (AutoModelForCausalLM.from_pretrained reads it)")
     b = sub.add_parser("build-demo-model", help="(re)build the demo model into a folder")
     b.add_argument("out")
     return p
@@ -186,6 +191,13 @@ def _run(argv: list[str] | None) -> int:
         from relayrl.run.show import show
 
         show(ns.run, ns.episode, ns.step, ns.failures, ns.status, ns.min_reward, ns.max_reward, ns.sort, ns.limit)
+        return 0
+    if ns.cmd == "export":
+        from relayrl.run.checkpoint import recorded_config
+        from relayrl.train.lora import export_merged
+
+        recorded, _ = recorded_config(ns.checkpoint)  # (the run's model.dtype: the merged weights keep it)
+        print(export_merged(ns.checkpoint, ns.merge, ((recorded or {}).get("model") or {}).get("dtype", "float32")))
         return 0
     if ns.cmd == "build-demo-model":
         from relayrl.demo.model import build_demo_model

@@ -10,12 +10,18 @@ from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from relayrl.config.rules import APPLIES_ONLY
 from relayrl.config.schema import Config
 from relayrl.config.sections import ConfigError
 from relayrl.failures import one_line
+
+
+def _subsection(info) -> type | None:
+    """The section class of a field that is a section of its own (model.lora), else None."""
+    a = info.annotation
+    return a if isinstance(a, type) and issubclass(a, BaseModel) else None
 
 
 def _check_keys(tree: dict, source: str) -> None:
@@ -24,16 +30,23 @@ def _check_keys(tree: dict, source: str) -> None:
     for sec, body in tree.items():
         if sec not in sections:
             raise ConfigError(f"{source}: unknown section {str(sec)!r:.80}. Valid sections: {', '.join(sections)}")
-        if not isinstance(body, dict):
-            raise ConfigError(f"{source}: '{sec}' must be a mapping of fields, got {type(body).__name__}")
-        fields = sections[sec].annotation.model_fields
-        for key in body:
-            if key not in fields:
-                near = difflib.get_close_matches(str(key), fields, n=1)
-                hint = f" Did you mean '{sec}.{near[0]}'?" if near else ""
-                raise ConfigError(
-                    f"{source}: unknown key '{sec}.{str(key):.80}'.{hint} Valid keys in '{sec}': {', '.join(fields)}"
-                )
+        _check_body(sec, body, sections[sec].annotation, source)
+
+
+def _check_body(name: str, body: Any, cls: type, source: str) -> None:
+    if not isinstance(body, dict):
+        raise ConfigError(f"{source}: '{name}' must be a mapping of fields, got {type(body).__name__}")
+    fields = cls.model_fields
+    for key in body:
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" Did you mean '{name}.{near[0]}'?" if near else ""
+            raise ConfigError(
+                f"{source}: unknown key '{name}.{str(key):.80}'.{hint} Valid keys in '{name}': {', '.join(fields)}"
+            )
+        sub = _subsection(fields[key])
+        if sub is not None:
+            _check_body(f"{name}.{key}", body[key], sub, source)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -41,13 +54,49 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {item!r:.80} must look like section.key=value")
     key, raw = item.split("=", 1)
     parts = key.strip().split(".")
-    if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"override key {key!r:.80} must be section.key (two levels), e.g. trainer.lr=1e-5")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ConfigError(f"override key {key!r:.80} must be section.key (two levels, or three in a section's own "
+                          "section: model.lora.r), e.g. trainer.lr=1e-5")
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
     return parts, value
+
+
+def _nest(parts: list[str], value: Any) -> dict:
+    """``[a, b, c], v`` → ``{a: {b: {c: v}}}``."""
+    for part in reversed(parts):
+        value = {part: value}
+    return value
+
+
+def _merge(into: dict, tree: dict, path: tuple = ()) -> None:
+    """``tree`` over ``into``, section by section and into a section's own sections (model.lora); any
+    other value (a mapping such as env.args included) replaces the one before."""
+    for key, value in tree.items():
+        where = (*path, key)
+        if isinstance(value, dict) and isinstance(into.get(key), dict) and (not path or _subsection(_field_info(where))):
+            _merge(into[key], value, where)
+        else:
+            into[key] = value
+
+
+def _leaves(tree: dict, prefix: tuple = ()) -> list[tuple]:
+    """The (section, field[, field]) path of every value of ``tree``."""
+    out = []
+    for key, value in tree.items():
+        out += _leaves(value, (*prefix, key)) if isinstance(value, dict) and prefix and \
+            _subsection(_field_info((*prefix, key))) else [(*prefix, key)]
+    return out
+
+
+def _field_info(path: tuple):
+    cls, info = Config, None
+    for part in path:
+        info = cls.model_fields[part]
+        cls = info.annotation
+    return info
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
@@ -84,10 +133,18 @@ def _read_yaml(p: Path) -> tuple[dict, dict[tuple[str, str], str]]:
         raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(tree).__name__}")
     tree = {sec: {} if body is None else body for sec, body in tree.items()}  # `run:` with nothing under it
     _check_keys(tree, str(p))
-    texts = {}
+    texts: dict[tuple, str] = {}
+
+    def scalars(node, path: tuple) -> None:
+        for k, v in node.value:
+            if isinstance(v, yaml.ScalarNode):
+                texts[(*path, k.value)] = v.value
+            elif isinstance(v, yaml.MappingNode) and path:  # a section's own section (model.lora)
+                scalars(v, (*path, k.value))
+
     for sec, body in node.value:
         if isinstance(body, yaml.MappingNode):
-            texts.update({(sec.value, k.value): v.value for k, v in body.value if isinstance(v, yaml.ScalarNode)})
+            scalars(body, (sec.value,))
     return tree, texts
 
 
@@ -99,18 +156,24 @@ def _scalar_type(annotation) -> type | None:
     return annotation if annotation in (str, int, float) else None
 
 
-def _coerce(tree: dict, texts: dict[tuple[str, str], str], origin: dict[tuple[str, str], str]) -> None:
+def _coerce(tree: dict, texts: dict[tuple, str], origin: dict[tuple, str], path: tuple = ()) -> None:
     """YAML types values before we know the field: `run.name=2024` would arrive as an int. A string
     field keeps the value's text as written (`1e3` stays "1e3", `007` stays "007"); a number field
     refuses a bool (pydantic would take `true` as 1)."""
-    for sec, body in tree.items():
-        fields = Config.model_fields[sec].annotation.model_fields
-        for key, value in body.items():
-            kind = _scalar_type(fields[key].annotation)
-            if kind is str and value is not None and not isinstance(value, (str, list, dict)):
-                body[key] = texts.get((sec, key), str(value))
-            elif kind in (int, float) and isinstance(value, bool):
-                raise ConfigError(f"{origin[sec, key]}: {sec}.{key} must be a number, got {value!r}")
+    for key, value in tree.items():
+        where = (*path, key)
+        if not path:
+            _coerce(value, texts, origin, where)
+            continue
+        info = _field_info(where)
+        if _subsection(info) is not None and isinstance(value, dict):
+            _coerce(value, texts, origin, where)
+            continue
+        kind = _scalar_type(info.annotation)
+        if kind is str and value is not None and not isinstance(value, (str, list, dict)):
+            tree[key] = texts.get(where, str(value))
+        elif kind in (int, float) and isinstance(value, bool):
+            raise ConfigError(f"{origin.get(where, 'command line')}: {'.'.join(where)} must be a number, got {value!r}")
 
 
 def _describe(err: dict, origin: dict[tuple[str, str], str]) -> str:
@@ -118,7 +181,7 @@ def _describe(err: dict, origin: dict[tuple[str, str], str]) -> str:
     msg = err["msg"].removeprefix("Value error, ")
     if len(loc) < 2:  # a section's or the whole config's own check: its message names the fields
         return msg
-    where = origin.get((loc[0], loc[1]))
+    where = origin.get(tuple(loc[:3])) or origin.get(tuple(loc[:2]))
     return f"{'.'.join(loc)}: {msg} (got {err.get('input')!r:.80}{', from ' + where if where else ''})"
 
 
@@ -126,19 +189,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
                 base_source: str = "") -> Config:
     """defaults < ``base`` (a recorded config: ``recorded_tree``, from ``base_source``) < the YAML file at
     ``path`` < ``overrides``."""
-    tree: dict = {sec: dict(body) for sec, body in (base or {}).items()}
-    texts: dict[tuple[str, str], str] = {}
-    origin = {(sec, key): base_source for sec, body in tree.items() for key in body}
+    import copy
+
+    tree: dict = copy.deepcopy(base or {})
+    texts: dict[tuple, str] = {}
+    origin = {leaf: base_source for leaf in _leaves(tree)}
     if path is not None:
         file_tree, texts = _read_yaml(Path(path))
-        for sec, body in file_tree.items():
-            tree.setdefault(sec, {}).update(body)
-            origin.update({(sec, key): str(path) for key in body})
+        _merge(tree, file_tree)
+        origin.update({leaf: str(path) for leaf in _leaves(file_tree)})
     for item in overrides:
-        (sec, key), value = parse_override(item)
-        _check_keys({sec: {key: value}}, "command line")
-        tree.setdefault(sec, {})[key] = value
-        texts[sec, key], origin[sec, key] = item.split("=", 1)[1].strip(), "command line"
+        parts, value = parse_override(item)
+        _check_keys(_nest(parts, value), "command line")
+        _merge(tree, _nest(parts, value))
+        texts[tuple(parts)], origin[tuple(parts)] = item.split("=", 1)[1].strip(), "command line"
     _coerce(tree, texts, origin)
     try:
         return Config.model_validate(tree)
@@ -167,8 +231,11 @@ def resolved_tree(cfg: Config) -> dict:
     tree = cfg.model_dump(mode="json")
     for field, (applies, _, _) in APPLIES_ONLY.items():
         if not applies(cfg):
-            sec, key = field.split(".")
-            del tree[sec][key]
+            *path, key = field.split(".")
+            body = tree
+            for part in path:
+                body = body[part]
+            del body[key]
     return tree
 
 
@@ -184,14 +251,28 @@ def describe() -> str:
     for sec, info in Config.model_fields.items():
         cls = info.annotation
         out.append(f"{sec}:  {(cls.__doc__ or '').strip()}")
-        for name, f in cls.model_fields.items():
+        for name, f in nested_fields(cls):
             default = f.default_factory() if f.default_factory else f.default
             if get_origin(f.annotation) is Literal:
                 typ = "one of " + "|".join(map(str, get_args(f.annotation)))
             elif get_origin(f.annotation) is list and get_origin(get_args(f.annotation)[0]) is Literal:
                 typ = "a list of " + "|".join(map(str, get_args(get_args(f.annotation)[0])))
+            elif get_origin(f.annotation) in (Union, types.UnionType) and any(
+                    get_origin(a) is Literal for a in get_args(f.annotation)):  # ('all-linear' or list[str])
+                typ = " or ".join(", ".join(map(repr, get_args(a))) if get_origin(a) is Literal else
+                                  str(a).replace("typing.", "") for a in get_args(f.annotation))
             else:
                 typ = getattr(f.annotation, "__name__", None) or str(f.annotation).replace("typing.", "")
             out.append(f"  {sec}.{name} ({typ}, default {default!r})\n      {f.description}")
     return "\n".join(out)
 
+
+
+def nested_fields(cls: type) -> list[tuple[str, Any]]:
+    """(name, pydantic FieldInfo) of a section's fields, a section of its own (model.lora) by its fields
+    (``lora.r``, ...): what the user sets."""
+    out = []
+    for name, f in cls.model_fields.items():
+        sub = _subsection(f)
+        out += [(f"{name}.{n}", g) for n, g in nested_fields(sub)] if sub is not None else [(name, f)]
+    return out

@@ -20,6 +20,7 @@ from relayrl.config.training import CriticCfg
 def check(c: BaseModel) -> None:
     """Every rule, in order; the first broken one raises ``ValueError`` naming its fields."""
     _adaptive_sampling_where_it_applies(c)
+    _lora_learning_rate(c)
     r, t = c.rollout, c.trainer
     batch = r.prompts_per_step * r.group_size
     if t.updates_per_step > batch:  # each optimiser step needs at least one response
@@ -70,6 +71,17 @@ def _adaptive_sampling_where_it_applies(c: BaseModel) -> None:
         r.budget = "adaptive" if groups else "fixed"
     if "dynamic_sampling" not in r.model_fields_set:
         r.dynamic_sampling = groups
+
+
+def _lora_learning_rate(c: BaseModel) -> None:
+    """trainer.lr, where the user left it unset and an adapter is on (model.lora.r > 0): the full fine-tuning
+    default × ``LORA_LR_FACTOR`` (an adapter's fitting rate is ~10x full fine-tuning's: "LoRA without regret";
+    tinker-cookbook's get_lr). Resolved here, so the run's recorded config says the rate it trained with."""
+    from relayrl.config.sections import LORA_LR_FACTOR
+
+    t = c.trainer
+    if c.model.lora.r and "lr" not in t.model_fields_set:
+        t.lr = type(t).model_fields["lr"].default * LORA_LR_FACTOR
 
 
 def budget_bounds(r: RolloutCfg) -> tuple[int, int]:
@@ -137,6 +149,7 @@ _PROJECT_TRACKERS = ("wandb", "mlflow", "trackio", "swanlab")
 _BUDGET = (lambda c: c.rollout.budget == "adaptive", "with rollout.budget=adaptive", ("rollout.budget",))
 _SELECT = (lambda c: c.data.selection != "uniform", "with data.selection=vade or cures", ("data.selection",))
 _CRITIC = (_critic, "with a critic (algo.advantage=gae or evpo)", ("algo.advantage",))
+_LORA = (lambda c: c.model.lora.r > 0, "with an adapter (model.lora.r > 0)", ("model.lora.r",))
 
 # Fields that the chosen mode/options ignore: field -> (does it apply?, when it applies, the fields
 # that decide). Setting one where it does not apply would silently do nothing, so it is an error
@@ -209,15 +222,26 @@ APPLIES_ONLY: dict[str, tuple[Callable[[BaseModel], bool], str, tuple[str, ...]]
     "eval.every": _EVAL,
     "eval.samples": _EVAL,
     "eval.stop_at": _EVAL,
+    "model.lora.alpha": _LORA,
+    "model.lora.dropout": _LORA,
+    "model.lora.targets": _LORA,
 }
+
+
+def owner(cfg: BaseModel, dotted: str) -> tuple[BaseModel, str]:
+    """(the section holding a field, its name) for ``section.field`` or ``section.sub.field``."""
+    *path, key = dotted.split(".")
+    for part in path:
+        cfg = getattr(cfg, part)
+    return cfg, key
 
 
 def inapplicable_set(cfg: BaseModel) -> list[str]:
     """Fields set explicitly (pydantic's ``model_fields_set``) where the configuration ignores them."""
     out = []
     for field, (applies, _, _) in APPLIES_ONLY.items():
-        sec, key = field.split(".")
-        if key in getattr(cfg, sec).model_fields_set and not applies(cfg):
+        section, key = owner(cfg, field)
+        if key in section.model_fields_set and not applies(cfg):
             out.append(field)
     return out
 

@@ -41,8 +41,11 @@ class Config(BaseModel):
         return Path(self.run.output_dir) / self.run.name
 
     def get(self, dotted: str) -> Any:
-        sec, key = dotted.split(".")
-        return getattr(getattr(self, sec), key)
+        """The value of ``section.field`` (or ``section.sub.field``: model.lora.r)."""
+        value: Any = self
+        for part in dotted.split("."):
+            value = getattr(value, part)
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":

@@ -114,6 +114,51 @@ class RunCfg(_Section):
         return v
 
 
+# model.lora.r > 0 and trainer.lr unset: the trainer's lr is its default × this ("LoRA without regret", Thinking
+# Machines 2025, and tinker-cookbook's get_lr: the learning rate that fits an adapter is ~10x full fine-tuning's)
+LORA_LR_FACTOR = 10
+
+
+class LoraCfg(_Section):
+    """A LoRA adapter on the policy (``model.lora.r`` > 0): only the adapter is trained and sent to the engines."""
+
+    r: int = Field(
+        0, ge=0, description="Rank of the LoRA adapter trained instead of the policy's weights (0: off, full "
+        "fine-tuning). With it the trainer's optimiser holds the adapter only, the KL reference is the base model "
+        "with the adapter switched off (no second copy), and each weight update sends the engines the adapter's "
+        "tensors only (they add scale·B·A to the base weights they keep). Checkpoints hold the adapter in PEFT's "
+        "format; `relayrl export CHECKPOINT --merge OUT` writes a merged model. With trainer.lr unset the learning "
+        f"rate is trainer.lr's default × {LORA_LR_FACTOR} (\"LoRA without regret\": ~10x the full fine-tuning "
+        "rate, the factor tinker-cookbook applies); a trainer.lr you set stays as set. Rank 1 is enough for RL "
+        "there; vLLM serves ranks 1, 8, 16, 32, 64, 128, 256, 320 and 512 (others round up).")
+    alpha: float = Field(
+        32.0, gt=0, description="LoRA's alpha: the update is (alpha / r)·B·A. 32 whatever the rank, as \"LoRA "
+        "without regret\" and tinker do: with the scale ∝ 1/r the learning rate that fits does not depend on r, "
+        "so one lr serves every rank (alpha = 2r would make the scale constant and the fitting lr move with r).")
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="Dropout on the adapter's input in training (0: none). The engines sample "
+        "without it, so above 0 the trainer's log-probs of a step differ from the engine's by it.")
+    targets: Literal["all-linear"] | list[str] = Field(
+        "all-linear", description="Modules the adapter is on: 'all-linear' (every linear layer of the decoder, "
+        "attention and MLP alike, not the output head: as \"LoRA without regret\" finds best) or a list of module "
+        "names (PEFT's target_modules: name suffixes such as q_proj, v_proj; a comma-separated string works too). "
+        "Each must name linear layers of the model (checked when it loads).")
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _target_list(cls, v: Any) -> Any:
+        if isinstance(v, str) and v != "all-linear":
+            return [x.strip() for x in v.split(",") if x.strip()]
+        return v
+
+    @field_validator("targets")
+    @classmethod
+    def _some_targets(cls, v: Any) -> Any:
+        if isinstance(v, list) and (not v or any(not x or any(c.isspace() for c in x) for x in v)):
+            raise ValueError("must be 'all-linear' or a non-empty list of module names (e.g. [q_proj, v_proj])")
+        return v
+
+
 class ModelCfg(_Section):
     """The policy and its tokenizer."""
 
@@ -124,6 +169,8 @@ class ModelCfg(_Section):
     tokenizer: str | None = Field(None, description="Tokenizer path or id (default: same as path).")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype for trainer and engine.")
     system_prompt: str | None = Field(None, description="Optional system message prepended to every prompt.")
+    lora: LoraCfg = Field(default_factory=LoraCfg, description="A LoRA adapter (model.lora.r, .alpha, .dropout, "
+                          ".targets): see its fields.")
 
 
 class DataCfg(_Section):

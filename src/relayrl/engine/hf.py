@@ -32,6 +32,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from transformers import DynamicCache
 
+from relayrl.engine.adapter import AdapterMerge
 from relayrl.engine.base import Engine, EngineError, check_new, copy_weights
 from relayrl.engine.fast_decode import fast_decoder
 from relayrl.models import cache_kwarg
@@ -52,8 +53,10 @@ class _Row:
 
 class HFEngine(Engine):
     def __init__(self, model, tokenizer, max_batch: int = 256, version: int = 0, batch_guard=None,
-                 eos_token_ids: list[int] | None = None, driven: bool = False, fast_decode: bool = False):
+                 eos_token_ids: list[int] | None = None, driven: bool = False, fast_decode: bool = False,
+                 adapter: AdapterMerge | None = None):
         self.model = model.eval()
+        self._adapter = adapter  # model.lora: updates bring the adapter only, merged into the base it keeps
         self._cache_kw = cache_kwarg(model)  # (transformers renamed it)
         self._fast = fast_decoder(model) if fast_decode else None  # None: the model's own forward
         self.device = next(model.parameters()).device  # rollout.device: where it decodes (the CPU, or a GPU)
@@ -152,7 +155,10 @@ class HFEngine(Engine):
 
     def load_weights(self, state_dict, version: int) -> None:
         with self.pause():
-            copy_weights(self.model, state_dict)  # (cast to the engine's dtype as it is copied: rollout.dtype)
+            if self._adapter is not None:
+                self._adapter.apply(state_dict)
+            else:
+                copy_weights(self.model, state_dict)  # (cast to the engine's dtype as it is copied: rollout.dtype)
             self._version = version
             self._step_version = version
 

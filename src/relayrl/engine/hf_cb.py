@@ -19,6 +19,7 @@ import queue
 import threading
 from typing import Iterable
 
+from relayrl.engine.adapter import AdapterMerge
 from relayrl.engine.base import Engine, EngineError, check_new, copy_weights
 from relayrl.engine.hf import HFEngine
 from relayrl.records import Completion, FinishReason, GenRequest, SamplingParams
@@ -34,12 +35,13 @@ class _Live:
 class HFContinuousEngine(Engine):
     def __init__(self, model, tokenizer, params: SamplingParams, version: int = 0, num_blocks: int = 256,
                  page_size: int = 32, max_batch_tokens: int = 2048, max_batch: int = 256,
-                 eos_token_ids: list[int] | None = None):
+                 eos_token_ids: list[int] | None = None, adapter: AdapterMerge | None = None):
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         self.model = model.eval()
         self.params = params
+        self._adapter = adapter  # model.lora: updates bring the adapter only, merged into the base it keeps
         if eos_token_ids is None:
             eos = model.generation_config.eos_token_id or tokenizer.eos_token_id
             eos_token_ids = eos if isinstance(eos, list) else [eos]
@@ -183,7 +185,10 @@ class HFContinuousEngine(Engine):
 
     def load_weights(self, state_dict, version: int) -> None:
         with self.pause():
-            copy_weights(self.model, state_dict)
+            if self._adapter is not None:
+                self._adapter.apply(state_dict)
+            else:
+                copy_weights(self.model, state_dict)
             self._version = version
             self._fallback._version = self._fallback._step_version = version
 

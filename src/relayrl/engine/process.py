@@ -13,7 +13,9 @@ so when ``load_weights`` returns, every later token is sampled by the new versio
 are in the engine's dtype (``rollout.dtype``), not the trainer's: with a bfloat16 engine beside
 a float32 trainer the cast happens in the copy into them (which the parent makes anyway, at about
 a float32 copy's cost), so the shared memory is half the size, the child reads half the bytes,
-and its own copy into the model is a plain one. The child
+and its own copy into the model is a plain one. With ``model.lora`` the buffers hold the adapter's
+tensors only (a few MB, kept in the dtype they come in: the child merges them in float32 into the
+base weights it loaded itself, ``engine.adapter``). The child
 exits when told to, or when its parent is gone (a ``kill -9`` of the run leaves no orphan).
 """
 
@@ -109,11 +111,14 @@ class ProcessEngine(Engine):
         from relayrl.models import DTYPES
 
         dtype = DTYPES[spec.engine_dtype]  # (floating tensors only: an integer buffer keeps its dtype)
-        self._shared = {k: v.detach().to(dtype if v.is_floating_point() else v.dtype, copy=True).share_memory_()
-                        for k, v in state_dict.items()}
+        if spec.lora is not None:  # the adapter's tensors only, kept as they come: merged in float32 (engine.adapter)
+            dtype = None
+        self._shared = {k: v.detach().to(dtype if dtype and v.is_floating_point() else v.dtype, copy=True)
+                        .share_memory_() for k, v in state_dict.items()}
         self._proc = ctx.Process(target=_serve, args=(spec, os.getpid(), self._shared, self._cmd, self._out, self._ack),
                                  name="relayrl-engine", daemon=True)
         self._proc.start()
+        self._lora = spec.lora is not None
         self._version = spec.version
         self._pending: set[str] = set()
         self._lock = threading.Lock()
@@ -191,6 +196,11 @@ class ProcessEngine(Engine):
             self._cmd.put(("resume", None))
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        # (the buffers are the tensors the process was started with; an adapter comes whole every time)
+        if not state_dict.keys() <= self._shared.keys() or (self._lora and state_dict.keys() != self._shared.keys()):
+            other = sorted(set(state_dict) ^ set(self._shared))
+            raise EngineError(f"engine process: the weights are not those it was started with ({len(other)} names "
+                              f"differ, e.g. {other[:2]})")
         with torch.no_grad():
             for k, v in state_dict.items():
                 self._shared[k].copy_(v)

@@ -226,7 +226,9 @@ class RayEngine(Engine):
             from relayrl.models import DTYPES
 
             dtype = DTYPES[self._spec.engine_dtype]
-            state_dict = self._ray.put({k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()})
+            cast = self._spec.lora is None  # (an adapter goes as it is: the engine merges it in float32)
+            state_dict = self._ray.put({k: v.to(dtype) if cast and v.is_floating_point() else v
+                                        for k, v in state_dict.items()})
         ref = state_dict
         with self._lock:
             self._weights, self._version = ref, version

@@ -41,12 +41,13 @@ class EngineSpec:
 
 
 def engine_spec(rollout: RolloutCfg, dtype: str, weights: str, tokenizer_path: str, version: int, seed: int,
-                engine_threads: int) -> EngineSpec:
-    """The spec of the run's engines (``rollout``: the config's rollout section, ``dtype``: model.dtype)."""
+                engine_threads: int, lora: LoraSpec | None = None) -> EngineSpec:
+    """The spec of the run's engines (``rollout``: the config's rollout section, ``dtype``: model.dtype; ``lora``:
+    the adapter's shape with model.lora, ``weights`` then being the base model's)."""
     from relayrl.models import model_context
 
     return EngineSpec(rollout, weights, tokenizer_path, dtype, version, engine_threads, seed,
-                      rollout.vllm_max_model_len or model_context(weights) or 2048)
+                      rollout.vllm_max_model_len or model_context(weights) or 2048, lora)
 
 
 def eos_token_ids(weights: str, tokenizer) -> list[int]:
@@ -77,6 +78,14 @@ def build_local_engine(spec: EngineSpec, driven: bool = False, model=None, token
                           sleep=r.vllm_sleep)
     from relayrl.models import resolve_device
 
+    adapter = None
+    if spec.lora is not None:
+        # loaded in model.dtype: the adapter merges from its float32 copy of the base, taken before the cast to
+        # the engine's dtype (rollout.dtype)
+        from relayrl.engine.adapter import AdapterMerge
+
+        model = model if model is not None else load_policy(spec.weights, spec.dtype)
+        adapter = AdapterMerge(model, spec.lora)
     model = model if model is not None else load_policy(spec.weights, spec.engine_dtype)
     model = model.to(resolve_device(r.device, "rollout.device"), DTYPES[spec.engine_dtype])
-    return make_engine(r, model, tokenizer, version=spec.version, driven=driven)
+    return make_engine(r, model, tokenizer, version=spec.version, driven=driven, adapter=adapter)

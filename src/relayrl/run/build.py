@@ -33,6 +33,7 @@ from relayrl.run.evaluation import EvalSettings, evaluate, write_report
 from relayrl.serve.agent import AgentEpisodes, AgentProgram
 from relayrl.train.critic import make_critic
 from relayrl.tracking.timeline import Timeline
+from relayrl.train import lora
 from relayrl.train.trainer import Trainer
 
 
@@ -47,6 +48,7 @@ class Components:
     eval_prompts: list | None
     params: SamplingParams
     runner: EpisodeRunner  # episodes (single-turn, or with env.name's environment) on an asyncio loop
+    adapter_config: dict | None = None  # model.lora: the adapter's adapter_config.json (checkpoints hold the adapter)
 
     @property
     def agents(self) -> bool:
@@ -179,16 +181,22 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
             python_tool.use_default(RayPythonTool)
             undo.callback(python_tool.use_default)
         base = resolve_model_path(cfg.model.path, log=log)
-        weights = str(ckpt) if ckpt else base
+        adapter = cfg.model.lora.r > 0  # (a checkpoint then holds the adapter only: the base is model.path)
+        weights = str(ckpt) if ckpt and not adapter else base
         tokenizer, tok_path = load_tokenizer_for(cfg, base, log)
         check_prompts_fit(cfg, weights, tokenizer, prompts, eval_prompts)
-        policy = load_policy(weights, cfg.model.dtype, field="checkpoint" if ckpt else "model.path")
-        ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 else None
+        policy = load_policy(weights, cfg.model.dtype, field="checkpoint" if ckpt and not adapter else "model.path")
+        policy, lora_spec = load_adapter(cfg, policy, ckpt)
+        ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 and not adapter else None
         # seeded per resume point, so a resumed run does not repeat its samples; in-process, one thread
         # decodes and trains (HFEngine's driven): it decodes while it waits for episodes
-        spec = engine_spec(cfg.rollout, cfg.model.dtype, weights, tok_path, state.version, cfg.run.seed * 1_000_003 + state.step, engine_threads)
-        engine = open_engine(spec, cfg.run, cfg.ray, policy.state_dict(), tokenizer)
+        spec = engine_spec(cfg.rollout, cfg.model.dtype, weights, tok_path, state.version,
+                           cfg.run.seed * 1_000_003 + state.step, engine_threads, lora_spec)
+        first = lora.adapter_state(policy) if adapter else policy.state_dict()
+        engine = open_engine(spec, cfg.run, cfg.ray, first, tokenizer)
         undo.callback(engine.close)
+        if adapter:  # the engines start from the base: the adapter of this version goes to them as any update
+            engine.load_weights(first, state.version)
         runner = make_runner(cfg, engine, tokenizer, reward, make_env, eos_token_ids(weights, tokenizer),
                              model_context(weights))
         undo.callback(runner.close)
@@ -200,7 +208,19 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
     # its sampler, and its batched kernels do not repeat bit for bit anyway.
     seed = None if r.engine == "vllm" else cfg.run.seed
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, seed=seed)
-    return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params, runner)
+    return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params, runner,
+                      lora_spec.adapter_config(base) if lora_spec else None)
+
+
+def load_adapter(cfg: Config, policy, ckpt: Path | None):
+    """(the policy to train, the adapter's spec): with model.lora.r > 0 the policy wrapped with a fresh adapter
+    (``train.lora``), or the checkpoint's when resuming; else the policy as it is and None."""
+    if not cfg.model.lora.r:
+        return policy, None
+    policy, spec = lora.wrap(policy, cfg.model.lora)
+    if ckpt is not None:
+        lora.load_adapter(policy, ckpt)
+    return policy, spec
 
 
 ALARM_ROWS = 8  # rows of fresh tokens run.mismatch_alarm checks each step against the previous weights too
@@ -223,8 +243,8 @@ def follower_trainer(cfg: Config) -> Trainer:
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     base = resolve_model_path(cfg.model.path, log=lambda *a, **k: None)
-    policy = load_policy(base, cfg.model.dtype)
-    ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 else None
+    policy, _ = load_adapter(cfg, load_policy(base, cfg.model.dtype), None)  # (rank 0's weights come by broadcast)
+    ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 and not cfg.model.lora.r else None
     return make_trainer(cfg, policy, ref)
 
 
@@ -278,10 +298,18 @@ def evaluate_only(cfg: Config, out_dir: str | Path | None = None, settings: str 
     reward = make_reward_runner(cfg)
     try:
         path = resolve_model_path(cfg.model.path, log=log)
-        tokenizer, tok_path = load_tokenizer_for(cfg, path, log)
+        # a LoRA checkpoint (PEFT's files): its base model in the engine, then the adapter, as a run sends it;
+        # the tokenizer the checkpoint's own (a relayrl checkpoint has it), else the base's
+        lora_spec, base, adapter = lora.read_adapter(path) or (None, path, None)
+        own = adapter is None or any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+        tokenizer, tok_path = load_tokenizer_for(cfg, path if own else base, log)
+        path = base
         check_prompts_fit(cfg, path, tokenizer, [], prompts)
         engine = open_engine(engine_spec(cfg.rollout, cfg.model.dtype, path, tok_path, 0, cfg.run.seed,
-                                         threads(cfg.rollout, cfg.run)[1]), cfg.run, cfg.ray, tokenizer=tokenizer)
+                                         threads(cfg.rollout, cfg.run)[1], lora_spec), cfg.run, cfg.ray, adapter,
+                             tokenizer=tokenizer)
+        if adapter is not None:
+            engine.load_weights(adapter, 0)
         runner = make_runner(cfg, engine, tokenizer, reward,
                              env_factory(cfg.env),
                              eos_token_ids(path, tokenizer), model_context(path))

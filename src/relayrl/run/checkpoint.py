@@ -1,7 +1,8 @@
 """Run state and atomic checkpoints.
 
 ``runs/<name>/checkpoints/step_NNNNNN/`` holds the policy (``save_pretrained``, safetensors,
-with the tokenizer: loadable by ``from_pretrained``), ``trainer.pt`` (optimiser, scheduler,
+with the tokenizer: loadable by ``from_pretrained``; with ``model.lora`` the adapter in PEFT's files,
+``adapter_config.json`` and ``adapter_model.safetensors``, on the base model.path), ``trainer.pt`` (optimiser, scheduler,
 RNG: torch, Python, and CUDA's per device when CUDA is in use), ``state.json`` (step,
 samples, data cursor, policy version) and the model card ``README.md`` (``model_card``). A checkpoint is written to a temporary folder
 (``.tmp-step_N``), renamed into place, then ``latest`` is replaced atomically, so a kill at any
@@ -149,7 +150,12 @@ def write_snapshot(run_dir: Path, snap: dict, model, tokenizer, keep: int) -> Pa
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    model.save_pretrained(tmp, state_dict=snap["weights"], safe_serialization=True)
+    if snap.get("adapter"):  # model.lora: the adapter, in PEFT's files (the base is the run's model.path)
+        from relayrl.train.lora import write_adapter
+
+        write_adapter(tmp, snap["weights"], snap["adapter"])
+    else:
+        model.save_pretrained(tmp, state_dict=snap["weights"], safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     if snap.get("card"):
         (tmp / "README.md").write_text(snap["card"])
@@ -174,12 +180,13 @@ def write_snapshot(run_dir: Path, snap: dict, model, tokenizer, keep: int) -> Pa
 
 
 class CheckpointWriter:
-    def __init__(self, run_dir: Path, model, tokenizer, keep: int, weights=None, card=None):
+    def __init__(self, run_dir: Path, model, tokenizer, keep: int, weights=None, card=None, adapter=None):
         """``weights()``: the policy's whole weights on the CPU (default ``model.state_dict``; a trainer
         on a GPU or sharded over ranks gives ``Trainer.full_state_dict``); ``card(state)``: the text of
-        the checkpoint's model card (``model_card.for_run``; None: none)."""
+        the checkpoint's model card (``model_card.for_run``; None: none); ``adapter``: with model.lora, the
+        adapter's ``adapter_config.json`` (``weights()`` then gives the adapter's tensors, saved in PEFT's format)."""
         self.run_dir, self.model, self.tokenizer, self.keep = run_dir, model, tokenizer, keep
-        self.weights, self.card = weights, card
+        self.weights, self.card, self.adapter = weights, card, adapter
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -187,6 +194,7 @@ class CheckpointWriter:
         self.wait()
         snap = snapshot(state, self.model, trainer_state, self.weights)
         snap["card"] = self.card(state) if self.card else None
+        snap["adapter"] = self.adapter
         self._thread = threading.Thread(target=self._write, args=(snap,), name="relayrl-checkpoint", daemon=True)
         self._thread.start()
 

@@ -104,7 +104,7 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
     timers, t_start, tl = Timers(), time.perf_counter() - state.wall_seconds, Timeline()
     startup = evaluating - entered  # loading, engines, workers (not the evaluation before training)
     writer = CheckpointWriter(run_dir, c.policy, c.tokenizer, cfg.run.keep_checkpoints, c.trainer.full_state_dict,
-                              card=model_card.for_run(resolved_tree(cfg)))
+                              card=model_card.for_run(resolved_tree(cfg)), adapter=c.adapter_config)
     source = make_rollout(cfg, c, state, tl)
     if source.eta + source.slack:
         log(f"staleness bound: {source.eta + source.slack} policy versions (η={source.eta}"

@@ -48,7 +48,8 @@ def render(config: dict, step: int, samples: int, before: dict | None, after: di
                 evals.append(EvalResult(task_type="text-generation", dataset_type=str(data["eval_path"]),
                                         dataset_name=str(data["eval_path"]), metric_type="accuracy",
                                         metric_value=e[key], metric_name=f"held-out accuracy {when} ({how})"))
-    meta = ModelCardData(library_name="transformers", base_model=_hub_id(model["path"]),
+    adapter = (model.get("lora") or {}).get("r", 0)  # model.lora: the checkpoint is a PEFT adapter on model.path
+    meta = ModelCardData(library_name="peft" if adapter else "transformers", base_model=_hub_id(model["path"]),
                          datasets=[d for d in (_hub_id(data["path"]),) if d] or None, model_name=run["name"],
                          tags=["relayrl", "reinforcement-learning", str(algo.get("advantage"))],
                          eval_results=evals or None)
@@ -65,6 +66,8 @@ def render(config: dict, step: int, samples: int, before: dict | None, after: di
         f"after {samples:,} trained responses.", "",
         "| | |", "|---|---|",
         f"| base model | `{model['path']}` |",
+        *([(f"| adapter | LoRA, rank {adapter}, alpha {model['lora']['alpha']} (PEFT's files here; `relayrl export "
+            "CHECKPOINT --merge OUT` writes a merged model) |")] if adapter else []),
         f"| training data | `{data['path']}` (prompt field `{data['prompt_field']}`) |",
         f"| reward | `{config['reward']['fn']}` |",
         f"| held-out data | `{data.get('eval_path')}` ({config.get('eval', {}).get('size', '—')} prompts) |",

@@ -49,6 +49,7 @@ UNSAFE_ON_RESUME = {
     "critic.lr": "the critic's optimiser state restored from the checkpoint would silently override it",
     "critic.warmup_steps": "the critic's scheduler state restored from the checkpoint would silently override it",
     "critic.path": "the checkpoint holds the critic's weights for that architecture",
+    "model.lora": "the checkpoint holds that adapter (model.lora.r > 0) or whole weights (0), and its optimiser state",
 }
 
 

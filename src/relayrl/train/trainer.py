@@ -28,7 +28,7 @@ import warnings
 
 import torch
 
-from relayrl.train import checkpointing, distributed
+from relayrl.train import checkpointing, distributed, lora
 from relayrl.algos import AGGREGATIONS, CORRECTIONS, ESTIMATORS, NEEDS_CRITIC, POLICY_LOSSES, kl_penalty, lookup
 from relayrl.algos.estimators import GROUP_BASELINE, over_episodes
 from relayrl.algos.estimators import Knobs as EstimatorKnobs
@@ -86,7 +86,10 @@ class Trainer:
         self.check_rows = check_rows
         self._prev: tuple[int, dict] | None = None
         self.ref = None
-        if acfg.kl_coef > 0:  # frozen reference: the given model, else a copy of the policy as it is now
+        # model.lora: a PEFT-wrapped ``model`` (train.lora), its adapter trained; the KL reference is it with the adapter off
+        self.adapter = lora.is_adapter(model)
+        self.ref_is_base = self.adapter and acfg.kl_coef > 0
+        if acfg.kl_coef > 0 and not self.adapter:  # frozen reference: the given model, else a copy of the policy now
             self.ref = (ref_model or copy.deepcopy(model)).eval().requires_grad_(False)
         self.device = distributed.resolve_device(tcfg.device)
         # the log-probs: whole logits, or (trainer.logprob_chunk_tokens) the head chunk by chunk (logprobs.py)
@@ -105,8 +108,9 @@ class Trainer:
                 m.to(self.device)
                 if self.dp:
                     distributed.shard(m)
+        self.params = [p for p in model.parameters() if p.requires_grad]  # (with an adapter: its tensors only)
         self.opt = torch.optim.AdamW(  # after sharding: it holds this rank's shards
-            model.parameters(), lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay
+            self.params, lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay
         )
         total = total_steps * tcfg.updates_per_step
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tcfg.warmup_steps, tcfg.schedule, total))
@@ -118,7 +122,7 @@ class Trainer:
         self.estimator = ESTIMATORS.get(acfg.advantage)  # None: advantages come with the batch (GiGPO)
         # rollout.group_size: a group of one is alone by choice (1) or because the others failed (estimators.lone)
         self.est_knobs = EstimatorKnobs(acfg.discount(), acfg.lam, acfg.evpo_level, group_size)
-        self.kl_in_reward = self.ref is not None and acfg.kl_mode == "reward"
+        self.kl_in_reward = (self.ref is not None or self.ref_is_base) and acfg.kl_mode == "reward"
         self.critic = critic
         # (FSDP: every rank runs its share of the micro-batches in step with the others: the plain forward;
         # config refuses trainer.share_prefix set with trainer.fsdp)
@@ -352,7 +356,7 @@ class Trainer:
         single = self.tcfg.updates_per_step == 1
         need_old = not single or self.correction.batch_mask is not None or self.kl_in_reward
         old_logp = self.logprobs(batch) if need_old else None
-        ref_logp = self.logprobs(batch, self.ref) if self.ref is not None else None
+        ref_logp = self._ref_logprobs(batch)
         batch, est_metrics = self._advantages(batch, old_logp, ref_logp)
         loss_ref = None if self.kl_in_reward else ref_logp
         fresh = batch.loss_mask if version is None else batch.loss_mask * (batch.versions >= version)
@@ -388,7 +392,7 @@ class Trainer:
             scale, ess = ess_lr_scale(sums.pop("seq_log_w"))
             sums["ess_frac"] = (ess / mini.size).item()
             del sums["mismatch_sum"], sums["mismatch_max"], sums["mismatch_tokens"]
-            gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
+            gn = torch.nn.utils.clip_grad_norm_(self.params, self.tcfg.grad_clip)
             sums["grad_norm"] = (gn.full_tensor() if self.dp else gn).item()  # (FSDP: a DTensor, the global norm)
             lr_scale = scale.item() if self.acfg.ess_lr_scale else 1.0
             for g in self.opt.param_groups:  # the scheduler sets the next step's lr afresh
@@ -400,6 +404,13 @@ class Trainer:
                 totals[k] = totals.get(k, 0.0) + v / len(chunks)
         totals["rows_skipped"] = skipped
         return totals, mismatch, {**est_metrics, **prev_check}, batch
+
+    def _ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        """The KL reference's log-probs (None: no KL): the frozen model, or the policy with its adapter off."""
+        if self.ref_is_base:
+            with lora.base_model(self.model):
+                return self.logprobs(batch)
+        return self.logprobs(batch, self.ref) if self.ref is not None else None
 
     def _contributing(self, mini: TrainBatch, ref_logp) -> list[int] | None:
         """The rows of ``mini`` whose gradient is not zero: a row whose every trained token has advantage 0
@@ -458,18 +469,23 @@ class Trainer:
             # kept on the CPU (a GPU trainer would otherwise hold a second copy of the weights all run long);
             # FSDP's shards stay where they are (a rank holds 1/N of the weights)
             where = self.device if self.dp else torch.device("cpu")
-            self._prev = (version, {k: p.detach().to(where, copy=True) for k, p in self.model.named_parameters()})
+            # (with an adapter, its tensors only: the base weights never change)
+            self._prev = (version, {k: p.detach().to(where, copy=True) for k, p in lora.trainable(self.model).items()})
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights on the CPU, whole, for engines and checkpoints (``model.state_dict()``
-        itself when training on the CPU). FSDP: gathered on rank 0 ({} on the others)."""
+        itself when training on the CPU). FSDP: gathered on rank 0 ({} on the others). With an adapter
+        (model.lora): the adapter's tensors only, under PEFT's saved names (what engines and checkpoints take)."""
         if self.dp is None:
+            if self.adapter:
+                return lora.adapter_state(self.model)
             sd = self.model.state_dict()
             return sd if self.device.type == "cpu" else {k: v.detach().cpu() for k, v in sd.items()}
         if self._leads:
             self.dp.send("weights")
-        return distributed.full_state_dict(self.model)
+        sd = distributed.full_state_dict(self.model)
+        return lora.adapter_state(self.model, sd) if self.adapter and sd else sd
 
     def state_dict(self) -> dict:
         """Optimiser and scheduler, and the critic's weights and state. FSDP: the optimiser state by

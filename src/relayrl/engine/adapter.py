@@ -1,0 +1,57 @@
+"""Adapter-only weight updates for the hf engines (``model.lora``): the engine keeps its base weights,
+and each ``load_weights`` brings the adapter's tensors only (PEFT's saved names, ``models.lora_pairs``).
+
+Merged decoding: every target module's weight becomes W_base + (alpha / r)·B·A, computed in float32 from
+a float32 copy of its base weight kept here (taken when the engine starts, from the base model) and cast
+to the engine's dtype (``rollout.dtype``) as it is written. Decoding then runs on plain weights at the
+speed of the base model, with relayrl's fused forward too (``fast_decode``: the weight is written in place,
+into the fused tensor it is a view of); the update costs one [out, r]·[r, in] product per module. Each
+update starts from the base copy, never from the weights as they are, so loading the same version twice
+(a restarted engine, a resumed run) cannot apply the adapter twice, and an adapter that names other
+modules than the engine's targets, or misses one, is refused rather than applied in part.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from relayrl.engine.base import EngineError
+from relayrl.models import LoraSpec, lora_pairs, merged_weight
+
+
+class AdapterMerge:
+    """The target modules of an engine's ``model`` (``spec.targets``), their float32 base weights, and
+    ``apply``, which writes base + scale·B·A into them. Made before the model is cast to the engine's
+    dtype and moved to its device (``spec.build_local_engine``): it holds the modules, whose parameters
+    stay the same objects through ``model.to``."""
+
+    def __init__(self, model, spec: LoraSpec):
+        self.spec = spec
+        self.modules = {name: m for name, m in model.named_modules()
+                        if name.rpartition(".")[2] in spec.targets and isinstance(m, torch.nn.Linear)}
+        if not self.modules:
+            raise EngineError(f"model.lora: none of the adapter's target modules ({', '.join(spec.targets)}) is a "
+                              "linear layer of the engine's model")
+        with torch.no_grad():
+            self.base = {name: m.weight.detach().to(torch.float32, copy=True) for name, m in self.modules.items()}
+
+    def apply(self, adapter: dict[str, torch.Tensor]) -> None:
+        try:
+            pairs = lora_pairs(adapter)
+        except ValueError as e:
+            raise EngineError(f"adapter update: {e}") from None
+        unknown, missing = sorted(set(pairs) - set(self.modules)), sorted(set(self.modules) - set(pairs))
+        if unknown or missing:
+            raise EngineError(f"adapter update: its modules are not the engine's targets (not targets: {unknown[:3]}, "
+                              f"targets without an update: {missing[:3]}); the engine keeps its weights")
+        for name, (a, b) in pairs.items():
+            w = self.modules[name].weight
+            if a.shape != (self.spec.r, w.shape[1]) or b.shape != (w.shape[0], self.spec.r):
+                raise EngineError(f"adapter update: {name}: A {tuple(a.shape)}, B {tuple(b.shape)} do not fit its "
+                                  f"weight {tuple(w.shape)} at rank {self.spec.r}")
+        with torch.no_grad():
+            for name, (a, b) in pairs.items():
+                w = self.modules[name].weight
+                if self.base[name].device != w.device:  # (taken before the model moved to rollout.device)
+                    self.base[name] = self.base[name].to(w.device)
+                w.copy_(merged_weight(self.base[name], a, b, self.spec.scale))

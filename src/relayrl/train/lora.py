@@ -1,0 +1,178 @@
+"""A LoRA adapter on the policy (``model.lora``), through PEFT.
+
+The policy is wrapped by ``peft.get_peft_model`` where it is loaded for training: its own weights are
+frozen and only the adapter's A [r, in] and B [out, r] of every target module train (B starts at 0, so
+the wrapped model is the base model until the first step). What leaves the trainer is the adapter's
+tensors alone, under PEFT's saved names (``adapter_state``: "base_model.model.<module>.lora_A.weight"):
+the engines keep the base weights and add (alpha / r)·B·A to them (``engine.adapter``), checkpoints
+hold them in PEFT's own files (``write_adapter``: ``adapter_config.json``, ``adapter_model.safetensors``,
+what ``PeftModel.from_pretrained`` and vLLM read), and ``export_merged`` folds them into a plain model.
+
+The KL reference is the same model with the adapter switched off (``base_model``: PEFT's
+``disable_adapter``), never a second copy: it is the base, exactly, at no memory cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+
+from relayrl.models import LoraSpec, ModelError
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def is_adapter(model) -> bool:
+    """Is ``model`` a PEFT-wrapped policy (``wrap``)?"""
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def resolve_targets(model, targets) -> tuple[str, ...]:
+    """The module names (PEFT's ``target_modules``: last components) ``model.lora.targets`` means on ``model``.
+    'all-linear': every ``nn.Linear`` but the output head (PEFT's own meaning of it, made explicit here so the
+    engines and ``adapter_config.json`` get the same list). A name that matches no module, or a module that is
+    not linear (the engines merge B·A into a weight matrix), is a ``ModelError`` naming the field."""
+    head = model.get_output_embeddings()
+    named = [(name, m) for name, m in model.named_modules() if name]
+    if targets == "all-linear":
+        found = sorted({name.rpartition(".")[2] for name, m in named
+                        if isinstance(m, torch.nn.Linear) and m is not head})
+        if not found:
+            raise ModelError("model.lora.targets='all-linear': the model has no linear layer besides its output head")
+        return tuple(found)
+    for t in targets:
+        hits = [m for name, m in named if name.rpartition(".")[2] == t]
+        if not hits:
+            leaves = sorted({name.rpartition(".")[2] for name, m in named if isinstance(m, torch.nn.Linear)})
+            raise ModelError(f"model.lora.targets: {t!r} names no module of the model; its linear layers: "
+                             f"{', '.join(leaves)}")
+        if not all(isinstance(m, torch.nn.Linear) for m in hits):
+            raise ModelError(f"model.lora.targets: {t!r} names a module that is not linear "
+                             f"({type(next(m for m in hits if not isinstance(m, torch.nn.Linear))).__name__}): "
+                             "adapters go on linear layers")
+        if any(m is head for m in hits):
+            raise ModelError(f"model.lora.targets: {t!r} is the output head: adapters go on the decoder's layers")
+    return tuple(dict.fromkeys(targets))
+
+
+def spec_for(lora, model) -> LoraSpec:
+    """The adapter's shape (``models.LoraSpec``) from the ``model.lora`` section, its targets resolved on ``model``."""
+    return LoraSpec(lora.r, float(lora.alpha), resolve_targets(model, lora.targets))
+
+
+def wrap(model, lora):
+    """(``model`` with a fresh adapter of ``model.lora``'s shape, its spec). Only the adapter requires grad.
+    The adapter's initial values come from torch's RNG (A: Kaiming-uniform; B: zeros), so a seeded run
+    starts from the same adapter on every torchrun rank."""
+    from peft import LoraConfig, get_peft_model
+
+    spec = spec_for(lora, model)
+    config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=lora.dropout, target_modules=list(spec.targets),
+                        bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, config), spec
+
+
+def base_model(model):
+    """Context: inside, a wrapped ``model`` computes as its base model (the adapter switched off)."""
+    return model.disable_adapter() if is_adapter(model) else contextlib.nullcontext()
+
+
+def adapter_state(model, state_dict: dict | None = None) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under PEFT's saved names, on the CPU (``state_dict``: the model's whole state,
+    when it was gathered elsewhere: FSDP's ``full_state_dict``)."""
+    from peft import get_peft_model_state_dict
+
+    sd = get_peft_model_state_dict(model, state_dict=state_dict)
+    return {k: v.detach().cpu() for k, v in sd.items()}
+
+
+def trainable(model) -> dict[str, torch.nn.Parameter]:
+    """The parameters a step changes, by name (all of them without an adapter)."""
+    return {k: p for k, p in model.named_parameters() if p.requires_grad}
+
+
+def load_adapter(model, folder: str | Path) -> None:
+    """A checkpoint's adapter (``write_adapter``) into a wrapped ``model``; every tensor must land."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(str(Path(folder) / ADAPTER_WEIGHTS))
+    result = set_peft_model_state_dict(model, weights)
+    unexpected = getattr(result, "unexpected_keys", [])
+    missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+    if unexpected or missing:
+        raise ModelError(f"{folder}: the adapter does not fit model.lora's (unexpected {unexpected[:3]}, missing "
+                         f"{missing[:3]}): resume with the model.lora it was saved with")
+
+
+def write_adapter(folder: Path, weights: dict[str, torch.Tensor], config: dict) -> None:
+    """PEFT's files for an adapter: ``adapter_model.safetensors`` (``weights``, PEFT's saved names) and
+    ``adapter_config.json`` (``config``: ``LoraSpec.adapter_config``)."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1))
+
+
+def read_adapter(folder: str | Path) -> tuple[LoraSpec, str, dict[str, torch.Tensor]] | None:
+    """(spec, base model, tensors) of the PEFT adapter in ``folder``; None when it holds none (a whole model)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not (folder / ADAPTER_CONFIG).is_file():
+        return None
+    try:
+        c = json.loads((folder / ADAPTER_CONFIG).read_text())
+        targets = c["target_modules"]
+        spec = LoraSpec(int(c["r"]), float(c["lora_alpha"]), tuple([targets] if isinstance(targets, str) else targets))
+        weights = load_file(str(folder / ADAPTER_WEIGHTS))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelError(f"{folder}: cannot read its LoRA adapter ({ADAPTER_CONFIG}, {ADAPTER_WEIGHTS}): {e}") from None
+    if c.get("peft_type", "LORA") != "LORA" or c.get("use_dora") or c.get("use_rslora"):
+        raise ModelError(f"{folder}: the adapter is not a plain LoRA adapter (peft_type {c.get('peft_type')!r}, "
+                         f"use_dora {c.get('use_dora')}, use_rslora {c.get('use_rslora')})")
+    base = c.get("base_model_name_or_path")
+    if (not base or base.startswith("/") and not Path(base).exists()) and (folder / "state.json").is_file():
+        base = _recorded_base(folder) or base  # (moved: a relayrl checkpoint records its run's model.path)
+    if not base:
+        raise ModelError(f"{folder}/{ADAPTER_CONFIG} names no base model (base_model_name_or_path)")
+    return spec, base, weights
+
+
+def _recorded_base(folder: Path) -> str | None:
+    """The base model of a relayrl checkpoint from its run's recorded model.path (state.json), resolved
+    (``builtin:demo``: where this installation keeps it)."""
+    from relayrl.models import resolve_model_path
+
+    try:
+        path = json.loads((folder / "state.json").read_text())["config"]["model"]["path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return resolve_model_path(path, log=lambda *a, **k: None) if path else None
+
+
+def export_merged(checkpoint: str | Path, out: str | Path, dtype: str = "float32") -> Path:
+    """Write the policy of ``checkpoint`` (an adapter checkpoint) to ``out`` as a plain Hugging Face model:
+    the base with the adapter merged into its weights (PEFT's ``merge_and_unload``) and the tokenizer,
+    loadable by ``AutoModelForCausalLM.from_pretrained(out)`` with no PEFT."""
+    from peft import PeftModel
+
+    from relayrl.models import load_policy, load_tokenizer
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    found = read_adapter(checkpoint)
+    if found is None:
+        raise ModelError(f"{checkpoint}: no LoRA adapter there ({ADAPTER_CONFIG}): a checkpoint of full fine-tuning "
+                         "is already a whole model (AutoModelForCausalLM.from_pretrained reads it)")
+    _, base, _ = found
+    model = load_policy(base, dtype, field=f"the base model of {checkpoint}")
+    merged = PeftModel.from_pretrained(model, str(checkpoint)).merge_and_unload()
+    out.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(out, safe_serialization=True)
+    tokenizer = checkpoint if any((checkpoint / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")) \
+        else base
+    load_tokenizer(str(tokenizer)).save_pretrained(out)
+    return out
