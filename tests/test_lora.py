@@ -104,7 +104,7 @@ def test_the_mismatch_check_keeps_the_adapter_of_the_last_version_only(tiny, tin
     batch.versions[:4] = 0  # half the rows sampled one version ago
     batch.versions[4:] = 1
     tr.step(batch, version=1)
-    assert tr._prev is not None and set(tr._prev[1]) == set(lora.trainable(model))
+    assert tr.versions.prev is not None and set(tr.versions.prev[1]) == set(lora.trainable(model))
 
 
 def _grads(model):

@@ -193,7 +193,7 @@ def test_mismatch_is_measured_on_tokens_of_the_previous_version(tiny):
     assert m2["logprob_mismatch_tokens"] > 0 and m2["logprob_mismatch_mean"] < 1e-5
     # an engine off by 0.5 nats on such tokens is reported as such (not as 0)
     tr2 = Trainer(model, TrainerCfg(lr=1e-2, warmup_steps=0), AlgoCfg(), 1.0, 10, 16)
-    tr2._prev = (1, {k: p.detach().clone() for k, p in model.named_parameters()})
+    tr2.versions.prev = (1, {k: p.detach().clone() for k, p in model.named_parameters()})
     b.behav_logp = tr2.logprobs(b) + 0.5 * b.loss_mask
     assert abs(tr2.step(b, version=2)["logprob_mismatch_mean"] - 0.5) < 1e-4
 

@@ -40,6 +40,7 @@ from relayrl.train.batch import TrainBatch, build_batch, micro_batches
 from relayrl.config import AlgoCfg, TrainerCfg
 from relayrl.fault_injection import fault_point
 from relayrl.train.logprobs import Readout, install_head
+from relayrl.train.mismatch import VersionCheck, mismatch_sums
 from relayrl.train.packing import Packed
 from relayrl.train.shared_prefix import PrefixSharing
 
@@ -47,12 +48,6 @@ __all__ = ["Trainer", "TrainBatch", "build_batch", "micro_batches", "lr_lambda"]
 
 # the metrics summed over micro-batches (each a token-share of the optimiser batch, or a loss part)
 LOSS_METRICS = ("clip_frac", "clip_frac_dual", "offpolicy/weight_mean", "offpolicy/masked_frac")
-
-
-def _mismatch(logp: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
-    """(sum, max, count) of |log π_trainer − log π_engine| over the tokens in ``mask``."""
-    diff = (logp - behav).abs() * mask
-    return diff.sum().item(), diff.max().item() if diff.numel() else 0.0, mask.sum().item()
 
 
 def lr_lambda(warmup_steps: int, schedule: str, total_steps: int):
@@ -80,11 +75,9 @@ class Trainer:
         self.temperature, self.norm_len = temperature, norm_len
         self.top_p, self.top_k = top_p, top_k  # the engine's truncation, reproduced (sampling.py)
         # the weights of one version ago, to measure the engine-trainer mismatch on tokens they sampled
-        self.mismatch_rows = mismatch_rows
-        # fresh rows checked each step against this version's weights and the previous version's (the weights of one
-        # version ago kept for it: run.mismatch_alarm); 0: no check
-        self.check_rows = check_rows
-        self._prev: tuple[int, dict] | None = None
+        # the engine-trainer mismatch under the weights of one version ago (``mismatch_rows`` rows of tokens that
+        # old), and ``check_rows`` fresh rows against this version's and the previous one's (run.mismatch_alarm)
+        self.versions = VersionCheck(mismatch_rows, check_rows)
         self.ref = None
         # model.lora: a PEFT-wrapped ``model`` (train.lora), its adapter trained; the KL reference is it with the adapter off
         self.adapter = lora.is_adapter(model)
@@ -360,9 +353,9 @@ class Trainer:
         batch, est_metrics = self._advantages(batch, old_logp, ref_logp)
         loss_ref = None if self.kl_in_reward else ref_logp
         fresh = batch.loss_mask if version is None else batch.loss_mask * (batch.versions >= version)
-        mismatch = [_mismatch(old_logp, batch.behav_logp, fresh)] if old_logp is not None else []
-        prev_check = self._fresh_against_previous(batch, version)  # (before the line below replaces the previous weights)
-        mismatch.append(self._previous_version_mismatch(batch, version))
+        mismatch = [mismatch_sums(old_logp, batch.behav_logp, fresh)] if old_logp is not None else []
+        prev_check = self.versions.fresh_against_previous(self, batch, version)  # (before the previous weights go)
+        mismatch.append(self.versions.previous_version(self, batch, version))
         perm = torch.randperm(batch.size)
         perm = (self.dp.broadcast(perm) if self.dp else perm).tolist()  # (FSDP: rank 0's order on every rank)
         # (a batch left with fewer rows than updates_per_step, after failed episodes were left out: fewer steps)
@@ -425,53 +418,6 @@ class Trainer:
         if bool(moves.all()) or not bool(moves.any()):
             return None
         return torch.nonzero(moves).flatten().tolist()
-
-    @torch.no_grad()
-    def _fresh_against_previous(self, batch: TrainBatch, version: int | None) -> dict:
-        """The engine's log-probs of up to ``check_rows`` rows of tokens it sampled with this version, against
-        the trainer's under this version's weights and under the previous version's: an engine that samples
-        the trained policy agrees better with the first (to its numerics: ~1e-7 in float32, ~2e-3 in bfloat16),
-        one whose weights stopped following agrees better with the second (``run.mismatch_alarm``). {} on the
-        first step (no previous weights kept) or with no such tokens."""
-        if version is None or not self.check_rows or self._prev is None or self._prev[0] != version - 1:
-            return {}
-        sel = batch.loss_mask * (batch.versions == version)
-        rows = torch.nonzero(sel.sum(1) > 0).flatten()[: self.check_rows].tolist()
-        if not rows:
-            return {}
-        sub = batch.select(rows)
-        sel = sel[torch.tensor(rows), : sub.loss_mask.shape[1]]
-        now = _mismatch(self.logprobs(sub), sub.behav_logp, sel)
-        prev = _mismatch(self.logprobs(sub, params={k: v.to(self.device) for k, v in self._prev[1].items()}),
-                         sub.behav_logp, sel)
-        return {"logprob_mismatch_check": now[0] / now[2], "logprob_mismatch_check_prev_weights": prev[0] / prev[2]}
-
-    @torch.no_grad()
-    def _previous_version_mismatch(self, batch: TrainBatch, version: int | None) -> tuple[float, float, float]:
-        """Engine-trainer mismatch on tokens sampled one version ago (all of them in periodic mode,
-        most in async), under the weights of that version, kept from the previous step: up to
-        ``mismatch_rows`` rows, so it costs a small forward pass. Then remembers this version's
-        weights for the next step."""
-        out = (0.0, 0.0, 0.0)
-        if version is None or not self.mismatch_rows:
-            return out
-        if self._prev is not None and self._prev[0] == version - 1:
-            sel = batch.loss_mask * (batch.versions == version - 1)
-            rows = torch.nonzero(sel.sum(1) > 0).flatten()[: self.mismatch_rows].tolist()
-            if rows:
-                sub = batch.select(rows)
-                on_device = {k: v.to(self.device, non_blocking=True) for k, v in self._prev[1].items()}
-                lp = self.logprobs(sub, params=on_device)
-                del on_device
-                out = _mismatch(lp, sub.behav_logp, sel[torch.tensor(rows), : lp.shape[1]])
-        # a mode with stale tokens, or the check of the fresh ones against the previous weights (``check_rows``)
-        if self.check_rows or bool(((batch.versions < version) & batch.loss_mask.bool()).any()):
-            # kept on the CPU (a GPU trainer would otherwise hold a second copy of the weights all run long);
-            # FSDP's shards stay where they are (a rank holds 1/N of the weights)
-            where = self.device if self.dp else torch.device("cpu")
-            # (with an adapter, its tensors only: the base weights never change)
-            self._prev = (version, {k: p.detach().to(where, copy=True) for k, p in lora.trainable(self.model).items()})
-        return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights on the CPU, whole, for engines and checkpoints (``model.state_dict()``
