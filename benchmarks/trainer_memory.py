@@ -149,7 +149,8 @@ def prime_optimizer(tr) -> None:
     import torch
 
     for p in tr.model.parameters():
-        p.grad = torch.zeros_like(p)
+        if p.requires_grad:  # (a LoRA adapter: its tensors only)
+            p.grad = torch.zeros_like(p)
     tr.opt.step()
     tr.opt.zero_grad(set_to_none=True)
 
@@ -167,6 +168,11 @@ def measure_one(spec: dict) -> dict:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # (the interpreter, torch, transformers)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**shape))
+    if spec.get("lora_r"):  # (benchmarks/lora.py: a LoRA adapter of this rank on every linear layer, trained alone)
+        from relayrl.config import LoraCfg
+        from relayrl.train import lora
+
+        model, _ = lora.wrap(model, LoraCfg(r=spec["lora_r"]))
     b = make_batch(spec, shape["vocab_size"])
     tokens = int(b.attention_mask.sum())
     budget = spec["micro_batch_tokens"] or b.size * b.input_ids.shape[1]
