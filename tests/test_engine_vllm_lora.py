@@ -260,6 +260,6 @@ def test_two_engines_behind_the_router_each_sample_the_new_version(demo, adapter
         out = router.generate([GenRequest(f"ep{i}", prompt, SamplingParams(32, 1.0)) for i in range(8)])
         assert router.version == 1 and all(e.adapters()["loaded"] == 1 for e in router.engines)
         assert all(set(c.versions) == {1} and _gap(adapters.merged[51], prompt, c).max() < 1e-3 for c in out)
-        assert max(router.loads()) == 0
+        assert max(router.loads()) == 0 and {router.pick(f"ep{i}") for i in range(8)} == {0, 1}  # (both engines)
     finally:
         router.close()
