@@ -263,3 +263,37 @@ def test_two_engines_behind_the_router_each_sample_the_new_version(demo, adapter
         assert max(router.loads()) == 0 and {router.pick(f"ep{i}") for i in range(8)} == {0, 1}  # (both engines)
     finally:
         router.close()
+
+
+@pytest.mark.slow
+def test_a_ray_engine_actor_and_its_replacement_sample_the_adapter(demo, adapters):
+    """run.backend=ray: the adapter goes through Ray's store to the actor's vLLM engine unchanged (PEFT's names;
+    cast to the engine's dtype), and an actor that dies is replaced by one loaded with the current adapter."""
+    import os
+
+    ray = pytest.importorskip("ray", reason="Ray is part of the dev extra: pip install -e '.[dev]'")
+    from relayrl.config import RolloutCfg
+    from relayrl.engine.ray_engine import RayEngine
+    from relayrl.engine.spec import EngineSpec
+
+    path, _, tok, spec = demo
+    prompt = _prompt(tok)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="relayrl-tests-lora")
+    eng = None
+    try:
+        eng = RayEngine(EngineSpec(RolloutCfg(engine="vllm"), path, path, "float32", version=0, threads=1,
+                                   max_model_len=512, lora=spec), "test-vllm-lora", max_restarts=1)
+        eng.load_weights(adapters.make(61), 1)
+        for attempt in ("first", "replacement"):
+            out = eng.generate([GenRequest(f"{attempt}{i}", prompt, SamplingParams(32, 1.0)) for i in range(4)])
+            assert all(set(c.versions) == {1} and _gap(adapters.merged[61], prompt, c).max() < 1e-3 for c in out)
+            if attempt == "first":
+                ray.kill(ray.get_actor("test-vllm-lora", namespace="relayrl-tests-lora"))
+                eng.submit([GenRequest("after-kill", prompt, SamplingParams(8, 1.0))])  # (finds it dead: restarts)
+                list(eng.drain(timeout=300))
+        assert eng.restarts == 1
+    finally:
+        if eng is not None:
+            eng.close()
+        ray.shutdown()
