@@ -94,6 +94,16 @@ def test_weight_update_changes_output_and_versions(engine, demo, restore):
     assert torch.allclose(torch.tensor(again.logprobs), torch.tensor(before.logprobs), atol=1e-4)
 
 
+def test_adapter_tensors_are_refused_without_lora(engine):
+    from relayrl.engine import EngineError
+
+    v = engine.version
+    with pytest.raises(EngineError, match="sent adapter tensors .* started without LoRA"):
+        engine.load_weights({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 192)},
+                            v + 1)
+    assert engine.version == v
+
+
 def test_update_mid_response_tags_each_token_with_its_version(engine, demo, restore):
     """Responses keep running through an update (pause "keep"): in each, the tokens before it were
     sampled by the old weights (their log-probs are the old model's), the ones after by the new."""

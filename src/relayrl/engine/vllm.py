@@ -109,7 +109,7 @@ class VLLMEngine(Engine):
         self._error: BaseException | None = None
         self._running = asyncio.Event()  # (set: not paused; requests start only then)
         self._running.set()
-        self._lora_spec, self._lora = lora, None  # (the spec; the AdapterVersions once vLLM runs)
+        self._lora = None  # (with lora: the AdapterVersions, once vLLM runs)
         lora_args = {}
         if lora is not None:
             from relayrl.engine.vllm_lora import engine_args
@@ -277,6 +277,9 @@ class VLLMEngine(Engine):
         if self._lora is not None:  # no pause: running requests keep their adapter, new ones take this one
             self._call(self._publish(self._lora.prepare(state_dict, version)))
             return
+        if any(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in state_dict):
+            raise EngineError("the vLLM engine was sent adapter tensors (model.lora) but started without LoRA "
+                              "(EngineSpec.lora unset): it would load them as its weights")
         save_for_reload(state_dict, self._shm)
         with self.pause():
             self._call(self._reload(str(self._shm)))
