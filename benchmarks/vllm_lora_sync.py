@@ -10,6 +10,10 @@ setting runs in its own process (``engines.in_fresh_process``).
 
     python benchmarks/vllm_lora_sync.py                      # the demo model, r = 1, 8, 32
     python benchmarks/vllm_lora_sync.py --ranks 8 --repeats 20
+    python benchmarks/vllm_lora_sync.py --qwen-shape --dtype bfloat16 --repeats 3 --name vllm_lora_sync_qwen05b
+
+``--qwen-shape``: a randomly initialised model of Qwen2.5-0.5B's shape (benchmarks/trainer_scale.py), saved with
+the demo's tokenizer (nothing is generated: the tokenizer only names the end token).
 
 ``measure_full`` and ``measure_lora`` are importable (benchmarks/lora.py's sync columns).
 """
@@ -18,24 +22,41 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine_info, write_results
 from engines import in_fresh_process
+from trainer_scale import QWEN25_05B
 
 from relayrl.models import LoraSpec, load_policy, load_tokenizer, resolve_model_path
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _engine(path: str, lora: LoraSpec | None):
+def _engine(path: str, dtype: str, lora: LoraSpec | None):
     from relayrl.engine.spec import eos_token_ids
     from relayrl.engine.vllm import VLLMEngine
 
-    return VLLMEngine(path, eos_token_ids(path, load_tokenizer(path)), dtype="float32", max_model_len=512,
+    return VLLMEngine(path, eos_token_ids(path, load_tokenizer(path)), dtype=dtype, max_model_len=512,
                       lora=lora, lora_versions=3)
+
+
+def qwen_shape(folder: Path, dtype: str) -> str:
+    """A random model of Qwen2.5-0.5B's shape in ``folder``, with the demo's tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from relayrl.demo.model import demo_model_path
+    from relayrl.models import DTYPES
+
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B)).to(DTYPES[dtype]).save_pretrained(folder)
+    load_tokenizer(str(demo_model_path(log=lambda *a: None))).save_pretrained(folder)
+    return str(folder)
 
 
 def _files(folder: Path, pattern: str) -> int:
@@ -51,9 +72,9 @@ def _timed(eng, state_dict: dict, repeats: int, written) -> tuple[float, int]:
     return (time.perf_counter() - t0) / repeats, written()
 
 
-def measure_full(path: str, repeats: int) -> dict:
-    sd = load_policy(path).state_dict()
-    eng = _engine(path, None)
+def measure_full(path: str, repeats: int, dtype: str = "float32") -> dict:
+    sd = load_policy(path, dtype).state_dict()
+    eng = _engine(path, dtype, None)
     try:
         seconds, on_disk = _timed(eng, sd, repeats, lambda: _files(eng._shm, "model.safetensors"))
     finally:
@@ -62,18 +83,18 @@ def measure_full(path: str, repeats: int) -> dict:
             "tensor_bytes": sum(v.numel() * v.element_size() for v in sd.values())}
 
 
-def measure_lora(path: str, r: int, repeats: int) -> dict:
-    import torch
+def measure_lora(path: str, r: int, repeats: int, dtype: str = "float32") -> dict:
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
     spec = LoraSpec(r, 2.0 * r, TARGETS)
-    model = get_peft_model(load_policy(path), LoraConfig(r=r, lora_alpha=spec.alpha, target_modules=list(TARGETS)))
+    model = get_peft_model(load_policy(path, dtype), LoraConfig(r=r, lora_alpha=spec.alpha,
+                                                                target_modules=list(TARGETS)))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.01)
     sd = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
-    eng = _engine(path, spec)
+    eng = _engine(path, dtype, spec)
     try:
         seconds, on_disk = _timed(eng, sd, repeats, lambda: _files(eng._shm, "adapter-*/*"))
     finally:
@@ -89,14 +110,23 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="vllm_lora_sync")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model.dtype (the engine's)")
+    ap.add_argument("--qwen-shape", action="store_true", help="a random model of Qwen2.5-0.5B's shape, not --model")
     args = ap.parse_args()
-    path = str(resolve_model_path(args.model))
-    full = in_fresh_process(measure_full, path, args.repeats)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = qwen_shape(Path(tmp), args.dtype) if args.qwen_shape else str(resolve_model_path(args.model))
+        run(args, path)
+
+
+def run(args, path: str) -> None:
+    full = in_fresh_process(measure_full, path, args.repeats, args.dtype)
     rows = [["full weights", f"{full['file_bytes']:,}", "1", f"{full['seconds'] * 1000:.1f}", "1"]]
-    data = {"machine": machine_info(), "model": args.model, "repeats": args.repeats, "full": full, "lora": {}}
+    model = "random, Qwen2.5-0.5B's shape" if args.qwen_shape else args.model
+    data = {"machine": machine_info(), "model": model, "dtype": args.dtype, "repeats": args.repeats, "full": full,
+            "lora": {}}
     print(rows[-1], flush=True)
     for r in args.ranks:
-        m = in_fresh_process(measure_lora, path, r, args.repeats)
+        m = in_fresh_process(measure_lora, path, r, args.repeats, args.dtype)
         data["lora"][r] = m
         rows.append([f"LoRA r={r} (every linear layer)", f"{m['file_bytes']:,}",
                      f"{full['file_bytes'] / m['file_bytes']:.0f}x smaller", f"{m['seconds'] * 1000:.1f}",

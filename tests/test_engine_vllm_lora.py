@@ -127,6 +127,21 @@ def test_an_adapter_samples_as_the_merged_model(engine, demo, adapters):
     assert engine.adapters() == {"loaded": 1, "folders": 1, "versions": 1}
 
 
+def test_an_adapter_on_some_of_the_targets(engine, demo):
+    """An adapter on q_proj and v_proj only (vLLM packs q, k, v into one layer: the k slice has no adapter) samples
+    as its merged model too."""
+    from relayrl.models import LoraSpec
+
+    _, base, tok, spec = demo
+    some = Adapters(base, LoraSpec(spec.r, spec.alpha, ("q_proj", "v_proj")))
+    prompt, v = _prompt(tok), engine.version + 1
+    engine.load_weights(some.make(5), v)
+    out = engine.generate([GenRequest(f"qv{i}", prompt, SamplingParams(48, 1.0)) for i in range(4)])
+    assert all(set(c.versions) == {v} for c in out)
+    assert torch.cat([_gap(some.merged[5], prompt, c) for c in out]).max() < 1e-3
+    assert torch.cat([_gap(base, prompt, c) for c in out]).mean() > 0.02
+
+
 def test_a_running_request_keeps_its_version_and_a_cut_one_continues_under_the_new(engine, demo, adapters):
     """Requests running at an update finish under the adapter they started with (every token tagged with it,
     sampled by it); one cut at the update (partial rollouts: aborted inside a pause, continued at once, before

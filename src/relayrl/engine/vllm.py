@@ -135,7 +135,9 @@ class VLLMEngine(Engine):
         if lora is not None:
             from relayrl.engine.vllm_lora import AdapterVersions
 
-            self._lora = AdapterVersions(self._llm, lora, model, self._shm)
+            from relayrl.models import DTYPES
+
+            self._lora = AdapterVersions(self._llm, lora, model, self._shm, DTYPES.get(dtype))
 
     async def _start(self, args):
         from vllm.v1.engine.async_llm import AsyncLLM

@@ -87,10 +87,12 @@ class Version:
 
 class AdapterVersions:
     """The adapter versions of one vLLM engine (``llm``: its ``AsyncLLM``; ``root``: the engine's shared-memory
-    folder; ``base_model``: written into each adapter's config)."""
+    folder; ``base_model``: written into each adapter's config; ``dtype``: the engine's (None: as sent), which vLLM
+    casts adapters to as it reads them, so they are written in it: a float32 adapter, PEFT's default beside
+    bfloat16 weights, is half the bytes to write and read, and the same numbers)."""
 
-    def __init__(self, llm, spec: LoraSpec, base_model: str, root: Path):
-        self._llm, self.spec, self._base, self._root = llm, spec, base_model, root
+    def __init__(self, llm, spec: LoraSpec, base_model: str, root: Path, dtype: torch.dtype | None):
+        self._llm, self.spec, self._base, self._root, self._dtype = llm, spec, base_model, root, dtype
         self.current: Version | None = None
         self.live: dict[int, Version] = {}  # lora id -> version, current and in use
         self._next_id = 1  # vLLM's adapter ids: > 0, never reused (its caches are keyed by them)
@@ -104,7 +106,7 @@ class AdapterVersions:
         lora_id, self._next_id = self._next_id, self._next_id + 1
         folder = self._root / f"adapter-{lora_id}"
         folder.mkdir()
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()},
+        save_file({k: v.detach().to("cpu", dtype=self._dtype).contiguous() for k, v in state_dict.items()},
                   str(folder / "adapter_model.safetensors"))
         (folder / "adapter_config.json").write_text(json.dumps(self.spec.adapter_config(self._base)))
         # the name is the version's, unless that version is loaded already (LoRARequests are equal by name)
