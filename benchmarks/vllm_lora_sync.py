@@ -3,8 +3,8 @@ workers) against a LoRA adapter (``model.lora``: PEFT's files in /dev/shm, loade
 weights), on the same model.
 
 Bytes: what each update writes (the files vLLM reads), and the tensors' bytes in memory. Seconds: ``load_weights``
-as the trainer calls it, the mean of ``--repeats`` updates after a first one (which the mean leaves out: vLLM's
-first load of anything pays once), with nothing generating. The adapter targets every linear layer (PEFT's
+as the trainer calls it, the median of ``--repeats`` updates after a first one (left out: vLLM's first load of
+anything pays once), with nothing generating. The adapter targets every linear layer (PEFT's
 q/k/v/o and gate/up/down on a Llama), alpha = 2r; its values are random (the cost does not depend on them). Each
 setting runs in its own process (``engines.in_fresh_process``).
 
@@ -21,6 +21,7 @@ the demo's tokenizer (nothing is generated: the tokenizer only names the end tok
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -64,12 +65,15 @@ def _files(folder: Path, pattern: str) -> int:
 
 
 def _timed(eng, state_dict: dict, repeats: int, written) -> tuple[float, int]:
-    """(mean seconds per update after the first, bytes the last update left on disk)."""
+    """(median seconds per update after the first, bytes the last update left on disk). The median: on a machine
+    shared with other jobs one update in a few can take several times as long."""
     eng.load_weights(state_dict, 1)
-    t0 = time.perf_counter()
+    times = []
     for v in range(2, repeats + 2):
+        t0 = time.perf_counter()
         eng.load_weights(state_dict, v)
-    return (time.perf_counter() - t0) / repeats, written()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), written()
 
 
 def measure_full(path: str, repeats: int, dtype: str = "float32") -> dict:
