@@ -160,7 +160,8 @@ def test_a_running_request_keeps_its_version_and_a_cut_one_continues_under_the_n
             else:
                 finals[c.request_id] = c
         assert time.time() < deadline
-    cut = next(r for r in ids if r not in finals)  # runs across the update
+    cut = next(r for r in ids if r not in finals and streamed[r])  # cut at the update
+    assert [r for r in ids if r not in finals and r != cut]  # others run across it
     with engine.pause():
         engine.abort([cut])
         while cut not in finals:
