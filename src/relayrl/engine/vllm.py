@@ -41,7 +41,7 @@ from typing import Iterable
 import torch
 
 from relayrl.engine.base import Engine, EngineError, check_new, take
-from relayrl.models import LoraSpec
+from relayrl.models import DTYPES, LoraSpec
 from relayrl.records import Completion, FinishReason, GenRequest
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
@@ -126,6 +126,10 @@ class VLLMEngine(Engine):
                                skip_tokenizer_init=True, gpu_memory_utilization=gpu_memory_utilization,
                                max_num_seqs=max_num_seqs, disable_log_stats=True, enable_sleep_mode=sleep,
                                use_tqdm_on_load=False,  # (a progress bar per weight update otherwise)
+                               # CPU build: a seeded request (the evaluation's) whose prefill is split across
+                               # steps kills the engine ("CPU Generator does not use offset": vLLM rewinds the
+                               # request's generator, which torch's CPU generator cannot); prefills stay whole
+                               enable_chunked_prefill=None if torch.cuda.is_available() else False,
                                **lora_args)
         try:
             self._llm = self._call(self._start(args), timeout=900)
@@ -134,8 +138,6 @@ class VLLMEngine(Engine):
             raise EngineError(f"rollout.engine=vllm: vLLM could not start on model {model!r}: {_reason(e)}") from e
         if lora is not None:
             from relayrl.engine.vllm_lora import AdapterVersions
-
-            from relayrl.models import DTYPES
 
             self._lora = AdapterVersions(self._llm, lora, model, self._shm, DTYPES.get(dtype))
 
