@@ -94,6 +94,18 @@ def test_weight_update_changes_output_and_versions(engine, demo, restore):
     assert torch.allclose(torch.tensor(again.logprobs), torch.tensor(before.logprobs), atol=1e-4)
 
 
+def test_many_seeded_requests_at_once(engine, demo):
+    """An evaluation's worth of seeded requests at once, more prompt tokens than one step takes: on the CPU build a
+    split prefill of a seeded request killed the engine (prefills stay whole there), and a seed repeats its tokens."""
+    tok = demo[2]
+    reqs = [GenRequest(f"seeded{i}", _prompt(tok, f"What is {i}+{7 * i}? Think step by step, then answer."),
+                       SamplingParams(16, 1.0, seed=i)) for i in range(300)]
+    out = engine.generate(reqs)
+    assert all(c.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) for c in out)
+    again = engine.generate([GenRequest(f"again{i}", r.prompt_ids, r.params) for i, r in enumerate(reqs[:10])])
+    assert [c.token_ids for c in again] == [c.token_ids for c in out[:10]]
+
+
 def test_adapter_tensors_are_refused_without_lora(engine):
     from relayrl.engine import EngineError
 
