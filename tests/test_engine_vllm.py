@@ -94,6 +94,28 @@ def test_weight_update_changes_output_and_versions(engine, demo, restore):
     assert torch.allclose(torch.tensor(again.logprobs), torch.tensor(before.logprobs), atol=1e-4)
 
 
+def test_many_seeded_requests_at_once(engine, demo):
+    """An evaluation's worth of seeded requests at once, more prompt tokens than one step takes: on the CPU build a
+    split prefill of a seeded request killed the engine (prefills stay whole there), and a seed repeats its tokens."""
+    tok = demo[2]
+    reqs = [GenRequest(f"seeded{i}", _prompt(tok, f"What is {i}+{7 * i}? Think step by step, then answer."),
+                       SamplingParams(16, 1.0, seed=i)) for i in range(300)]
+    out = engine.generate(reqs)
+    assert all(c.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) for c in out)
+    again = engine.generate([GenRequest(f"again{i}", r.prompt_ids, r.params) for i, r in enumerate(reqs[:10])])
+    assert [c.token_ids for c in again] == [c.token_ids for c in out[:10]]
+
+
+def test_adapter_tensors_are_refused_without_lora(engine):
+    from relayrl.engine import EngineError
+
+    v = engine.version
+    with pytest.raises(EngineError, match="sent adapter tensors .* started without LoRA"):
+        engine.load_weights({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 192)},
+                            v + 1)
+    assert engine.version == v
+
+
 def test_update_mid_response_tags_each_token_with_its_version(engine, demo, restore):
     """Responses keep running through an update (pause "keep"): in each, the tokens before it were
     sampled by the old weights (their log-probs are the old model's), the ones after by the new."""

@@ -53,10 +53,26 @@ def check(c: BaseModel) -> None:
                          "branches of its session would count as episodes of their group; use an episode-level "
                          "advantage (grpo, rloo, ...)")
     _check_algo(c)
+    lora = getattr(c.model, "lora", None)  # (model.lora: null or r 0 when off)
+    if r.engine == "vllm" and getattr(lora, "r", 0):
+        vllm_lora_rank(lora.r)
     for field in inapplicable_set(c):
         applies, when, deciding = APPLIES_ONLY[field]
         now = ", ".join(f"{d}={_show(c.get(d))}" for d in deciding)
         raise ValueError(f"{field} is set, but it only applies {when} (here {now}): remove it")
+
+
+# vLLM's choices of max_lora_rank (vllm/config/lora.py, MaxLoRARanks; the vLLM tests check the two agree)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(r: int) -> int:
+    """The max_lora_rank vLLM starts with for an adapter of rank ``r``: the smallest it allows that holds it."""
+    fits = [k for k in VLLM_LORA_RANKS if k >= r]
+    if not fits:
+        raise ValueError(f"model.lora.r={r} with rollout.engine=vllm: vLLM serves adapters of rank at most "
+                         f"{VLLM_LORA_RANKS[-1]}; use a lower rank or rollout.engine=hf")
+    return fits[0]
 
 
 def _adaptive_sampling_where_it_applies(c: BaseModel) -> None:

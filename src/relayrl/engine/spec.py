@@ -61,6 +61,13 @@ def eos_token_ids(weights: str, tokenizer) -> list[int]:
     return [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
 
 
+def lora_versions(r: RolloutCfg) -> int:
+    """Adapter versions sampled at once at most, with model.lora: the staleness bound + 1. In async mode requests in
+    flight were submitted at most rollout.max_staleness versions back; periodic mode's bound is 1 and sync's 0,
+    where rollout.max_staleness keeps its default (2: it may only be set in async mode), which covers both."""
+    return max(1, r.max_staleness) + 1
+
+
 def build_local_engine(spec: EngineSpec, driven: bool = False, model=None, tokenizer=None) -> Engine:
     """One engine, in the calling process (``model``/``tokenizer``: already loaded, else from the spec). A
     ``model`` passed becomes the engine's: it is moved to ``rollout.device`` and cast to ``spec.engine_dtype``
@@ -75,7 +82,7 @@ def build_local_engine(spec: EngineSpec, driven: bool = False, model=None, token
         return VLLMEngine(spec.weights, eos_token_ids(spec.weights, tokenizer), dtype=spec.dtype,
                           version=spec.version, max_model_len=spec.max_model_len, seed=spec.seed,
                           gpu_memory_utilization=r.vllm_gpu_memory_utilization, max_num_seqs=r.max_batch,
-                          sleep=r.vllm_sleep)
+                          sleep=r.vllm_sleep, lora=spec.lora, lora_versions=lora_versions(r))
     from relayrl.models import resolve_device
 
     adapter = None

