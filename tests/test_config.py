@@ -343,3 +343,9 @@ def test_lora_from_yaml_round_trips(tmp_path):
     off = load_config(None, [])  # off: the adapter's other fields are left out of the resolved config
     dump_config(off, tmp_path / "off.yaml")
     assert load_config(str(tmp_path / "off.yaml"), []) == off
+
+
+def test_a_lora_rank_vllm_cannot_serve_is_refused_by_name():
+    with pytest.raises(ConfigError, match="model.lora.r=513 with rollout.engine=vllm"):
+        load_config(None, ["model.lora.r=513", "rollout.engine=vllm"])
+    assert load_config(None, ["model.lora.r=300", "rollout.engine=vllm"]).model.lora.r == 300  # (vLLM rounds up)

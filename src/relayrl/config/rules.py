@@ -53,9 +53,8 @@ def check(c: BaseModel) -> None:
                          "branches of its session would count as episodes of their group; use an episode-level "
                          "advantage (grpo, rloo, ...)")
     _check_algo(c)
-    lora = getattr(c.model, "lora", None)  # (model.lora: null or r 0 when off)
-    if r.engine == "vllm" and getattr(lora, "r", 0):
-        vllm_lora_rank(lora.r)
+    if r.engine == "vllm" and c.model.lora.r:
+        vllm_lora_rank(c.model.lora.r)
     for field in inapplicable_set(c):
         applies, when, deciding = APPLIES_ONLY[field]
         now = ", ".join(f"{d}={_show(c.get(d))}" for d in deciding)
