@@ -77,3 +77,17 @@ def test_a_correct_run_never_stops_and_records_the_check(tiny_path, tmp_path, dt
     assert len(rows) == 5 and all(r["logprob_mismatch_check"] < r["logprob_mismatch_check_prev_weights"]
                                   for r in rows[1:]), [(r["logprob_mismatch_check"],
                                                         r["logprob_mismatch_check_prev_weights"]) for r in rows]
+
+
+@pytest.mark.slow
+def test_an_adapter_not_applied_stops_a_lora_run_at_the_first_step_after(tiny_path, tmp_path, capsys, monkeypatch):
+    """The failure peers report (verl #3516): the engine takes the update, keeps its version, but samples the base
+    model; reward flat while the KL grows. Here the adapter's merge into the engine's weights does nothing."""
+    from relayrl.engine import adapter
+
+    monkeypatch.setattr(adapter.AdapterMerge, "apply", lambda self, tensors: None)
+    over = [o for o in _args(tiny_path, tmp_path) if not o.startswith("trainer.lr")]  # (the adapter's own lr)
+    assert main([*over, "model.lora.r=4"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("relayrl: sampling error: the engine is not sampling the trained policy: at step 2 (policy "
+                          "version 1)"), err  # the first adapter came with update 1: step 2 sampled without it
