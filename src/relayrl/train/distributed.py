@@ -123,6 +123,16 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Every FSDP2 unit of ``model`` back to its shards (the root keeps its parameters gathered after a
+    forward: ``named_parameters`` would then give plain tensors, not this rank's DTensor shards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The full weights on rank 0, on the CPU (for engines and checkpoints); {} on the other
     ranks. A collective: every rank calls it."""

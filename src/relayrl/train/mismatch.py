@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from relayrl.train import lora
+from relayrl.train import distributed, lora
 from relayrl.train.batch import TrainBatch
 
 
@@ -75,6 +75,8 @@ class VersionCheck:
                 lp = trainer.logprobs(sub, params=self._prev_params(trainer))
                 out = mismatch_sums(lp, sub.behav_logp, sel[torch.tensor(rows), : lp.shape[1]])
         if self.check_rows or bool(((batch.versions < version) & batch.loss_mask.bool()).any()):
+            if trainer.dp:  # (the shards, as ``Trainer._swapped`` puts them back)
+                distributed.reshard(trainer.model)
             where = trainer.device if trainer.dp else torch.device("cpu")
             self.prev = (version, {k: p.detach().to(where, copy=True) for k, p in lora.trainable(trainer.model).items()})
         return out

@@ -204,6 +204,7 @@ class Trainer:
         """(FSDP) The policy with ``params`` (shards, by name) in place of its weights, copied in and
         back: FSDP2 gathers a layer's own parameters for its forward, so ``functional_call``'s
         substitutes would be ignored."""
+        distributed.reshard(self.model)
         named = dict(self.model.named_parameters())
         with torch.no_grad():
             own = {k: named[k].detach().clone() for k in params}
