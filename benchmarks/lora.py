@@ -64,7 +64,9 @@ def _trainer(model, rank: int):
 
 
 def _bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes of the distinct tensors (a tied head is the embedding's storage: counted once)."""
+    seen = {(t.data_ptr(), t.numel()): t.numel() * t.element_size() for t in tensors}
+    return sum(seen.values())
 
 
 def sizes(ranks: list[int], repeats: int) -> list[dict]:
