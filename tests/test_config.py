@@ -349,3 +349,12 @@ def test_a_lora_rank_vllm_cannot_serve_is_refused_by_name():
     with pytest.raises(ConfigError, match="model.lora.r=513 with rollout.engine=vllm"):
         load_config(None, ["model.lora.r=513", "rollout.engine=vllm"])
     assert load_config(None, ["model.lora.r=300", "rollout.engine=vllm"]).model.lora.r == 300  # (vLLM rounds up)
+
+
+@pytest.mark.parametrize("text, want", [("on", "on"), ("off", "off"), ("true", "on"), ("auto", "auto")])
+def test_gradient_checkpointing_on_off_as_yaml_reads_them(text, want, tmp_path):
+    """Unquoted, YAML 1.1 reads on/off as booleans: the field takes them as its words (it refused `=on` before)."""
+    assert load_config(None, [f"trainer.gradient_checkpointing={text}"]).trainer.gradient_checkpointing == want
+    f = tmp_path / "c.yaml"
+    f.write_text(f"trainer:\n  gradient_checkpointing: {text}\n")
+    assert load_config(str(f), []).trainer.gradient_checkpointing == want
