@@ -152,8 +152,8 @@ def learning(runs: dict[str, str], run_seeds: bool) -> list[list[str]]:
         mean = statistics.mean(after)
         full = mean if label == "full" else full
         diff = "" if label == "full" or full is None else f"{mean - full:+.1f} points"
-        rows.append([label, f"{mean:.1f}% ± {statistics.stdev(after):.1f}% (min {min(after):.1f}%)",
-                     f"{statistics.mean(greedy):.1f}% ± {statistics.stdev(greedy):.1f}%", f"{passes}/{len(after)}",
+        rows.append([label, f"{mean:.1f}% ± {statistics.pstdev(after):.1f}% (min {min(after):.1f}%)",
+                     f"{statistics.mean(greedy):.1f}% ± {statistics.pstdev(greedy):.1f}%", f"{passes}/{len(after)}",
                      diff + f" ({' '.join(d['args'])})"])
     return rows
 
