@@ -111,11 +111,11 @@ def size_rows(results: list[dict]) -> list[list[str]]:
     rows = []
     for r in results:
         f = full[r["model"]]
-        ratio = lambda k: "" if r["rank"] == 0 else f"{f[k] / r[k]:,.0f}x smaller"  # noqa: E731
+        ratio = {k: "" if r["rank"] == 0 else f"{f[k] / r[k]:,.0f}x smaller" for k in ("optimizer_bytes", "update_bytes")}
         load = f"{r['hf_load_s'] * 1e3:.2f} ms" if "hf_load_s" in r else ""
         rows.append([r["model"], "full" if r["rank"] == 0 else f"r={r['rank']}", f"{r['trained_params']:,}",
-                     f"{_mb(r['optimizer_bytes'])} {ratio('optimizer_bytes')}".strip(),
-                     f"{_mb(r['update_bytes'])} {ratio('update_bytes')}".strip(), load])
+                     f"{_mb(r['optimizer_bytes'])} {ratio['optimizer_bytes']}".strip(),
+                     f"{_mb(r['update_bytes'])} {ratio['update_bytes']}".strip(), load])
     return rows
 
 
