@@ -86,8 +86,8 @@ def _leaves(tree: dict, prefix: tuple = ()) -> list[tuple]:
     """The (section, field[, field]) path of every value of ``tree``."""
     out = []
     for key, value in tree.items():
-        out += _leaves(value, (*prefix, key)) if isinstance(value, dict) and prefix and \
-            _subsection(_field_info((*prefix, key))) else [(*prefix, key)]
+        section = not prefix or _subsection(_field_info((*prefix, key)))  # (a section, or a section's own section)
+        out += _leaves(value, (*prefix, key)) if isinstance(value, dict) and section else [(*prefix, key)]
     return out
 
 
@@ -200,7 +200,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
         origin.update({leaf: str(path) for leaf in _leaves(file_tree)})
     for item in overrides:
         parts, value = parse_override(item)
-        _check_keys(_nest(parts, value), "command line")
+        key = ".".join(parts)
+        fields = Config.model_fields[parts[0]].annotation.model_fields if parts[0] in Config.model_fields else {}
+        if len(parts) == 3 and parts[1] in fields and not _subsection(fields[parts[1]]):
+            raise ConfigError(f"override key {key!r:.80}: {parts[0]}.{parts[1]} is a field, not a section of its own "
+                              f"(three levels only for those, e.g. model.lora.r=8); set {parts[0]}.{parts[1]}=VALUE")
+        _check_keys(_nest(parts, value), f"command line ({key})")
         _merge(tree, _nest(parts, value))
         texts[tuple(parts)], origin[tuple(parts)] = item.split("=", 1)[1].strip(), "command line"
     _coerce(tree, texts, origin)
