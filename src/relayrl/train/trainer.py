@@ -28,7 +28,7 @@ import warnings
 
 import torch
 
-from relayrl.train import checkpointing, distributed, lora
+from relayrl.train import checkpointing, distributed, host_memory, lora
 from relayrl.algos import AGGREGATIONS, CORRECTIONS, ESTIMATORS, NEEDS_CRITIC, POLICY_LOSSES, kl_penalty, lookup
 from relayrl.algos.estimators import GROUP_BASELINE, over_episodes
 from relayrl.algos.estimators import Knobs as EstimatorKnobs
@@ -85,6 +85,8 @@ class Trainer:
         if acfg.kl_coef > 0 and not self.adapter:  # frozen reference: the given model, else a copy of the policy now
             self.ref = (ref_model or copy.deepcopy(model)).eval().requires_grad_(False)
         self.device = distributed.resolve_device(tcfg.device)
+        if self.device.type == "cpu":  # (freed hidden-state-sized blocks back to the system: host_memory)
+            host_memory.release_large_blocks()
         # the log-probs: whole logits, or (trainer.logprob_chunk_tokens) the head chunk by chunk (logprobs.py)
         self.readout = Readout(tcfg.logprob_chunk_tokens, temperature, top_k, top_p)
         for m in (model, self.ref):
