@@ -21,13 +21,7 @@ def test_ray_backend_two_engines_survives_a_killed_engine(tiny_path, tmp_path):
     ray = pytest.importorskip("ray", reason="Ray is part of the dev extra")
     args = EASY + [f"model.path={tiny_path}", f"run.output_dir={tmp_path}", "run.steps=6", "run.name=r",
                    "run.backend=ray", "rollout.engines=2", "run.mode=async", "rollout.max_new_tokens=32",
-                   "ray.num_cpus=2",
-                   # (off here: an open finding of the alarm. Ray, run.mode=async and two engines: the rows the
-                   # trainer counts as sampled by its current version differ from its log-probs by 0.03-0.16 per
-                   # token on average from the fourth step on, with or without the kill, while every actor
-                   # holds the same weights (their sums compared after each update); one Ray engine leaves no
-                   # such rows; a version label, not the weights, is the suspect)
-                   "run.mismatch_alarm=0"]
+                   "ray.num_cpus=2"]  # (run.mismatch_alarm at its default: a replaced actor samples the trained policy)
     cfg = load_config(None, args)
     run = tmp_path / "r"
     killed = {}

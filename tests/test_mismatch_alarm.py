@@ -4,6 +4,7 @@ with one line naming the step and version; a correct run (float32 or a bfloat16 
 import json
 
 import pytest
+import torch
 
 from relayrl.cli import main
 from relayrl.engine import hf
@@ -91,3 +92,16 @@ def test_an_adapter_not_applied_stops_a_lora_run_at_the_first_step_after(tiny_pa
     err = capsys.readouterr().err.strip()
     assert err.startswith("relayrl: sampling error: the engine is not sampling the trained policy: at step 2 (policy "
                           "version 1)"), err  # the first adapter came with update 1: step 2 sampled without it
+
+
+def test_tokens_sampled_after_an_in_flight_update_are_not_read_as_that_versions():
+    """A row whose engine took new weights mid-row (versions 2, 2, 3, 3) sampled its version-3 tokens over keys and
+    values version 2 computed: only whole-context tokens count for either version; off-mask positions (-1, a tool's
+    output) do not break a row."""
+    from relayrl.train.mismatch import sampled_by
+
+    versions = torch.tensor([[2, 2, 3, 3], [3, 3, 3, -1], [3, -1, 3, 3], [1, 2, 2, 3]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.float32)
+    assert sampled_by(versions, mask, 3).tolist() == [[0, 0, 0, 0], [1, 1, 1, 0], [1, 0, 1, 1], [0, 0, 0, 0]]
+    assert sampled_by(versions, mask, 2).tolist() == [[1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    assert sampled_by(versions, mask, 1).tolist() == [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]

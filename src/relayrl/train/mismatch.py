@@ -26,6 +26,16 @@ def mismatch_sums(logp: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor) -
     return diff.sum().item(), diff.max().item() if diff.numel() else 0.0, mask.sum().item()
 
 
+def sampled_by(versions: torch.Tensor, mask: torch.Tensor, version: int) -> torch.Tensor:
+    """The tokens of ``mask`` that ``version`` sampled over a context it computed (float, ``mask``'s shape): those
+    whose row's earlier trained tokens all came from ``version`` too. An engine that takes new weights in the
+    middle of a row (an in-flight update: the hf engines, or vLLM's, outside partial rollouts) samples the row's
+    later tokens with the new weights over keys and values the old ones computed; they carry the new version,
+    but no forward of either version's weights gives their log-probs, so no mismatch is read on them."""
+    v = versions.masked_fill(~mask.bool(), torch.iinfo(versions.dtype).max)  # (positions off the mask do not count)
+    return mask * ((v.cummin(1).values == versions) & (versions == version))
+
+
 def _rows(sel: torch.Tensor, n: int) -> list[int]:
     """Up to ``n`` rows with a token in ``sel``."""
     return torch.nonzero(sel.sum(1) > 0).flatten()[:n].tolist()
@@ -50,7 +60,7 @@ class VersionCheck:
         under the previous version's ({} on the first step, or with no such tokens)."""
         if version is None or not self.check_rows or self.prev is None or self.prev[0] != version - 1:
             return {}
-        sel = batch.loss_mask * (batch.versions == version)
+        sel = sampled_by(batch.versions, batch.loss_mask, version)
         rows = _rows(sel, self.check_rows)
         if not rows:
             return {}
@@ -68,7 +78,7 @@ class VersionCheck:
         if version is None or not self.rows:
             return out
         if self.prev is not None and self.prev[0] == version - 1:
-            sel = batch.loss_mask * (batch.versions == version - 1)
+            sel = sampled_by(batch.versions, batch.loss_mask, version - 1)
             rows = _rows(sel, self.rows)
             if rows:
                 sub = batch.select(rows)

@@ -40,7 +40,7 @@ from relayrl.train.batch import TrainBatch, build_batch, micro_batches
 from relayrl.config import AlgoCfg, TrainerCfg
 from relayrl.fault_injection import fault_point
 from relayrl.train.logprobs import Readout, install_head
-from relayrl.train.mismatch import VersionCheck, mismatch_sums
+from relayrl.train.mismatch import VersionCheck, mismatch_sums, sampled_by
 from relayrl.train.packing import Packed
 from relayrl.train.shared_prefix import PrefixSharing
 
@@ -247,7 +247,7 @@ class Trainer:
             old = logp.detach() if old_logp is None else old_logp[t, :L].to(dev)
             stale = (mb.versions < version) & mb.loss_mask.bool() if version is not None else None
             with torch.no_grad():
-                fresh = mb.loss_mask if stale is None else mb.loss_mask * (~stale)
+                fresh = mb.loss_mask if version is None else sampled_by(mb.versions, mb.loss_mask, version)
                 diff = (logp.detach() - mb.behav_logp).abs() * fresh
                 sums["mismatch_sum"] += diff.sum().item()
                 sums["mismatch_tokens"] += fresh.sum().item()
@@ -355,7 +355,7 @@ class Trainer:
         ref_logp = self._ref_logprobs(batch)
         batch, est_metrics = self._advantages(batch, old_logp, ref_logp)
         loss_ref = None if self.kl_in_reward else ref_logp
-        fresh = batch.loss_mask if version is None else batch.loss_mask * (batch.versions >= version)
+        fresh = batch.loss_mask if version is None else sampled_by(batch.versions, batch.loss_mask, version)
         mismatch = [mismatch_sums(old_logp, batch.behav_logp, fresh)] if old_logp is not None else []
         prev_check = self.versions.fresh_against_previous(self, batch, version)  # (before the previous weights go)
         mismatch.append(self.versions.previous_version(self, batch, version))
