@@ -51,6 +51,10 @@ FAST = ["run.mode=async", "rollout.max_staleness=4"]
 DS, SELECT, BUDGET = ["rollout.dynamic_sampling=true"], ["data.selection=vade", "data.selection_key=terms"], \
     ["rollout.budget=adaptive"]
 KL = ["algo.kl_coef=0.05"]  # relayrl's default since 2026-11-26 (shared_overrides turns it off: TRL's default)
+# issue 29's memory features all on (checkpointing, the head in chunks of 1,024, packing; share_prefix off
+# as packing needs)
+MEMORY = ["trainer.gradient_checkpointing=on", "trainer.logprob_chunk_tokens=1024", "trainer.pack=true",
+          "trainer.share_prefix=false"]
 BF16 = ["trainer.bf16=true"]  # mixed precision, as TRL's bf16=True (its rows: the same flag)
 TRL_SYSTEMS = {"trl": {}, "trl, KL β=0.05": {"beta": 0.05}, "trl, bf16": {"bf16": True}}  # GRPOConfig fields changed
 SYSTEMS = {
@@ -64,6 +68,10 @@ SYSTEMS = {
     "sync, bf16 + all three": ["run.mode=sync"] + BF16 + DS + SELECT + BUDGET,
     "relayrl sync + KL 0.05": ["run.mode=sync"] + KL,
     "relayrl sync": ["run.mode=sync"],
+    "sync, bf16 engine": ["run.mode=sync", "rollout.dtype=bfloat16"],  # (the trainer in float32)
+    "sync, bf16 engine + TIS": ["run.mode=sync", "rollout.dtype=bfloat16", "algo.offpolicy=tis"],
+    "sync, packed": ["run.mode=sync", "trainer.pack=true", "trainer.share_prefix=false"],  # (packing: no prefix)
+    "sync, every memory feature": ["run.mode=sync"] + MEMORY,
     "sync, the model's own decoding forward": ["run.mode=sync", "rollout.fast_decode=false"],
     "sync + budgets + dynamic sampling": ["run.mode=sync"] + BUDGET + DS,
     "relayrl async η=4": FAST,

@@ -3,10 +3,12 @@ equal the whole logits' (values and gradients), and no more than a chunk of logi
 
 import copy
 import math
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from relayrl.config import AlgoCfg, TrainerCfg
 from relayrl.train import logprobs as LP
@@ -120,6 +122,41 @@ def test_no_more_than_a_chunk_of_logits_forward_or_backward(monkeypatch):
     forward = len(rows)
     lp.sum().backward()
     assert forward == math.ceil(36 / 5) and len(rows) == 2 * forward and max(rows) == 5
+
+
+class _LiveChunkTensors(TorchDispatchMode):
+    """The most tensors of ``numel`` elements (a chunk's [c, V]) alive at once, by storage."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.live, self.most = numel, set(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() == self.numel * t.element_size():
+                key = t.untyped_storage().data_ptr()
+                if key not in self.live:
+                    self.live.add(key)
+                    weakref.finalize(t, self.live.discard, key)
+                    self.most = max(self.most, len(self.live))
+        return out
+
+
+@pytest.mark.parametrize("entropy,T,top_p", [(False, 1.0, 1.0), (True, 1.0, 1.0), (True, 0.7, 1.0),
+                                             (True, 1.0, 0.9)])
+def test_a_chunk_holds_at_most_three_of_its_logit_sized_tensors(entropy, T, top_p):
+    """The [c, V] tensors are a checkpointed step's peak (0.6 GB each at 1,024 tokens of a 152k vocabulary):
+    forward and backward work in place (two live at most for the log-probs, three with the entropy's gradient;
+    top-p's sort, probabilities and masks add theirs)."""
+    c, V = 6, 1000  # (no other tensor of c × V elements: the hidden size is 8, 12 positions)
+    h = torch.randn(12, 8, requires_grad=True)
+    w = torch.randn(V, 8, requires_grad=True)
+    t = torch.randint(0, V, (12,))
+    with _LiveChunkTensors(c * V) as mode:
+        lp, ent = chunked_logprobs(h, w, None, t, temperature=T, top_p=top_p, chunk=c, entropy=entropy)
+        (lp.sum() + (ent.sum() if entropy else 0)).backward()
+    assert mode.most <= (2 if not entropy else 3) + (4 if top_p < 1 else 0), mode.most  # (old code: 5, 7, 8, 9)
 
 
 def test_float32_head_under_bf16_autocast():

@@ -33,9 +33,10 @@ from relayrl.algos.token_sampling import REMOVED, sampled_logprobs, truncation_m
 from relayrl.models import entropy_from_logits
 
 
-def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    x = logits.float()
-    return x / temperature if temperature != 1.0 else x
+def _scaled_(z: torch.Tensor, T: float) -> torch.Tensor:
+    """The scores logits / T in float32, in place where ``z`` is float32 (the head's fresh output: consumed)."""
+    x = z.float()
+    return x.div_(T) if T != 1.0 else x
 
 
 def _head_logits(h: torch.Tensor, weight: torch.Tensor, bias, float32: bool) -> torch.Tensor:
@@ -44,18 +45,51 @@ def _head_logits(h: torch.Tensor, weight: torch.Tensor, bias, float32: bool) -> 
     return F.linear(h.to(dt), weight.to(dt), None if bias is None else bias.to(dt))
 
 
-def _chunk_forward(z: torch.Tensor, t: torch.Tensor, T: float, top_k: int, top_p: float, entropy: bool):
-    """(log-probs [c], entropy [c] or None, masked scores, log-softmax of the untruncated scores or None)
-    of one chunk's logits ``z`` [c, V] and targets ``t`` [c]."""
-    x = _scaled(z, T)
+# A chunk's [c, V] tensors are the largest of a checkpointed step (1,024 tokens of a 152k vocabulary: 0.6 GB
+# each): both passes below work in place, so that no more than three are live at once.
+
+def _entropy(x: torch.Tensor):
+    """(entropy [c], log p, p) of p = softmax(x), the untruncated scores."""
+    logp = F.log_softmax(x, -1)
+    p = logp.exp()
+    return -torch.einsum("cv,cv->c", p, logp), logp, p  # (a row-wise dot: no [c, V] product)
+
+
+def _masked_(x: torch.Tensor, t: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The scores the engine sampled from: ``x`` with top-k / top-p's removed tokens (never the target) set to
+    REMOVED, in place."""
     remove = truncation_mask(x, top_k, top_p)
-    xm = x if remove is None else x.masked_fill(remove.scatter(-1, t.unsqueeze(-1), False), REMOVED)
-    lse = torch.logsumexp(xm, -1)
-    lp = xm.gather(-1, t.unsqueeze(-1)).squeeze(-1) - lse
-    if not entropy:
-        return lp, None, xm, None
-    logp_all = F.log_softmax(x, -1)
-    return lp, -(logp_all.exp() * logp_all).sum(-1), xm, logp_all
+    return x if remove is None else x.masked_fill_(remove.scatter(-1, t.unsqueeze(-1), False), REMOVED)
+
+
+def _chunk_forward(z: torch.Tensor, t: torch.Tensor, T: float, top_k: int, top_p: float, entropy: bool):
+    """(log-probs [c], entropy [c] or None) of one chunk's logits ``z`` [c, V] (consumed) and targets ``t`` [c]."""
+    x = _scaled_(z, T)
+    del z
+    ent = _entropy(x)[0] if entropy else None
+    xm = _masked_(x, t, top_k, top_p)
+    return xm.gather(-1, t.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(xm, -1), ent
+
+
+def _chunk_grad(z: torch.Tensor, t: torch.Tensor, T: float, top_k: int, top_p: float, g_lp, g_ent) -> torch.Tensor:
+    """d loss / d logits for one chunk's logits ``z`` [c, V] (consumed), given the gradients of its log-probs
+    ``g_lp`` and entropy ``g_ent`` [c] (one of them may be None): g_lp (onehot(t) − q) − g_ent p (log p + H),
+    over T."""
+    x = _scaled_(z, T)
+    del z
+    gx = p = None
+    if g_ent is not None:
+        ent, logp, p = _entropy(x)
+        gx = logp.add_(ent[:, None]).mul_(p).mul_(-g_ent.float()[:, None])
+        del logp
+    if g_lp is not None:
+        g = g_lp.float()[:, None]
+        truncated = top_k > 0 or top_p < 1.0
+        q = p if p is not None and not truncated else _masked_(x, t, top_k, top_p).softmax(-1)
+        del x, p
+        q = q.mul_(-g).scatter_add_(-1, t.unsqueeze(-1), g)
+        gx = q if gx is None else gx.add_(q)
+    return gx.div_(T) if T != 1.0 else gx
 
 
 class ChunkedHead(torch.autograd.Function):
@@ -67,8 +101,8 @@ class ChunkedHead(torch.autograd.Function):
         ent = h.new_zeros(h.shape[0], dtype=torch.float32)
         with torch.autocast(h.device.type, enabled=False), torch.no_grad():
             for s in range(0, h.shape[0], chunk):
-                z = _head_logits(h[s : s + chunk], weight, bias, float32)
-                a, b, _, _ = _chunk_forward(z, targets[s : s + chunk], T, top_k, top_p, entropy)
+                a, b = _chunk_forward(_head_logits(h[s : s + chunk], weight, bias, float32), targets[s : s + chunk],
+                                      T, top_k, top_p, entropy)
                 lp[s : s + chunk] = a
                 if b is not None:
                     ent[s : s + chunk] = b
@@ -91,23 +125,17 @@ class ChunkedHead(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, h.shape[0], chunk):
                 hc, t = h[s : s + chunk], targets[s : s + chunk]
-                z = _head_logits(hc, weight, bias, float32)
-                _, ent, xm, logp_all = _chunk_forward(z, t, T, top_k, top_p, g_ent is not None)
-                gx = torch.zeros_like(xm)
-                if g_lp is not None:
-                    gx = -xm.softmax(-1) * g_lp[s : s + chunk, None].float()
-                    gx.scatter_add_(-1, t.unsqueeze(-1), g_lp[s : s + chunk, None].float())
-                if g_ent is not None:
-                    gx -= logp_all.exp() * (logp_all + ent[:, None]) * g_ent[s : s + chunk, None].float()
-                if T != 1.0:
-                    gx /= T
-                gz = gx.to(z.dtype)
+                gx = _chunk_grad(_head_logits(hc, weight, bias, float32), t, T, top_k, top_p,
+                                 None if g_lp is None else g_lp[s : s + chunk],
+                                 None if g_ent is None else g_ent[s : s + chunk])
+                gz = gx.to(torch.float32 if float32 else weight.dtype)  # (the head's dtype)
                 if g_h is not None:
-                    g_h[s : s + chunk] = (gz @ weight.to(z.dtype)).to(h.dtype)
+                    g_h[s : s + chunk] = (gz @ weight.to(gz.dtype)).to(h.dtype)
                 if g_w is not None:
-                    g_w += (gz.t() @ hc.to(z.dtype)).float()
+                    g_w.addmm_(gz.t().float(), hc.float())
                 if g_b is not None:
                     g_b += gz.sum(0).float()
+                del gx, gz  # (before the next chunk's)
         return (g_h, None if g_w is None else g_w.to(weight.dtype), None if g_b is None else g_b.to(bias.dtype),
                 None, None, None, None, None, None, None)
 
