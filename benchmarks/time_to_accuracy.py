@@ -70,6 +70,7 @@ SYSTEMS = {
     "relayrl sync": ["run.mode=sync"],
     "sync, bf16 engine": ["run.mode=sync", "rollout.dtype=bfloat16"],  # (the trainer in float32)
     "sync, bf16 engine + TIS": ["run.mode=sync", "rollout.dtype=bfloat16", "algo.offpolicy=tis"],
+    "sync, no shared prefix": ["run.mode=sync", "trainer.share_prefix=false"],  # (what packing needs, alone)
     "sync, packed": ["run.mode=sync", "trainer.pack=true", "trainer.share_prefix=false"],  # (packing: no prefix)
     "sync, every memory feature": ["run.mode=sync"] + MEMORY,
     "sync, the model's own decoding forward": ["run.mode=sync", "rollout.fast_decode=false"],

@@ -21,7 +21,8 @@ and activations), ``torch.cuda.max_memory_allocated`` on a GPU, measured over th
 step on zero gradients, so a single step already holds everything), and the tokens per second of
 that step. A cell whose peak, extrapolated from its row's shorter lengths, would pass ``--limit-gib``
 is not run (on a CPU without swap the kernel would kill it, or a neighbour). Also printed: how fast the peak grows per 1,024 tokens of row length from 1,024 to
-4,096 (or the first and last lengths asked for), as a ratio to the all-off row of its precision;
+4,096 (or the first and last of ``--lengths``; not the one-row ``--long`` cell, nor with one length), as a ratio
+to the all-off row of its precision;
 and, with ``trainer.pack``, a long-tail batch (``--longtail-rows`` rows, lengths log-normal up to
 ``--longtail-length``) packed against padded: the padded micro-batches' padding fraction, step
 time and peak of each.
@@ -317,17 +318,23 @@ def main() -> None:
             data["results"][f"{name}/{L}"] = r
             print(f"{name}, L={L}: {cell(r)}", flush=True)
         table.append((name, per_length))
-    lo, hi = (1024, 4096) if {1024, 4096} <= set(lengths) else (lengths[0], lengths[-1])
-    all_off = {n.split(" · ")[0]: growth(p, lo, hi) for n, p in table if n.endswith("· all off")}
+    # growth over the two-row lengths (the one-row --long cell holds half the batch's tokens: not on that line)
+    rows_lengths = sorted(set(a.lengths))
+    lo, hi = (1024, 4096) if {1024, 4096} <= set(rows_lengths) else (rows_lengths[0], rows_lengths[-1]) \
+        if len(rows_lengths) > 1 else (None, None)
+    all_off = {n.split(" · ")[0]: growth(p, lo, hi) for n, p in table if n.endswith("· all off") and lo}
     rows = []
     for name, per_length in table:
-        g, ref = growth(per_length, lo, hi), all_off.get(name.split(" · ")[0])
-        ratio = f"{g[0] / ref[0]:.2f}x" if g is not None and ref and ref[0] else ""
-        data["results"][f"{name}/growth"] = {"gib_per_1k": g and g[0], "to_length": g and g[1], "vs_all_off": ratio}
-        text = "" if g is None else f"{g[0]:.3f}" + ("" if g[1] == hi else f" (to {g[1]:,})")
-        rows.append([name, *[cell(per_length[L]) for L in lengths], text, ratio])
-    header = ["configuration", *[f"L={L:,}" + (" (1 row)" if L == LONG else f" ({a.rows} rows)") for L in lengths],
-              f"peak GiB per 1k tokens, L {lo:,}→{hi:,}", "vs all off"]
+        row = [name, *[cell(per_length[L]) for L in lengths]]
+        if lo is not None:
+            g, ref = growth(per_length, lo, hi), all_off.get(name.split(" · ")[0])
+            ratio = f"{g[0] / ref[0]:.2f}x" if g is not None and ref and ref[0] else ""
+            data["results"][f"{name}/growth"] = {"gib_per_1k": g and g[0], "to_length": g and g[1], "vs_all_off": ratio}
+            row += ["" if g is None else f"{g[0]:.3f}" + ("" if g[1] == hi else f" (to {g[1]:,})"), ratio]
+        rows.append(row)
+    header = ["configuration", *[f"L={L:,}" + (" (1 row)" if L == LONG else f" ({a.rows} rows)") for L in lengths]]
+    if lo is not None:
+        header += [f"peak GiB per 1k tokens of row length, L {lo:,}→{hi:,} ({a.rows} rows)", "vs all off"]
     if a.longtail_rows:
         rows += longtail(a, base, common, data, len(header))
     unit = "GPU max_memory_allocated" if a.device == "cuda" else "CPU peak RSS"

@@ -40,7 +40,8 @@ def test_fields_this_version_lacks_are_told_apart_from_bad_values():
 @pytest.mark.slow
 def test_the_script_end_to_end_at_tiny_scale(tmp_path):
     configs = ["all off", "gradient_checkpointing=on"]
-    p = subprocess.run([sys.executable, str(BENCH / "trainer_memory.py"), "--model-scale", "tiny", "--lengths", "160",
+    p = subprocess.run([sys.executable, str(BENCH / "trainer_memory.py"), "--model-scale", "tiny",
+                        "--lengths", "128", "160",
                         "--precisions", "float32", "--configs", *configs, "--steps", "1", "--longtail-rows", "4",
                         "--longtail-length", "192", "--out", str(tmp_path), "--name", "t"],
                        capture_output=True, text=True, timeout=600)
@@ -48,10 +49,12 @@ def test_the_script_end_to_end_at_tiny_scale(tmp_path):
     data = json.loads((tmp_path / "t.json").read_text())
     rows = {r[0]: r[1:] for r in data["table"]["rows"]}
     assert [n for n in rows if "long tail" not in n] == [f"float32 · {c}" for c in configs]
-    assert data["table"]["header"][1] == "L=160 (2 rows)"
+    header = data["table"]["header"]
+    assert header[1:3] == ["L=128 (2 rows)", "L=160 (2 rows)"] and header[3].startswith("peak GiB per 1k tokens")
+    assert re.match(r"^-?[\d.]+$", rows["float32 · all off"][2]) and rows["float32 · all off"][3] in ("1.00x", ""), rows
     number = re.compile(r"^[\d.]+ GiB, [\d,]+ tok/s$")
-    assert number.match(rows["float32 · all off"][0]), rows
-    gc = rows["float32 · gradient_checkpointing=on"][0]
+    assert number.match(rows["float32 · all off"][1]), rows
+    gc = rows["float32 · gradient_checkpointing=on"][1]
     assert number.match(gc) or gc.startswith("not available in this version"), gc
     r = data["results"]["float32 · all off/160"]
     assert r["tokens"] == 2 * 160 and r["rows"] == 2 and r["peak_gib"] > r["cpu_rss_before_model_gib"] > 0
