@@ -284,6 +284,16 @@ def test_bf16_autocast_keeps_float32_logits_weights_and_log_probs_close(tiny):
     assert all(p.dtype == torch.float32 for p in model.parameters()) and math.isfinite(m["loss"])
 
 
+@pytest.mark.parametrize("checkpointing,attention", [("off", "eager"), ("on", "sdpa")])
+def test_bf16_on_a_cpu_attends_eagerly_unless_checkpointed(tiny, checkpointing, attention):
+    """trainer.bf16 on a CPU: eager attention for speed, but not where checkpointing asks for memory (eager
+    holds every head's T x T probabilities)."""
+    model, _ = tiny
+    model.set_attn_implementation("sdpa")
+    Trainer(model, TrainerCfg(bf16=True, gradient_checkpointing=checkpointing), AlgoCfg(kl_coef=0.0), 1.0, 10, 16)
+    assert model.config._attn_implementation == attention
+
+
 def test_bf16_needs_float32_weights():
     from relayrl.config import ConfigError, load_config
 

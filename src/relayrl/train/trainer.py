@@ -12,7 +12,9 @@ trainer's log-probs match its own; they are taken in float32 from the logits), u
 projection in float32 (``logprobs.install_head``: logits rounded to bfloat16's 8 bits would move every
 log-prob by up to a few hundredths; MiniMax-M1 traced a training-inference mismatch to it), and on
 a CPU the attention as matrix products (transformers' eager attention: the flash kernel's bfloat16
-backward took 2.4x its float32 time there). With
+backward took 2.4x its float32 time there), unless checkpointing is on: eager attention holds every
+head's T × T probabilities (two rows of 4,096 tokens of the 0.5B shape: 19.5 GiB and 14 tokens/s, SDPA
+9.8 GiB and 37). With
 ``trainer.fsdp`` the weights are sharded over the torchrun ranks and each rank runs its share of
 the micro-batches; rank 0 leads, sending each call to the other ranks first.
 """
@@ -89,13 +91,16 @@ class Trainer:
             host_memory.release_large_blocks()
         # the log-probs: whole logits, or (trainer.logprob_chunk_tokens) the head chunk by chunk (logprobs.py)
         self.readout = Readout(tcfg.logprob_chunk_tokens, temperature, top_k, top_p)
+        checkpointed = checkpointing.wanted(tcfg.gradient_checkpointing, model)
         for m in (model, self.ref):
             if m is not None and (tcfg.bf16 or tcfg.logprob_chunk_tokens):
                 install_head(m, float32=tcfg.bf16)  # (the float32 head of trainer.bf16, and the chunked readout)
-                if tcfg.bf16 and self.device.type == "cpu":  # (the CPU's bfloat16 SDPA backward: 2.4x its float32 time)
+                # (the CPU's bfloat16 SDPA backward: 2.4x its float32 time; but eager attention holds T x T
+                # probabilities per head: where memory is asked for, checkpointing, SDPA keeps it linear)
+                if tcfg.bf16 and self.device.type == "cpu" and not checkpointed:
                     m.set_attn_implementation("eager")
         # (the policy only: the reference runs under no_grad, where a checkpointed layer would run plainly anyway)
-        if checkpointing.wanted(tcfg.gradient_checkpointing, model):
+        if checkpointed:
             checkpointing.enable(model)
         self.dp = distributed.setup(self.device) if tcfg.fsdp else None  # None: this process trains alone
         for m in (model, self.ref):
