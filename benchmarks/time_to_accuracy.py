@@ -51,8 +51,8 @@ FAST = ["run.mode=async", "rollout.max_staleness=4"]
 DS, SELECT, BUDGET = ["rollout.dynamic_sampling=true"], ["data.selection=vade", "data.selection_key=terms"], \
     ["rollout.budget=adaptive"]
 KL = ["algo.kl_coef=0.05"]  # relayrl's default since 2026-11-26 (shared_overrides turns it off: TRL's default)
-# issue 29's memory features all on (checkpointing, the head in chunks of 1,024, packing; share_prefix off
-# as packing needs)
+# every memory feature of the trainer on (checkpointing, the head in chunks of 1,024, packing; share_prefix
+# off, as packing needs)
 MEMORY = ["trainer.gradient_checkpointing=on", "trainer.logprob_chunk_tokens=1024", "trainer.pack=true",
           "trainer.share_prefix=false"]
 BF16 = ["trainer.bf16=true"]  # mixed precision, as TRL's bf16=True (its rows: the same flag)

@@ -318,29 +318,41 @@ def main() -> None:
             data["results"][f"{name}/{L}"] = r
             print(f"{name}, L={L}: {cell(r)}", flush=True)
         table.append((name, per_length))
-    # growth over the two-row lengths (the one-row --long cell holds half the batch's tokens: not on that line)
-    rows_lengths = sorted(set(a.lengths))
-    lo, hi = (1024, 4096) if {1024, 4096} <= set(rows_lengths) else (rows_lengths[0], rows_lengths[-1]) \
-        if len(rows_lengths) > 1 else (None, None)
-    all_off = {n.split(" · ")[0]: growth(p, lo, hi) for n, p in table if n.endswith("· all off") and lo}
-    rows = []
-    for name, per_length in table:
-        row = [name, *[cell(per_length[L]) for L in lengths]]
-        if lo is not None:
-            g, ref = growth(per_length, lo, hi), all_off.get(name.split(" · ")[0])
-            ratio = f"{g[0] / ref[0]:.2f}x" if g is not None and ref and ref[0] else ""
-            data["results"][f"{name}/growth"] = {"gib_per_1k": g and g[0], "to_length": g and g[1], "vs_all_off": ratio}
-            row += ["" if g is None else f"{g[0]:.3f}" + ("" if g[1] == hi else f" (to {g[1]:,})"), ratio]
-        rows.append(row)
-    header = ["configuration", *[f"L={L:,}" + (" (1 row)" if L == LONG else f" ({a.rows} rows)") for L in lengths]]
-    if lo is not None:
-        header += [f"peak GiB per 1k tokens of row length, L {lo:,}→{hi:,} ({a.rows} rows)", "vs all off"]
+    header, rows = memory_table(a, table, lengths, data)
     if a.longtail_rows:
         rows += longtail(a, base, common, data, len(header))
     unit = "GPU max_memory_allocated" if a.device == "cuda" else "CPU peak RSS"
     data["note"] = f"peak: {unit}; model {a.model_scale}; cells: peak GiB, tokens/s of the last of {a.steps} steps"
     print(data["note"])
     write_results(Path(a.out), a.name, header, rows, data)
+
+
+def growth_span(lengths: list[int]) -> tuple[int, int] | None:
+    """The row lengths the growth is read between: 1,024 → 4,096 where both ran, else the first and last of
+    ``--lengths`` (two-row cells only: the one-row --long cell holds half the batch's tokens); None with one."""
+    ls = sorted(set(lengths))
+    if {1024, 4096} <= set(ls):
+        return 1024, 4096
+    return (ls[0], ls[-1]) if len(ls) > 1 else None
+
+
+def memory_table(a, table: list[tuple[str, dict]], lengths: list[int], data: dict) -> tuple[list, list]:
+    """(header, rows): each configuration's cells, and how fast its peak grows against all off's."""
+    span = growth_span(a.lengths)
+    header = ["configuration", *[f"L={L:,}" + (" (1 row)" if L == LONG else f" ({a.rows} rows)") for L in lengths]]
+    if span:
+        header += [f"peak GiB per 1k tokens of row length, L {span[0]:,}→{span[1]:,} ({a.rows} rows)", "vs all off"]
+    all_off = {n.split(" · ")[0]: growth(p, *span) for n, p in table if n.endswith("· all off") and span}
+    rows = []
+    for name, per_length in table:
+        row = [name, *[cell(per_length[L]) for L in lengths]]
+        if span:
+            g, ref = growth(per_length, *span), all_off.get(name.split(" · ")[0])
+            ratio = f"{g[0] / ref[0]:.2f}x" if g is not None and ref and ref[0] else ""
+            data["results"][f"{name}/growth"] = {"gib_per_1k": g and g[0], "to_length": g and g[1], "vs_all_off": ratio}
+            row += ["" if g is None else f"{g[0]:.3f}" + ("" if g[1] == span[1] else f" (to {g[1]:,})"), ratio]
+        rows.append(row)
+    return header, rows
 
 
 def longtail(a, base: dict, common: dict, data: dict, width: int) -> list[list[str]]:
