@@ -26,6 +26,17 @@ Fields:
 """
 
 
+SFT_NOTE = """\
+Configuration: defaults < CONFIG.yaml < section.key=value overrides, as for `relayrl train`; the sft section
+and data.response_field / data.min_reward are its own, the algo, critic, env and teacher sections and the
+rollout's shape are not read. With no arguments, `relayrl sft` fine-tunes the demo model on worked solutions
+(builtin:demo-sft) into runs/sft, evaluated as `relayrl train` evaluates. Unset here: data.path is
+builtin:demo-sft, run.name is sft, trainer.pack is true.
+
+Fields:
+"""
+
+
 class UsageError(ValueError):
     pass
 
@@ -98,6 +109,10 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a policy", formatter_class=fmt, epilog=USAGE_NOTE + describe())
     t.add_argument("args", nargs="*", metavar="CONFIG.yaml | section.key=value")
     t.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint")
+    f = sub.add_parser("sft", help="supervised fine-tuning on demonstrations (prompt and response, or chat messages; "
+                       "or a run's rollout records)", formatter_class=fmt, epilog=SFT_NOTE + describe())
+    f.add_argument("args", nargs="*", metavar="CONFIG.yaml | section.key=value")
+    f.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint")
     e = sub.add_parser("eval", help="evaluate a policy on the held-out set", formatter_class=fmt,
                        epilog=USAGE_NOTE + describe())
     e.add_argument("args", nargs="*", metavar="CONFIG.yaml | section.key=value")
@@ -155,11 +170,11 @@ def interrupted(e: BaseException) -> bool:
     return False
 
 
-def interrupted_line(cfg, args: list[str]) -> str:
+def interrupted_line(cfg, args: list[str], cmd: str = "train") -> str:
     """Where the interrupted run can be taken up: its last complete checkpoint and the command."""
     from relayrl.run.checkpoint import latest_checkpoint
 
-    command = shlex.join(["relayrl", "train", *args, "--resume"])
+    command = shlex.join(["relayrl", cmd, *args, "--resume"])
     ckpt = latest_checkpoint(cfg.run_dir)
     if ckpt is None:
         every = cfg.run.save_every
@@ -210,16 +225,23 @@ def _run(argv: list[str] | None) -> int:
         print(compare(ns.runs, ns.output, ns.x))
         return 0
     config, overrides = _split(ns.args)
-    if ns.cmd == "train":
+    if ns.cmd in ("train", "sft"):
+        from relayrl.config.commands import check_command, sft_defaults
+
         cfg = load_config(config, overrides)
-        from relayrl.run.loop import train
+        check_command(cfg, ns.cmd)
+        if ns.cmd == "sft":
+            from relayrl.run.sft import sft as run
+            cfg = sft_defaults(cfg)
+        else:
+            from relayrl.run.loop import train as run
 
         try:
-            train(cfg, resume=ns.resume)
+            run(cfg, resume=ns.resume)
         except BaseException as e:
             if not interrupted(e):
                 raise
-            print(interrupted_line(cfg, ns.args), file=sys.stderr)
+            print(interrupted_line(cfg, ns.args, ns.cmd), file=sys.stderr)
             return INTERRUPTED
         return 0
     cfg, settings = _eval_config(ns, config, overrides)

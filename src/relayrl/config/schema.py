@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from relayrl.config.rules import check
 from relayrl.config.sections import (
-    DataCfg, EnvCfg, EvalCfg, ModelCfg, RayCfg, RewardCfg, RolloutCfg, RunCfg, ServeCfg,
+    DataCfg, EnvCfg, EvalCfg, ModelCfg, RayCfg, RewardCfg, RolloutCfg, RunCfg, ServeCfg, SftCfg,
 )
 from relayrl.config.training import AlgoCfg, CriticCfg, TrainerCfg
 
@@ -35,6 +35,7 @@ class Config(BaseModel):
     env: EnvCfg = Field(default_factory=EnvCfg)
     serve: ServeCfg = Field(default_factory=ServeCfg)
     ray: RayCfg = Field(default_factory=RayCfg)
+    sft: SftCfg = Field(default_factory=SftCfg)
 
     @property
     def run_dir(self) -> Path:

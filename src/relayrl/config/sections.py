@@ -187,6 +187,13 @@ class DataCfg(_Section):
     )
     prompt_field: str = Field("prompt", description="Row field with the prompt: a string or a list of chat messages.")
     answer_field: str | None = Field("answer", description="Row field with the reference answer (null: none).")
+    response_field: str = Field(
+        "response", description="relayrl sft: row field with the response to the prompt (data.prompt_field), "
+        "supervised. A row without it is a conversation: data.prompt_field (or a 'messages' field) holding chat "
+        "messages whose assistant turns, tool calls included, are supervised.")
+    min_reward: float | None = Field(
+        None, description="relayrl sft with data.path a run's folder (or its rollouts folder): only the episodes "
+        "whose reward is at least this (rejection-sampling fine-tuning); null: every episode not failed.")
     id_field: str | None = Field("id", description="Row field with a unique id (null: use the row number).")
     metadata_fields: list[str] = Field(default_factory=list, description="Extra row fields passed to reward functions.")
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (seeded).")
@@ -209,6 +216,17 @@ class DataCfg(_Section):
         "not seen yet starts from its group's pooled success rate (null: all prompts' pooled rate).")
     selection_prior: float = Field(
         2.0, gt=0, description="Selection: strength of a prompt's prior, in pseudo-observations of its group's rate.")
+
+
+class SftCfg(_Section):
+    """relayrl sft: supervised fine-tuning on demonstrations (data.path; data.response_field)."""
+
+    epochs: float | None = Field(
+        None, gt=0, description="Passes over the data; sets run.steps to ⌈epochs × examples / sft.batch_size⌉ "
+        "(null: run.steps).")
+    batch_size: int = Field(
+        32, ge=1, description="Examples per optimiser step (split into micro-batches by trainer.micro_batch_tokens; "
+        "the loss is the mean over every supervised token of the batch).")
 
 
 class RolloutCfg(_Section):

@@ -72,7 +72,7 @@ def _json_rows(p: Path) -> Iterator[tuple[int, Any]]:
     except RecursionError:
         raise DataError(f"{p}: invalid JSON: nested too deeply") from None
     if not isinstance(rows, list):
-        raise DataError(f"{p}: a .json dataset must be a list of rows, got {_kind(rows)} (JSON Lines: name it .jsonl)")
+        raise DataError(f"{p}: a .json dataset must be a list of rows, got {describe(rows)} (JSON Lines: name it .jsonl)")
     yield from enumerate(rows, start=1)
 
 
@@ -116,17 +116,19 @@ def _builtin_rows(path: str) -> list[dict]:
         return task.make_rows(20000, seed=1, id_prefix="train")
     if which == "demo-eval":
         return task.make_rows(1000, seed=2, id_prefix="eval")
+    if which == "demo-sft":
+        return task.make_sft_rows(4000, seed=3, id_prefix="sft")
     if which in ("agent-demo", "agent-demo-eval"):
         from relayrl.demo import agent_task
 
         if which == "agent-demo":
             return agent_task.make_rows(4000, seed=1, id_prefix="agent-train")
         return agent_task.make_rows(200, seed=2, id_prefix="agent-eval", split="eval")
-    raise DataError(f"unknown built-in dataset {path!r}; valid: builtin:demo, builtin:demo-eval, "
+    raise DataError(f"unknown built-in dataset {path!r}; valid: builtin:demo, builtin:demo-eval, builtin:demo-sft, "
                     "builtin:agent-demo, builtin:agent-demo-eval")
 
 
-def _iter_rows(path: str) -> Iterator[tuple[int, Any]]:
+def iter_rows(path: str) -> Iterator[tuple[int, Any]]:
     """(row number, row) pairs, numbered from 1 in every format (JSONL: the line)."""
     if path.startswith("builtin:"):
         yield from enumerate(_builtin_rows(path), start=1)
@@ -152,11 +154,11 @@ def _iter_rows(path: str) -> Iterator[tuple[int, Any]]:
         raise DataError(f"{p}: cannot read: {e.strerror or _one_line(e)}") from None
 
 
-def _kind(value: Any) -> str:
+def describe(value: Any) -> str:
     return f"{type(value).__name__} {value!r:.60}"
 
 
-def _text(value: str, at: str) -> str:
+def valid_text(value: str, at: str) -> str:
     """``value``, if it can be tokenized: a JSON escape like \\ud800 gives a lone surrogate, which is
     not Unicode and fails only when the prompt is encoded, mid-run."""
     try:
@@ -167,28 +169,28 @@ def _text(value: str, at: str) -> str:
     return value
 
 
-def _messages(value: Any, at: str, raw: bool) -> list[dict[str, str]]:
+def chat_messages(value: Any, at: str, raw: bool) -> list[dict[str, str]]:
     """The prompt as chat messages (a string is one user message)."""
     if isinstance(value, str):
         if not value.strip():
             raise DataError(f"{at} is empty")
-        return [{"role": "user", "content": _text(value, at)}]
+        return [{"role": "user", "content": valid_text(value, at)}]
     if raw:
-        raise DataError(f"{at}: data.prompt_format=raw takes a plain string prompt, got {_kind(value)} "
+        raise DataError(f"{at}: data.prompt_format=raw takes a plain string prompt, got {describe(value)} "
                         "(chat messages need data.prompt_format=chat)")
     if not isinstance(value, list) or not value:
-        raise DataError(f"{at} must be a non-empty string or a list of {{role, content}} messages, got {_kind(value)}")
+        raise DataError(f"{at} must be a non-empty string or a list of {{role, content}} messages, got {describe(value)}")
     out = []
     for i, m in enumerate(value, start=1):
         where = f"{at} message {i}"
         if not isinstance(m, dict):
-            raise DataError(f"{where} must be an object with role and content, got {_kind(m)}")
+            raise DataError(f"{where} must be an object with role and content, got {describe(m)}")
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise DataError(f"{where}: role {role!r:.40} is not one of {', '.join(ROLES)}")
         if not isinstance(content, str):
-            raise DataError(f"{where}: content must be a string, got {_kind(content)}")
-        out.append({"role": role, "content": _text(content, where)})
+            raise DataError(f"{where}: content must be a string, got {describe(content)}")
+        out.append({"role": role, "content": valid_text(content, where)})
     if not any(m["content"].strip() for m in out):
         raise DataError(f"{at} is empty (every message's content is blank)")
     return out
@@ -199,23 +201,23 @@ def _answer(value: Any, at: str) -> str | None:
     if value is None:
         return None
     if isinstance(value, str):
-        return _text(value, at)
+        return valid_text(value, at)
     if isinstance(value, (int, float, decimal.Decimal)) and not isinstance(value, bool):
         if isinstance(value, float) and not math.isfinite(value):
             raise DataError(f"{at} is {value} (a missing number?)")
         return str(value)
-    raise DataError(f"{at} must be a string or a number, got {_kind(value)}")
+    raise DataError(f"{at} must be a string or a number, got {describe(value)}")
 
 
-def _row_id(row: dict, n: int, id_field: str | None, at: str) -> str:
+def row_id(row: dict, n: int, id_field: str | None, at: str) -> str:
     if id_field is None or id_field not in row:
         return f"row{n}"
     value = row[id_field]
     if isinstance(value, str) and value.strip():
-        return _text(value, at)
+        return valid_text(value, at)
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
-    raise DataError(f"{at} must be a non-empty string or an integer, got {_kind(value)}")
+    raise DataError(f"{at} must be a non-empty string or an integer, got {describe(value)}")
 
 
 def load_prompts(
@@ -237,14 +239,14 @@ def load_prompts(
     out: list[Prompt] = []
     seen: set[str] = set()
     label = "line" if path.endswith(".jsonl") else "row"
-    for n, row in _iter_rows(path):
+    for n, row in iter_rows(path):
         where = f"{path}: {label} {n}"
         if not isinstance(row, dict):
-            raise DataError(f"{where}: expected an object with fields, got {_kind(row)}")
+            raise DataError(f"{where}: expected an object with fields, got {describe(row)}")
         if prompt_field not in row:
             raise DataError(f"{where}: missing field '{prompt_field}' (data.prompt_field); has: "
                             f"{', '.join(map(str, row))[:200]}")
-        messages = _messages(row[prompt_field], f"{where}: field '{prompt_field}'", prompt_format == "raw")
+        messages = chat_messages(row[prompt_field], f"{where}: field '{prompt_field}'", prompt_format == "raw")
         if system_prompt:
             messages = [{"role": "system", "content": system_prompt}] + messages
         answer = None
@@ -252,7 +254,7 @@ def load_prompts(
             if answer_field not in row:
                 raise DataError(f"{where}: missing field '{answer_field}' (data.answer_field)")
             answer = _answer(row[answer_field], f"{where}: field '{answer_field}'")
-        pid = _row_id(row, n, id_field, f"{where}: field '{id_field}'")
+        pid = row_id(row, n, id_field, f"{where}: field '{id_field}'")
         if pid in seen:
             raise DataError(f"{where}: field '{id_field}': duplicate id {pid!r:.80}")
         seen.add(pid)

@@ -65,6 +65,18 @@ def make_rows(n: int, seed: int, id_prefix: str) -> list[dict]:
     return rows
 
 
+def make_sft_rows(n: int, seed: int, id_prefix: str) -> list[dict]:
+    """Demonstrations in ``relayrl sft``'s shape: the rows of ``make_rows`` with the worked solution as the
+    response (no slips: the demo model was warm-started with them, so fine-tuning on these raises its accuracy)."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        terms = sample_terms(rng)
+        rows.append({"id": f"{id_prefix}-{i}", "prompt": prompt_text(terms), "response": solution_text(terms),
+                     "answer": str(sum(terms) % 10), "metadata": {"terms": len(terms)}})
+    return rows
+
+
 def corpus(n: int, seed: int, slip: float = 0.0) -> list[tuple[str, str]]:
     """(prompt, solution) pairs for tokenizer training and the supervised warm start."""
     rng = random.Random(seed)

@@ -21,6 +21,8 @@ PIPELINE = [("run", ("mode", "backend", "seed")),
                          "top_p", "top_k", "partial", "max_staleness", "dynamic_sampling", "budget")),
             ("trainer", ("lr", "schedule", "warmup_steps", "updates_per_step", "grad_clip")),
             ("env", ("name", "max_turns"))]
+SFT = [("sft", ("epochs", "batch_size")), ("data", ("response_field", "min_reward")),
+       ("trainer", ("lr", "schedule", "warmup_steps", "micro_batch_tokens", "pack", "grad_clip"))]
 
 
 def _hub_id(path: str | None) -> str | None:
@@ -31,11 +33,12 @@ def _hub_id(path: str | None) -> str | None:
     return path if len(parts) == 2 and all(parts) and "." not in parts[1][-8:] else None
 
 
-def render(config: dict, step: int, samples: int, before: dict | None, after: dict | None, final: bool = False
-           ) -> str:
+def render(config: dict, step: int, samples: int, before: dict | None, after: dict | None, final: bool = False,
+           kind: str = "rl") -> str:
     """The card's text for a checkpoint at ``step`` of a run with the resolved ``config`` (section ->
     field -> value); ``before``/``after``: held-out evaluations (``evaluation.evaluate``), or None;
-    ``final``: the run's last checkpoint (also before run.steps, when eval.stop_at stopped it)."""
+    ``final``: the run's last checkpoint (also before run.steps, when eval.stop_at stopped it); ``kind``: "rl"
+    (``relayrl train``) or "sft" (``relayrl sft``)."""
     from huggingface_hub import EvalResult, ModelCardData
 
     from relayrl import __version__
@@ -51,25 +54,28 @@ def render(config: dict, step: int, samples: int, before: dict | None, after: di
     adapter = (model.get("lora") or {}).get("r", 0)  # model.lora: the checkpoint is a PEFT adapter on model.path
     meta = ModelCardData(library_name="peft" if adapter else "transformers", base_model=_hub_id(model["path"]),
                          datasets=[d for d in (_hub_id(data["path"]),) if d] or None, model_name=run["name"],
-                         tags=["relayrl", "reinforcement-learning", str(algo.get("advantage"))],
+                         tags=["relayrl", "reinforcement-learning", str(algo.get("advantage"))] if kind == "rl" else
+                         ["relayrl", "sft"],
                          eval_results=evals or None)
 
     def pct(e: dict | None, key: str) -> str:
         return f"{e[key]:.1%}" if e and e.get(key) is not None else "—"
 
     done = final or step >= run["steps"]
+    how = (f"A policy trained by reinforcement learning with relayrl {__version__}: {algo.get('advantage')} advantages, "
+           f"{algo.get('loss')} loss, `run.mode={run['mode']}`." if kind == "rl" else
+           f"A policy fine-tuned on demonstrations with relayrl {__version__} (`relayrl sft`: the negative "
+           f"log-likelihood of the assistant's tokens).")
     lines = [
         f"# {run['name']}", "",
-        f"A policy trained by reinforcement learning with relayrl "
-        f"{__version__}: {algo.get('advantage')} advantages, {algo.get('loss')} loss, `run.mode={run['mode']}`. "
-        f"Checkpoint of step {step} of {run['steps']}{'' if done else ' (an intermediate checkpoint)'}, "
-        f"after {samples:,} trained responses.", "",
+        f"{how} Checkpoint of step {step} of {run['steps']}{'' if done else ' (an intermediate checkpoint)'}, "
+        f"after {samples:,} trained {'responses' if kind == 'rl' else 'examples'}.", "",
         "| | |", "|---|---|",
         f"| base model | `{model['path']}` |",
         *([(f"| adapter | LoRA, rank {adapter}, alpha {model['lora']['alpha']} (PEFT's files here; `relayrl export "
             "CHECKPOINT --merge OUT` writes a merged model) |")] if adapter else []),
         f"| training data | `{data['path']}` (prompt field `{data['prompt_field']}`) |",
-        f"| reward | `{config['reward']['fn']}` |",
+        f"| {'reward' if kind == 'rl' else 'held-out verifier'} | `{config['reward']['fn']}` |",
         f"| held-out data | `{data.get('eval_path')}` ({config.get('eval', {}).get('size', '—')} prompts) |",
         f"| held-out accuracy, sampled | {pct(before, 'accuracy')} before → {pct(after, 'accuracy')} after |",
         f"| held-out accuracy, greedy | {pct(before, 'accuracy_greedy')} before → "
@@ -77,10 +83,11 @@ def render(config: dict, step: int, samples: int, before: dict | None, after: di
         "", "Accuracy is the mean reward of responses sampled at the training temperature (and of the greedy "
         "response) on the held-out prompts" + ("" if done else "; after: when the run finishes, on its last "
                                                "checkpoint") + ".", "",
-        "## Algorithm", "", *_rows(config, [ALGORITHM]), "",
-        "## Pipeline", "", *_rows(config, PIPELINE), "",
+        *(["## Algorithm", "", *_rows(config, [ALGORITHM]), "", "## Pipeline", "", *_rows(config, PIPELINE), ""]
+          if kind == "rl" else ["## Fine-tuning", "", *_rows(config, SFT), ""]),
         "## Full configuration", "",
-        "The resolved configuration (`relayrl train config.yaml` with it reruns the training):", "",
+        f"The resolved configuration (`relayrl {'train' if kind == 'rl' else 'sft'} config.yaml` with it reruns the "
+        "training):", "",
         "```yaml", yaml.safe_dump(config, sort_keys=False).rstrip(), "```", "",
     ]
     return f"---\n{meta.to_yaml()}\n---\n\n" + "\n".join(lines)
@@ -93,18 +100,18 @@ def _rows(config: dict, sections) -> list[str]:
     return rows
 
 
-def for_run(config: dict):
+def for_run(config: dict, kind: str = "rl"):
     """The card of a checkpoint of this run, from its RunState (``CheckpointWriter``'s ``card``)."""
-    return lambda state: render(config, state.step, state.samples, state.eval_before, None)
+    return lambda state: render(config, state.step, state.samples, state.eval_before, None, kind=kind)
 
 
-def finalize(run_dir: Path, config: dict, state, after: dict | None) -> Path | None:
+def finalize(run_dir: Path, config: dict, state, after: dict | None, kind: str = "rl") -> Path | None:
     """The last checkpoint's card again, now with the held-out accuracy after training (written
     beside, then renamed over the old one)."""
     folder = Path(run_dir) / "checkpoints" / f"step_{state.step:06d}"
     if not folder.is_dir():
         return None
     tmp = folder / ".README.md.tmp"
-    tmp.write_text(render(config, state.step, state.samples, state.eval_before, after, final=True))
+    tmp.write_text(render(config, state.step, state.samples, state.eval_before, after, final=True, kind=kind))
     tmp.replace(folder / "README.md")
     return folder / "README.md"

@@ -88,8 +88,9 @@ class ProgressBar:
         self.progress.__exit__(*exc)
 
     def update(self, m: dict) -> None:
-        info = (
-            f"reward {m['reward_mean']:.3f}  len {m['response_len_mean']:.0f}/{m['response_len_max']}"
-            f"  {m['tokens_per_s']:.0f} tok/s"
-        )
+        if "reward_mean" in m:
+            info = (f"reward {m['reward_mean']:.3f}  len {m['response_len_mean']:.0f}/{m['response_len_max']}"
+                    f"  {m['tokens_per_s']:.0f} tok/s")
+        else:  # (relayrl sft)
+            info = f"loss {m['loss']:.3f}  epoch {m['epoch']:.2f}  {m['tokens_per_s']:.0f} tok/s"
         self.progress.update(self.task, advance=1, info=info)

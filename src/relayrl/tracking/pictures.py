@@ -3,7 +3,8 @@
 Both read what a run writes, ``metrics.jsonl`` (one line per step) and ``summary.json`` (held-out
 accuracy before and after training), so a picture can be drawn of a run that is still going, or
 of runs made long ago. Six panels: reward, held-out accuracy, response length, staleness, engine
-and trainer idle time, throughput; over training steps, or over wall-clock time (``x="time"``:
+and trainer idle time, throughput (a supervised run's: loss, held-out accuracy, epoch, learning rate,
+gradient norm, throughput); over training steps, or over wall-clock time (``x="time"``:
 how the modes compare, since an overlapped run does more steps per minute).
 """
 
@@ -87,6 +88,21 @@ PANELS = [
 ]
 
 
+# a supervised run's (relayrl sft: no rollout) in place of PANELS
+SFT_PANELS = [
+    ("Epoch", "passes over the data", [("epoch", "epoch", "-")]),
+    ("Learning rate", "lr", [("lr", "lr", "-")]),
+    ("Gradient norm", "before clipping", [("grad_norm", "norm", "-")]),
+    ("Training throughput", "tokens / s (every token of the rows)", [("tokens_per_s", "tokens/s over the step", "-")]),
+]
+
+
+def supervised(runs: list[RunData]) -> bool:
+    """Runs of ``relayrl sft``: their metrics have a loss and no reward."""
+    return all(not any("reward_mean" in r for r in run.records) and any("loss" in r for r in run.records)
+               for run in runs)
+
+
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "h")
 
 
@@ -109,15 +125,17 @@ def curves_figure(runs: list[RunData], x: str = "step", title: str = ""):
     one = len(runs) == 1
     xlabel = "training step" if x == "step" else "wall-clock time (minutes)"
 
-    ax = axes[0]  # reward: every step faint, a moving average over a twentieth of the run bold
+    sft = supervised(runs)
+    ax = axes[0]  # reward (sft: loss): every step faint, a moving average over a twentieth of the run bold
     n = max(1, max(len(r.records) for r in runs) // 20)
     for run, c in zip(runs, colors):
-        xs, ys = run.series("reward_mean", x)
+        xs, ys = run.series("loss" if sft else "reward_mean", x)
         if n > 1:
             ax.plot(xs, ys, color=c, alpha=0.3, lw=1, label="each step" if one else None)
         ax.plot(xs, _smooth(ys, n), color=c, lw=2.2,
                 label=run.name if not one else f"moving average over {n} steps" if n > 1 else "each step")
-    ax.set(title="Training reward", ylabel="mean reward of the sampled responses")
+    ax.set(title="Training loss" if sft else "Training reward",
+           ylabel="negative log-likelihood per supervised token" if sft else "mean reward of the sampled responses")
     if not one and n > 1:
         ax.legend(handles=[*ax.get_legend_handles_labels()[0],
                            Line2D([], [], color="gray", alpha=0.4, lw=1, label="each step"),
@@ -151,7 +169,7 @@ def curves_figure(runs: list[RunData], x: str = "step", title: str = ""):
         ax.text(0.5, 0.5, "not evaluated\n(no data.eval_path)", ha="center", va="center", transform=ax.transAxes,
                 color="gray", fontsize=12)
 
-    for ax, (ptitle, ylabel, lines) in zip(axes[2:], PANELS):
+    for ax, (ptitle, ylabel, lines) in zip(axes[2:], SFT_PANELS if sft else PANELS):
         scale = 100 if "%" in ylabel else 1
         for run, c in zip(runs, colors):
             for key, label, ls in lines:

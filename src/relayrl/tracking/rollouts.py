@@ -12,7 +12,11 @@ one step without reading the others. A line:
      "reward": 1.0, "failure": {...} | null, "finish_reason": "stop", "status": "trained" | "failed" |
      "filtered" (dynamic sampling), "versions": [[version, tokens], ...] (the policy versions of its
      tokens, run-length), "staleness": versions behind the one trained, "length": tokens,
-     "info": {turns, tool_calls, step_rewards, ...}, "response_ids": [...]}
+     "info": {turns, tool_calls, step_rewards, ...}, "prompt_ids": [...], "response_ids": [...], "mask": [...]
+     (episodes of several turns: 1 on the policy's tokens, 0 on the environment's)}
+
+The token ids are the episode's own, token in, token out: ``relayrl sft data.path=RUN`` trains on them
+(rejection-sampling fine-tuning, ``data.sft``).
 """
 
 from __future__ import annotations
@@ -68,7 +72,8 @@ def episode_record(t: Trajectory, step: int, trained_at: int, status: str, decod
         "reward": t.reward, "failure": t.failure, "status": status,
         "finish_reason": t.finish_reason.value if t.finish_reason is not None else None,
         "versions": version_runs(t.versions), "staleness": trained_at - min(t.versions) if t.versions else 0,
-        "length": len(t.response_ids), "info": info, "response_ids": list(t.response_ids),
+        "length": len(t.response_ids), "info": info, "prompt_ids": list(t.prompt_ids),
+        "response_ids": list(t.response_ids), **({"mask": list(t.mask)} if t.mask and not all(t.mask) else {}),
     }
 
 

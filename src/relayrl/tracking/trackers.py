@@ -98,7 +98,7 @@ class Trackers:
     def finish(self, summary: dict, pictures: dict[str, Path], step: int) -> None:
         """The summary's numbers and the pictures, then each run is closed as finished."""
         numbers = {k: v for k, v in scalars(summary).items() if "/" not in k}
-        present = {k: p for k, p in pictures.items() if p.exists()}
+        present = {k: p for k, p in pictures.items() if p is not None and p.exists()}
         self._each("the pictures", lambda t: t.images(present, step))
         self._each("the summary", lambda t: t.summary(numbers, step))
         self.close(ok=True)

@@ -178,8 +178,8 @@ def follow(trainer) -> int:
         command, *args = trainer.dp.receive()
         if command == "stop":
             return steps
-        if command == "step":
-            trainer.step(*args)
+        if command in ("step", "sft_step"):
+            getattr(trainer, command)(*args)
             steps += 1
         elif command == "weights":
             trainer.full_state_dict()

@@ -41,7 +41,7 @@ from relayrl.algos.shaping import fold_kl
 from relayrl.train.batch import TrainBatch, build_batch, micro_batches
 from relayrl.config import AlgoCfg, TrainerCfg
 from relayrl.fault_injection import fault_point
-from relayrl.train.logprobs import Readout, install_head
+from relayrl.train.logprobs import Readout, check_head, install_head
 from relayrl.train.mismatch import VersionCheck, mismatch_sums, sampled_by
 from relayrl.train.packing import Packed
 from relayrl.train.shared_prefix import PrefixSharing
@@ -95,6 +95,8 @@ class Trainer:
         for m in (model, self.ref):
             if m is not None and (tcfg.bf16 or tcfg.logprob_chunk_tokens):
                 install_head(m, float32=tcfg.bf16)  # (the float32 head of trainer.bf16, and the chunked readout)
+                if tcfg.logprob_chunk_tokens and m is model:  # (once: the chunked head against the model's own logits)
+                    check_head(m, self.readout)
                 # (the CPU's bfloat16 SDPA backward: 2.4x its float32 time; but eager attention holds T x T
                 # probabilities per head: where memory is asked for, checkpointing, SDPA keeps it linear)
                 if tcfg.bf16 and self.device.type == "cpu" and not checkpointed:
@@ -393,18 +395,52 @@ class Trainer:
             scale, ess = ess_lr_scale(sums.pop("seq_log_w"))
             sums["ess_frac"] = (ess / mini.size).item()
             del sums["mismatch_sum"], sums["mismatch_max"], sums["mismatch_tokens"]
-            gn = torch.nn.utils.clip_grad_norm_(self.params, self.tcfg.grad_clip)
-            sums["grad_norm"] = (gn.full_tensor() if self.dp else gn).item()  # (FSDP: a DTensor, the global norm)
-            lr_scale = scale.item() if self.acfg.ess_lr_scale else 1.0
-            for g in self.opt.param_groups:  # the scheduler sets the next step's lr afresh
-                g["lr"] *= lr_scale
-            sums["lr"] = self.opt.param_groups[0]["lr"]
-            self.opt.step()
-            self.sched.step()
+            sums.update(self.apply_gradients(scale.item() if self.acfg.ess_lr_scale else 1.0))
             for k, v in sums.items():
                 totals[k] = totals.get(k, 0.0) + v / len(chunks)
         totals["rows_skipped"] = skipped
         return totals, mismatch, {**est_metrics, **prev_check}, batch
+
+    def apply_gradients(self, lr_scale: float = 1.0) -> dict:
+        """The optimiser step on the gradients accumulated: clipped to trainer.grad_clip, the learning rate
+        times ``lr_scale`` for this step (the scheduler sets the next step's afresh). Its grad_norm and lr."""
+        gn = torch.nn.utils.clip_grad_norm_(self.params, self.tcfg.grad_clip)
+        out = {"grad_norm": (gn.full_tensor() if self.dp else gn).item()}  # (FSDP: a DTensor, the global norm)
+        for g in self.opt.param_groups:
+            g["lr"] *= lr_scale
+        out["lr"] = self.opt.param_groups[0]["lr"]
+        self.opt.step()
+        self.sched.step()
+        return out
+
+    def sft_step(self, batch: TrainBatch) -> dict:
+        """One optimiser step of supervised fine-tuning (``relayrl sft``): the negative log-likelihood of the
+        supervised tokens (``batch.loss_mask``), summed over micro-batches and divided by their count over the
+        whole batch, so the gradient does not depend on the split (TRL's ``num_items_in_batch``). Built for a
+        trainer whose log-probs are the plain softmax (temperature 1, no truncation)."""
+        if self._leads:
+            self.dp.send("sft_step", batch)
+        fault_point("train")  # crash tests: a kill at the n-th step
+        n = batch.loss_mask.sum().item()
+        self.model.train()
+        self.opt.zero_grad(set_to_none=True)
+        nll = 0.0
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.tcfg.bf16):
+            groups, _, outputs_of = self._passes(self.model, batch, True)
+            for idx in groups:
+                if idx is None:  # (FSDP) a zero-loss pass, as FSDP needs every rank's
+                    (self._logits(self.model, batch.select([0]).to(self.device)).sum() * 0).backward()
+                    continue
+                mb = batch.select(idx).to(self.device)
+                logp, _ = self.readout.split(outputs_of(idx, mb), mb.input_ids[:, 1:])
+                loss = -(logp * mb.loss_mask).sum() / max(n, 1.0)
+                loss.backward()
+                nll += loss.item()
+            if self.dp:
+                nll = self.dp.reduce(torch.tensor(nll, dtype=torch.float64)).item()
+            out = {"loss": nll, **self.apply_gradients(), "supervised_tokens": int(n)}
+        self.model.eval()
+        return out
 
     def _ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
         """The KL reference's log-probs (None: no KL): the frozen model, or the policy with its adapter off."""
