@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -235,6 +236,39 @@ def test_an_environment_blocking_the_loop_stops_the_run_naming_the_line(tok, mon
         assert time.monotonic() - t0 < 10
         runner._thread.join(timeout=5)
         assert not runner._thread.is_alive()  # the stuck loop thread was stopped, not left behind
+    finally:
+        runner.close()
+
+
+BLOCKING_ENV = """import time
+
+from relayrl.envs.base import Env
+
+
+class Blocks(Env):
+    async def step(self, text):
+        while True:
+            time.sleep(0.05)
+"""
+
+
+def test_a_blocking_environment_in_a_folder_named_relayrl_is_still_named(tok, monkeypatch, tmp_path):
+    """relayrl's own frames are those of the installed package: a user's code under a folder named
+    relayrl (where `git clone` puts the repository) is named all the same."""
+    import importlib.util
+
+    path = tmp_path / "relayrl" / "envs" / "my_env.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(BLOCKING_ENV)
+    spec = importlib.util.spec_from_file_location("my_env_in_a_relayrl_folder", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(EpisodeRunner, "BLOCKED_GRACE_S", 1.0)
+    runner = make_runner(tok, calc_reply, module.Blocks, limits=EpisodeLimits(4, 4000, step_timeout_s=0.5))
+    try:
+        with pytest.raises(UserCodeError, match=rf"blocked for \d+ s at {re.escape(str(path))}:9 in step"):
+            run(runner, Trajectory(PROMPT, "g", 0, []))
+        runner._thread.join(timeout=5)
     finally:
         runner.close()
 

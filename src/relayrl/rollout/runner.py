@@ -157,9 +157,16 @@ class EpisodeRunner:
         limit = (self.limits.step_timeout_s if self.limits else 60.0) + self.BLOCKED_GRACE_S
         if not self._thread.is_alive() or self.blocked_for() <= limit:
             return
+        import os
+
+        import relayrl
+
         frame = sys._current_frames().get(self._thread.ident)
         stack = traceback.extract_stack(frame) if frame is not None else []
-        user = [f for f in stack if "/asyncio/" not in f.filename and "/relayrl/" not in f.filename]
+        # relayrl's frames and asyncio's are known by where the packages are installed, never by a folder's
+        # name: a user's environment in a clone named relayrl (git's default) is the user's code all the same
+        own = tuple(os.path.dirname(m.__file__) + os.sep for m in (relayrl, asyncio))
+        user = [f for f in stack if not f.filename.startswith(own)]
         where = f"{user[-1].filename}:{user[-1].lineno} in {user[-1].name}" if user else "an unknown place"
         self._interrupt()
         raise UserCodeError(
