@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -24,3 +26,27 @@ def tiny(tiny_path):
     from relayrl.models import load_policy, load_tokenizer
 
     return load_policy(tiny_path), load_tokenizer(tiny_path)
+
+
+def _working_folder(cwd: Path) -> dict[str, int | None]:
+    """What a test could leave in the folder pytest runs in (a user's clone, where `relayrl train` keeps
+    runs/): its entries (not dot-files: hypothesis keeps its examples in .hypothesis/), and two levels
+    under runs/ with their modification times (a run's folder, its files and checkpoints/)."""
+    seen: dict[str, int | None] = {p.name: None for p in cwd.iterdir() if not p.name.startswith(".")}
+    runs = cwd / "runs"
+    if runs.is_dir():
+        for p in [*runs.glob("*"), *runs.glob("*/*")]:
+            seen[str(p.relative_to(cwd))] = p.stat().st_mtime_ns
+    return seen
+
+
+@pytest.fixture(autouse=True)
+def _leaves_the_working_folder_alone():
+    """Tests never write in the working folder: a run of a test with the default run.output_dir would
+    write into (or stop on) the user's own runs/demo. Every test writes under its tmp_path."""
+    cwd = Path.cwd()
+    before = _working_folder(cwd)
+    yield
+    after = _working_folder(cwd)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k, -1) != after.get(k, -1))
+    assert not changed, f"the test wrote in the working folder {cwd}: {changed[:5]}"

@@ -204,8 +204,8 @@ def _one_error_line(capsys) -> str:
     (["train", "data.path=/no/such.jsonl", "data.eval_path=null"], "data"),
     (["eval", "data.eval_path=null"], "input"),
 ])
-def test_cli_errors_are_one_line_with_status_2(capsys, argv, kind):
-    assert main(argv) == 2
+def test_cli_errors_are_one_line_with_status_2(capsys, tmp_path, argv, kind):
+    assert main([*argv, f"run.output_dir={tmp_path}"]) == 2  # (never the working folder's runs/)
     assert _one_error_line(capsys).startswith(f"relayrl: {kind} error: ")
 
 
@@ -238,7 +238,7 @@ def test_cli_maps_run_time_errors(monkeypatch, capsys, tmp_path, error, kind, st
 
 
 def test_cli_escapes_control_characters(capsys, tmp_path):
-    assert main(["train", f"data.path={tmp_path}/a\rb\x1b[2J.jsonl", "data.eval_path=null"]) == 2
+    assert main(["train", f"data.path={tmp_path}/a\rb\x1b[2J.jsonl", "data.eval_path=null", f"run.output_dir={tmp_path}"]) == 2
     line = _one_error_line(capsys)
     assert "\r" not in line and "\x1b" not in line and "\\r" in line
 
