@@ -14,8 +14,10 @@ to compare it with: GRPO, Dr.GRPO, RLOO and REINFORCE++-baseline give it advanta
 computed when the batch is built, does not know ``group_size``: such an episode keeps A^E = R.)
 
 Kinds: ``reward`` and ``reward_timeout`` (``reward.fn``), ``env`` and ``env_timeout`` (``env.name``'s
-reset/step/close, past ``env.step_timeout_s`` or ``env.episode_timeout_s``), ``engine`` (the
-inference engine failed on the request: not user code, left out the same way).
+reset/step/close, past ``env.step_timeout_s`` or ``env.episode_timeout_s``), ``judge`` and ``judge_timeout``
+(``reward.judge``: a call that failed after its retries, a reply without a score), ``teacher`` and
+``teacher_timeout`` (``teacher``: a scoring call that failed), ``engine`` (the inference engine failed on the
+request: not user code, left out the same way).
 
 Each step counts its failures by kind (``failures/<kind>``). When more than ``run.max_failure_frac``
 of a step's episodes (or of an evaluation's) failed, the run stops: ``UserCodeError``, one line
@@ -38,7 +40,8 @@ def one_line(text: str) -> str:
     return "; ".join(line.strip() for line in re.split(r"\r?\n", str(text)) if line.strip())
 
 
-KINDS = ("reward", "reward_timeout", "env", "env_timeout", "engine")
+KINDS = ("reward", "reward_timeout", "env", "env_timeout", "engine", "judge", "judge_timeout", "teacher",
+         "teacher_timeout")
 
 
 class UserCodeError(RuntimeError):
@@ -98,7 +101,8 @@ def stop_message(trajs: list[Trajectory], user: int, where: str, max_frac: float
     # a verifier that returned a non-number ("returned str 'correct': ...") did not raise
     returned = any(t.failure["error"].startswith("returned ") for t in trajs
                    if t.failure and t.failure["source"] == source)
-    what = {"reward_timeout": "timed out", "env_timeout": "passed its deadline"}.get(
+    what = {"reward_timeout": "timed out", "env_timeout": "passed its deadline", "judge_timeout": "timed out",
+            "teacher_timeout": "timed out", "judge": "failed", "teacher": "failed"}.get(
         kind, "failed" if returned else "raised")
     others = f" ({user - n} more failed elsewhere)" if user > n else ""
     return (f"{where}: {source} {what} in {n} of {len(trajs)} episodes{others}: {example} — more than "

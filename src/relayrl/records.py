@@ -93,6 +93,8 @@ class Trajectory:
     text: str = ""
     reward: float = 0.0
     failure: dict | None = None  # user code (or the engine) failed on it: left out (relayrl.failures)
+    # on-policy distillation: log π_teacher of each response token (0 where mask is 0); empty without a teacher
+    teacher_logprobs: list[float] = field(default_factory=list)
     complete: bool = False  # the episode ran to its end (and was scored); else it is run (on) again
 
     @property

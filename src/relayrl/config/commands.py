@@ -9,7 +9,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 # fields the rules resolve by assignment (which pydantic counts as set): not the user's
-_RESOLVED = {"rollout": {"budget", "dynamic_sampling"}, "trainer": {"lr"}}
+_RESOLVED = {"rollout": {"budget", "dynamic_sampling"}, "trainer": {"lr"}, "reward": {"fn"}}
 
 SFT_ONLY = {"sft": None, "data": {"response_field", "min_reward"}}  # None: the whole section
 # what relayrl sft ignores: the learning algorithm and the rollout's shape (its evaluation samples with the rest)
@@ -18,7 +18,8 @@ RL_ONLY = {"algo": None, "critic": None, "env": None, "serve": None, "teacher": 
                        "dynamic_sampling", "dynamic_sampling_max", "budget", "budget_min", "budget_max", "schedule",
                        "engine_process"},
            "data": {"selection", "selection_pool", "selection_forget", "selection_key", "selection_prior"},
-           "run": {"mode", "save_rollouts", "mismatch_alarm", "max_failure_frac"}}
+           "run": {"mode", "save_rollouts", "mismatch_alarm", "max_failure_frac"},
+           "reward": {"fn_weight", "judge"}}
 
 SFT_DEFAULTS = {("data", "path"): "builtin:demo-sft", ("run", "name"): "sft", ("trainer", "pack"): True}
 

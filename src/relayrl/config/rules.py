@@ -19,8 +19,10 @@ from relayrl.config.training import CriticCfg
 
 def check(c: BaseModel) -> None:
     """Every rule, in order; the first broken one raises ``ValueError`` naming its fields."""
+    _judge_alone(c)
     _adaptive_sampling_where_it_applies(c)
     _lora_learning_rate(c)
+    _teachers_and_judges(c)
     r, t = c.rollout, c.trainer
     batch = r.prompts_per_step * r.group_size
     if t.updates_per_step > batch:  # each optimiser step needs at least one response
@@ -74,6 +76,31 @@ def vllm_lora_rank(r: int) -> int:
     return fits[0]
 
 
+def _judge_alone(c: BaseModel) -> None:
+    """reward.fn, where the user left it unset and a judge is given: 'none' (the judge's reward alone)."""
+    j = c.reward.judge
+    if (j.path or j.url) and "fn" not in c.reward.model_fields_set:
+        c.reward.fn = "none"
+
+
+def _teachers_and_judges(c: BaseModel) -> None:
+    """A teacher or a judge given twice, or a loss with nothing to learn from."""
+    t, j = c.teacher, c.reward.judge
+    if t.path and t.url:
+        raise ValueError("teacher.path and teacher.url are both set: give one (teacher.teachers names several)")
+    if j.path and j.url:
+        raise ValueError("reward.judge.path and reward.judge.url are both set: give one")
+    if c.algo.reward_coef == 0 and not t.on:
+        raise ValueError("algo.reward_coef=0 leaves nothing to learn from without a teacher (teacher.path or "
+                         "teacher.url): set one, or algo.reward_coef > 0")
+    if c.reward.fn == "none" and not (j.path or j.url) and c.algo.reward_coef > 0 and not c.env.name:
+        raise ValueError("reward.fn=none with no judge (reward.judge.path or .url) and no environment gives every "
+                         "response the reward 0: set algo.reward_coef=0 for pure distillation (teacher.path), or a "
+                         "verifier or a judge")
+    if c.reward.fn_weight == 0 and j.weight == 0:
+        raise ValueError("reward.fn_weight=0 and reward.judge.weight=0: the reward is always 0")
+
+
 def _adaptive_sampling_where_it_applies(c: BaseModel) -> None:
     """rollout.budget and rollout.dynamic_sampling, where the user left them unset: 'adaptive' and true with a
     group baseline over ≥ 2 responses (their signal is a group's reward variance; the default run learns on every
@@ -81,7 +108,8 @@ def _adaptive_sampling_where_it_applies(c: BaseModel) -> None:
     from relayrl.algos.estimators import GROUP_BASELINE
 
     r = c.rollout
-    groups = c.algo.advantage in GROUP_BASELINE and r.group_size >= 2
+    # (pure distillation, algo.reward_coef=0: a group's reward variance says nothing of what it teaches)
+    groups = c.algo.advantage in GROUP_BASELINE and r.group_size >= 2 and c.algo.reward_coef > 0
     if "budget" not in r.model_fields_set:
         r.budget = "adaptive" if groups else "fixed"
     if "dynamic_sampling" not in r.model_fields_set:
@@ -165,6 +193,16 @@ _BUDGET = (lambda c: c.rollout.budget == "adaptive", "with rollout.budget=adapti
 _SELECT = (lambda c: c.data.selection != "uniform", "with data.selection=vade or cures", ("data.selection",))
 _CRITIC = (_critic, "with a critic (algo.advantage=gae or evpo)", ("algo.advantage",))
 _LORA = (lambda c: c.model.lora.r > 0, "with an adapter (model.lora.r > 0)", ("model.lora.r",))
+_TEACHER = (lambda c: c.teacher.on, "with a teacher (teacher.path, teacher.url or teacher.teachers)",
+            ("teacher.path", "teacher.url", "teacher.teachers"))
+_TEACHER_LOCAL = (lambda c: bool(c.teacher.path or c.teacher.teachers), "with a teacher model here (teacher.path or "
+                  "teacher.teachers)", ("teacher.path", "teacher.teachers"))
+_TEACHER_URL = (lambda c: bool(c.teacher.url or c.teacher.teachers), "with a teacher server (teacher.url or "
+                "teacher.teachers)", ("teacher.url", "teacher.teachers"))
+_JUDGE = (lambda c: bool(c.reward.judge.path or c.reward.judge.url), "with a judge (reward.judge.path or .url)",
+          ("reward.judge.path", "reward.judge.url"))
+_JUDGE_URL = (lambda c: bool(c.reward.judge.url), "with reward.judge.url", ("reward.judge.url",))
+_JUDGE_LOCAL = (lambda c: bool(c.reward.judge.path), "with reward.judge.path", ("reward.judge.path",))
 
 # Fields that the chosen mode/options ignore: field -> (does it apply?, when it applies, the fields
 # that decide). Setting one where it does not apply would silently do nothing, so it is an error
@@ -240,6 +278,21 @@ APPLIES_ONLY: dict[str, tuple[Callable[[BaseModel], bool], str, tuple[str, ...]]
     "model.lora.alpha": _LORA,
     "model.lora.dropout": _LORA,
     "model.lora.targets": _LORA,
+    "teacher.coef": _TEACHER,
+    "teacher.field": (lambda c: bool(c.teacher.teachers), "with teacher.teachers", ("teacher.teachers",)),
+    "teacher.timeout_s": _TEACHER,
+    "teacher.batch_tokens": _TEACHER_LOCAL,
+    "teacher.device": _TEACHER_LOCAL,
+    "teacher.dtype": _TEACHER_LOCAL,
+    "teacher.model": _TEACHER_URL,
+    "teacher.api_key_env": _TEACHER_URL,
+    **{f"reward.judge.{k}": _JUDGE for k in ("template", "mode", "weight", "max_concurrency", "timeout_s",
+                                             "max_new_tokens", "cache")},
+    "reward.fn_weight": _JUDGE,
+    "reward.judge.model": _JUDGE_URL,
+    "reward.judge.api_key_env": _JUDGE_URL,
+    "reward.judge.retries": _JUDGE_URL,
+    "reward.judge.device": _JUDGE_LOCAL,
 }
 
 

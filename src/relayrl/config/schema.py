@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from relayrl.config.rules import check
 from relayrl.config.sections import (
-    DataCfg, EnvCfg, EvalCfg, ModelCfg, RayCfg, RewardCfg, RolloutCfg, RunCfg, ServeCfg, SftCfg,
+    DataCfg, EnvCfg, EvalCfg, ModelCfg, RayCfg, RewardCfg, RolloutCfg, RunCfg, ServeCfg, SftCfg, TeacherCfg,
 )
 from relayrl.config.training import AlgoCfg, CriticCfg, TrainerCfg
 
@@ -36,6 +36,7 @@ class Config(BaseModel):
     serve: ServeCfg = Field(default_factory=ServeCfg)
     ray: RayCfg = Field(default_factory=RayCfg)
     sft: SftCfg = Field(default_factory=SftCfg)
+    teacher: TeacherCfg = Field(default_factory=TeacherCfg)
 
     @property
     def run_dir(self) -> Path:

@@ -229,6 +229,42 @@ class SftCfg(_Section):
         "the loss is the mean over every supervised token of the batch).")
 
 
+class TeacherCfg(_Section):
+    """On-policy distillation: a teacher scores every token the policy samples (teacher.path or teacher.url)."""
+
+    path: str | None = Field(
+        None, description="The teacher: a from_pretrained folder or hub id, or a relayrl checkpoint (a LoRA "
+        "adapter's too), run teacher-forced on the student's tokens on teacher.device. Its tokenizer must be the "
+        "student's (cross-tokenizer distillation is not supported: refused at start).")
+    url: str | None = Field(
+        None, description="The teacher as an OpenAI-compatible server's base URL (vLLM's `vllm serve`, relayrl's "
+        "tests' server): /completions with the prompt as token ids, echo and logprobs (the prompt's log-probs; "
+        "hosted chat APIs do not return them). Checked at start.")
+    model: str | None = Field(None, description="teacher.url: the model name requests name (null: the server's "
+                              "first in /models).")
+    api_key_env: str | None = Field(None, description="teacher.url: the environment variable holding the API key "
+                                    "(never logged or written).")
+    coef: float = Field(
+        1.0, ge=0, description="λ: each trained token's advantage gets λ·(log π_teacher − log π_old) of the token "
+        "(the per-token reverse KL's policy gradient, undiscounted: Thinking Machines' and tinker's OPD), beside "
+        "algo.reward_coef × the verifier's advantage (not normalised by the group: that would z-score it away).")
+    teachers: dict[str, str] = Field(
+        default_factory=dict, description="Several teachers by name (a path or a URL each); a prompt's metadata field "
+        "teacher.field names its teacher (data.metadata_fields must carry it); prompts without one get teacher.path "
+        "or teacher.url.")
+    field: str = Field("teacher", description="The prompt metadata field naming a teacher of teacher.teachers.")
+    timeout_s: float = Field(120.0, gt=0, description="Deadline of one scoring call (a batch of episodes); past it "
+                             "the episodes fail (counted, never trained).")
+    batch_tokens: int = Field(8192, ge=1, description="teacher.path: tokens the teacher forwards at once (episodes "
+                              "ending together are scored in one forward up to this).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="teacher.path: where it runs.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="teacher.path: its weights' dtype.")
+
+    @property
+    def on(self) -> bool:
+        return bool(self.path or self.url or self.teachers)
+
+
 class RolloutCfg(_Section):
     """Generation: engine, group size, sampling."""
 
@@ -318,17 +354,59 @@ class RolloutCfg(_Section):
     cb_max_batch_tokens: int = Field(2048, ge=1, description="hf-cb: token budget per forward pass.")
 
 
+class JudgeCfg(_Section):
+    """A model that scores responses (reward.judge.*): where no verifier exists, or beside one."""
+
+    path: str | None = Field(
+        None, description="The judge served by relayrl's own engine: a from_pretrained folder or hub id (or a "
+        "relayrl checkpoint), generating greedily on reward.judge.device.")
+    url: str | None = Field(
+        None, description="The judge as any OpenAI-compatible server's base URL (e.g. http://127.0.0.1:8000/v1): "
+        "its /chat/completions. Checked at start: a URL that does not answer is a one-line error before any work.")
+    model: str | None = Field(None, description="reward.judge.url: the model name requests name (null: the "
+                              "server's first in /models).")
+    api_key_env: str | None = Field(
+        None, description="reward.judge.url: the environment variable holding the API key (sent as a bearer "
+        "token; never logged or written).")
+    template: str | None = Field(
+        None, description="The judge's prompt: a text file with {prompt}, {response}, {answer}, {metadata} "
+        "(pointwise) or {prompt}, {responses}, {answer}, {metadata}, {n} (ranking) in Python's format syntax "
+        "(null: relayrl's default rubric for the mode). The reply must end with the score: pointwise, a number in "
+        "[0, 1] ('Score: 0.8'; 'x/10' and 'x out of 10' are divided), ranking, one number per response "
+        "('Scores: 0.2, 1, 0.5'). A reply without one fails the episode (counted, never a 0).")
+    mode: Literal["pointwise", "ranking"] = Field(
+        "pointwise", description="'pointwise': each response judged alone. 'ranking': one call sees a whole group "
+        "(RULER's listwise judging: GRPO needs only the order within a group) and scores each member; a reply "
+        "that cannot be read fails the group's episodes.")
+    weight: float = Field(1.0, ge=0, description="The judge's score's weight in the reward: reward = "
+                          "reward.fn_weight × reward.fn + reward.judge.weight × judge.")
+    max_concurrency: int = Field(8, ge=1, description="Judge calls at once.")
+    timeout_s: float = Field(120.0, gt=0, description="Deadline of one judge call (a reply past it is retried, "
+                             "then fails the episode).")
+    retries: int = Field(3, ge=0, description="reward.judge.url: retries of a call that failed transiently "
+                         "(connection errors, HTTP 408/409/429/5xx), with exponential backoff from 0.5 s.")
+    max_new_tokens: int = Field(256, ge=1, description="The judge's reply length.")
+    cache: bool = Field(True, description="Keep each score by (judge, template, prompt, response): the same "
+                        "response judged again is not sent again (the judge generates greedily).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="reward.judge.path: where it runs.")
+
+
 class RewardCfg(_Section):
-    """The verifier."""
+    """The verifier, and a judge."""
 
     fn: str = Field(
-        "math", description="Verifier: 'math', 'exact', 'reasoning_gym' (reasoning-gym's own scorer, for "
+        "math", description="Verifier: 'none' (no verifier: the reward is the judge's, or 0 for pure "
+        "distillation), 'math', 'exact', 'reasoning_gym' (reasoning-gym's own scorer, for "
         "data.path=reasoning_gym:...), a user function 'module:function' (importable from the current directory) or "
         "'path/to/file.py:function', called as fn(completion: str, answer: str | None, metadata: dict) -> float "
         "(answer: the row's data.answer_field, metadata: its data.metadata_fields) in a worker process. It returns "
         "the reward, a finite real number (int or float; True/False count as 1.0/0.0). Anything else (a string, "
         "even '1.0'; None), a raise or a timeout fails the episode: left out of training, never scored 0 "
-        "(run.max_failure_frac).")
+        "(run.max_failure_frac). Unset with a judge (reward.judge.path or .url), it is 'none'.")
+    fn_weight: float = Field(
+        1.0, ge=0, description="Weight of reward.fn's score (or an environment's reward) in the training reward, "
+        "beside reward.judge.weight. The held-out evaluation reports reward.fn's own score whatever the weights "
+        "(the judge's where reward.fn is 'none').")
     timeout_s: float = Field(
         5.0, gt=0, description="Per-call time limit; a call past it (or one that raises) fails its episode, which is "
         "left out of training (run.max_failure_frac).")
@@ -344,6 +422,8 @@ class RewardCfg(_Section):
         "(not its neighbours there); as root the workers keep CAP_DAC_READ_SEARCH (read any file the sandbox "
         "shows). 'none': resource control only, no security boundary: network, and the verifier reads and writes "
         "what the trainer can (as root through CAP_DAC_READ_SEARCH and CAP_DAC_OVERRIDE: any file).")
+    judge: JudgeCfg = Field(default_factory=JudgeCfg, description="A judge model (reward.judge.path or .url, "
+                            ".mode, .template, ...): see its fields.")
 
 
 class EvalCfg(_Section):

@@ -32,6 +32,10 @@ class AlgoCfg(_Section):
         None, ge=0, le=10, description="ε_high: ratio ceiling 1+ε_high (clip-higher), at most 10 (null: the loss's "
         "own: ppo_clip 0.28, gspo/gspo_token 4e-4, cispo 0.28).")
     dual_clip: float | None = Field(3.0, description="ppo_clip: dual-clip constant c > 1 for A < 0 (null: off).")
+    reward_coef: float = Field(
+        1.0, ge=0, description="Weight of the advantage from the reward (verifier, judge, environment) in the loss; "
+        "with a teacher (teacher.path/.url) its per-token term is added beside it. 0: pure on-policy distillation "
+        "(no verifier needed: reward.fn=none).")
     kl_coef: float = Field(
         0.05, ge=0, description="Coefficient β of KL to the frozen initial policy (0: off; a reference copy of the "
         "policy is kept and run on every batch). 0.05 (GRPO's 0.04, rounded): without it one demo seed in ten "

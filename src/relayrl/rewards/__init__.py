@@ -1,5 +1,5 @@
 """Verifiable rewards: the registry of verifiers (``reward.fn``) and the isolated runner."""
 
 from relayrl.rewards.verifiers import (  # noqa: F401 (the public names)
-    RewardRunner, RewardStats, exact_reward, extract_answer, last_boxed, math_reward, reference_answer,
+    NoVerifier, RewardRunner, RewardStats, exact_reward, extract_answer, last_boxed, math_reward, reference_answer,
 )

@@ -78,8 +78,8 @@ def resolve(spec: str) -> RewardFn:
 
 
 def _check_name(spec: str) -> None:
-    if spec not in REWARDS and ":" not in spec:
-        raise ValueError(f"unknown reward {spec!r}; valid: {', '.join(REWARDS)} or 'module:function'")
+    if spec not in REWARDS and spec != "none" and ":" not in spec:
+        raise ValueError(f"unknown reward {spec!r}; valid: none, {', '.join(REWARDS)} or 'module:function'")
 
 
 def _score_one(spec: str, completion: str, answer: str | None, metadata: dict) -> float:
@@ -132,6 +132,22 @@ class RewardStats:
     timeouts: int = 0
     last_error: str | None = None
     errors: list[str] = field(default_factory=list)
+
+
+class NoVerifier:
+    """``reward.fn=none``: every completion's score is 0 (the reward is a judge's, or there is none: pure
+    distillation); no worker pool."""
+
+    spec = "none"
+
+    def __init__(self):
+        self.stats = RewardStats()
+
+    def score(self, items: list) -> list[tuple[float, dict | None]]:
+        return [(0.0, None) for _ in items]
+
+    def close(self) -> None:
+        pass
 
 
 class RewardRunner:

@@ -57,6 +57,7 @@ from relayrl.fault_injection import fault_point
 from relayrl.records import Completion, FinishReason, GenRequest, Group, SamplingParams, Trajectory
 from relayrl.rollout.episode import EpisodeFailed, EpisodeLimits, describe_error, env_episode, trajectory_seed
 from relayrl.rollout.scheduling import LengthModel, Pending, order
+from relayrl.rollout.scoring import EpisodeScoring
 
 
 class EpisodeRunner:
@@ -77,7 +78,7 @@ class EpisodeRunner:
     def __init__(self, engine: Engine, tokenizer, make_env: Callable[[], Env] | None, limits: EpisodeLimits | None,
                  score: Callable[[str, object], tuple[float, dict | None]] | None = None, schedule: str = "fifo",
                  score_batch: Callable[[list[tuple[str, object]]], list[tuple[float, dict | None]]] | None = None,
-                 eos_ids: list[int] | None = None, agent=None):
+                 eos_ids: list[int] | None = None, agent=None, scoring: dict | None = None):
         if (score is None) == (score_batch is None):
             raise ValueError("give the verifier as score or as score_batch")
         self.tokenizer, self.make_env, self.limits = tokenizer, make_env, limits
@@ -109,6 +110,8 @@ class EpisodeRunner:
         self.errors: list[str] = []  # episodes that failed in user code (first few messages)
         self.error_count = 0
         self._verify = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="relayrl-verify")
+        # a judge and teachers (``rollout.scoring``: EpisodeScoring's arguments), after each episode's body
+        self.scoring = EpisodeScoring(self.loop, self._verify, **scoring) if scoring else None
         self.timeline = None  # a Timeline: the engine lane is busy while a request is in flight
         self._busy_since: float | None = None
         if agent is not None:  # the endpoint, served on this loop
@@ -253,12 +256,16 @@ class EpisodeRunner:
             self._thread.join(timeout=10)
         self.engine.close()
         self._verify.shutdown(wait=False, cancel_futures=True)
+        if self.scoring is not None:
+            self.scoring.close()
 
     # -- on the loop ---------------------------------------------------------------------------
     async def group(self, g: Group, params: SamplingParams, train: bool = True) -> Group:
         """Every episode of ``g`` not yet complete, at once (``train=False``: evaluation, which
         runs on while training episodes are held)."""
         await asyncio.gather(*(self.episode(t, params, train) for t in g.trajectories if not t.complete))
+        if self.scoring is not None:
+            await self.scoring.group(g, train)  # (a ranking judge: the group's episodes, together)
         self.lengths.forget_group(g.group_id)
         return g
 
@@ -267,6 +274,9 @@ class EpisodeRunner:
         that fails (the verifier, the environment) fails this episode only: ``t.failure``, left out
         of training (``relayrl.failures``); a template that cannot extend the conversation stops the run."""
         t.failure = None
+        t.teacher_logprobs = []
+        for k in ("reward_own", "judge"):  # (a judge's, of an earlier run of this episode)
+            t.info.pop(k, None)
         try:
             if self.agent is not None:
                 await self.agent.episode(self, t, params, train)
@@ -274,6 +284,8 @@ class EpisodeRunner:
                 await self._single(t, params, train)
             else:
                 await env_episode(self, self.make_env, t, params, train)
+            if self.scoring is not None:
+                await self.scoring.episode(t, train)
         except (EngineError, UserCodeError, asyncio.CancelledError):
             raise
         except TemplateMismatch as e:

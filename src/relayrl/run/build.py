@@ -110,6 +110,10 @@ def env_factory(env: EnvCfg):
 def make_reward_runner(cfg: Config) -> RewardRunner:
     """The verifier's isolated worker pool: here, or in a Ray actor with ``run.backend=ray``."""
     r = cfg.reward
+    if r.fn == "none":  # (the reward is a judge's, or none at all: pure distillation)
+        from relayrl.rewards import NoVerifier
+
+        return NoVerifier()
     kw = {"timeout_s": r.timeout_s, "workers": r.workers, "memory_mb": r.memory_mb, "sandbox": r.sandbox}
     if cfg.run.backend == "ray":
         from relayrl.run.ray_pools import RayRewardRunner
@@ -117,6 +121,31 @@ def make_reward_runner(cfg: Config) -> RewardRunner:
         start_ray(cfg.ray)
         return RayRewardRunner(r.fn, **kw)
     return RewardRunner(r.fn, **kw)
+
+
+def make_scoring(cfg: Config, tokenizer, prompts=(), train: bool = True) -> dict | None:
+    """The runner's judge and teachers (``rollout.scoring.EpisodeScoring``'s arguments), None without either:
+    a judge URL or a teacher URL that does not answer, a teacher whose tokenizer is not the policy's, a prompt
+    naming no teacher there: one line each, here, before any work. ``train=False`` (relayrl eval): the judge
+    only where reward.fn is 'none' (the held-out score is reward.fn's otherwise), no teachers."""
+    from relayrl.rewards.judge import Judge
+    from relayrl.teachers import Teachers
+
+    j, t = cfg.reward.judge, cfg.teacher
+    use_judge = bool(j.path or j.url) and (train or cfg.reward.fn == "none")
+    use_teachers = train and t.on
+    if not (use_judge or use_teachers):
+        return None
+    judge = Judge(j) if use_judge else None
+    try:
+        teachers = Teachers(t, tokenizer, "model.tokenizer" if cfg.model.tokenizer else "model.path", prompts) \
+            if use_teachers else None
+    except BaseException:
+        if judge is not None:
+            judge.close()
+        raise
+    return {"judge": judge, "teachers": teachers, "fn_weight": cfg.reward.fn_weight, "judge_weight": j.weight,
+            "judge_in_eval": cfg.reward.fn == "none", "teacher_timeout_s": t.timeout_s}
 
 
 def load_tokenizer_for(cfg: Config, base: str, log) -> tuple[object, str]:
@@ -185,6 +214,9 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         weights = str(ckpt) if ckpt and not adapter else base
         tokenizer, tok_path = load_tokenizer_for(cfg, base, log)
         check_prompts_fit(cfg, weights, tokenizer, prompts, eval_prompts)
+        scoring = make_scoring(cfg, tokenizer, prompts)  # (a judge or teacher that cannot start: now)
+        if scoring:
+            undo.callback(lambda: [x.close() for x in (scoring["judge"], scoring["teachers"]) if x is not None])
         policy = load_policy(weights, cfg.model.dtype, field="checkpoint" if ckpt and not adapter else "model.path")
         policy, lora_spec = load_adapter(cfg, policy, ckpt)
         ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 and not adapter else None
@@ -198,7 +230,7 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         if adapter:  # the engines start from the base: the adapter of this version goes to them as any update
             engine.load_weights(first, state.version)
         runner = make_runner(cfg, engine, tokenizer, reward, make_env, eos_token_ids(weights, tokenizer),
-                             model_context(weights))
+                             model_context(weights), scoring)
         undo.callback(runner.close)
         trainer = make_trainer(cfg, policy, ref)  # (a critic.path that does not load closes what was started)
         undo.pop_all()
@@ -234,7 +266,8 @@ def make_trainer(cfg: Config, policy, ref=None) -> Trainer:
         if cfg.algo.advantage in NEEDS_CRITIC else None
     return Trainer(policy, cfg.trainer, cfg.algo, r.temperature, cfg.run.steps, cfg.algo.norm_len or r.max_new_tokens,
                    ref_model=ref, top_p=r.top_p, top_k=r.top_k, critic=critic, group_size=r.group_size,
-                   check_rows=ALARM_ROWS if cfg.run.mismatch_alarm else 0)
+                   check_rows=ALARM_ROWS if cfg.run.mismatch_alarm else 0,
+                   teacher_coef=cfg.teacher.coef if cfg.teacher.on else 0.0)
 
 
 def follower_trainer(cfg: Config) -> Trainer:
@@ -254,7 +287,7 @@ def response_budget(cfg: Config) -> int:
 
 
 def make_runner(cfg: Config, engine, tokenizer, reward: RewardRunner, make_env=None, eos_ids=None,
-                context: int | None = None) -> EpisodeRunner:
+                context: int | None = None, scoring: dict | None = None) -> EpisodeRunner:
     """The episode runner over ``engine``: ``reward.fn`` verifies final turns, ``make_env`` (None:
     single-turn) makes each episode's environment, or is an agent program (``relayrl.serve.agent``:
     the endpoint starts, serving ``context`` tokens); ``eos_ids``: the ids the engine stops on."""
@@ -269,7 +302,7 @@ def make_runner(cfg: Config, engine, tokenizer, reward: RewardRunner, make_env=N
                               s.max_connections)
         make_env = None
     return EpisodeRunner(engine, tokenizer, make_env, limits, schedule=cfg.rollout.schedule, score_batch=score_batch,
-                         eos_ids=eos_ids, agent=agent)
+                         eos_ids=eos_ids, agent=agent, scoring=scoring)
 
 
 def describe_eval(cfg: Config, n: int, settings: str | None) -> str:
@@ -312,7 +345,8 @@ def evaluate_only(cfg: Config, out_dir: str | Path | None = None, settings: str 
             engine.load_weights(adapter, 0)
         runner = make_runner(cfg, engine, tokenizer, reward,
                              env_factory(cfg.env),
-                             eos_token_ids(path, tokenizer), model_context(path))
+                             eos_token_ids(path, tokenizer), model_context(path),
+                             make_scoring(cfg, tokenizer, train=False))
         try:
             samples: list[dict] = []
             result = evaluate(runner, tokenizer, prompts, eval_settings(cfg), samples=samples)

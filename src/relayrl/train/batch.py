@@ -37,6 +37,8 @@ class TrainBatch:
     # [N]: the row of the episode each row belongs to (itself, or for an agent episode's extra branch its
     # episode's row: ``relayrl.serve``); None: every row is an episode. Whole batches only (``select`` drops it)
     owner: torch.Tensor | None = None
+    # [N, L-1]: a teacher's log-probs of the trained tokens (on-policy distillation; 0 elsewhere), None without one
+    teacher_logp: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -78,6 +80,11 @@ def build_batch(trajs: list[Trajectory], advantages: torch.Tensor | list, pad_id
     vers = torch.full((N, n - 1), -1, dtype=torch.long)
     adv = torch.zeros((N, n - 1))
     tok_rewards = torch.zeros((N, n - 1)) if rewards is not None else None
+    taught = any(t.teacher_logprobs for t in trajs)
+    if taught and not all(len(t.teacher_logprobs) == len(t.response_ids) for t in trajs):
+        raise ValueError("on-policy distillation: every trajectory of a batch needs its teacher's log-probs "
+                         "(one per response token)")
+    teacher = torch.zeros((N, n - 1)) if taught else None
     for i, t in enumerate(trajs):
         p, r = len(t.prompt_ids), len(t.response_ids)
         ids[i, : p + r] = torch.tensor(t.prompt_ids + t.response_ids)
@@ -90,12 +97,15 @@ def build_batch(trajs: list[Trajectory], advantages: torch.Tensor | list, pad_id
         adv[i, span] = torch.as_tensor(advantages[i], dtype=torch.float)
         if tok_rewards is not None:
             tok_rewards[i, span] = torch.as_tensor(rewards[i], dtype=torch.float)
+        if teacher is not None:
+            teacher[i, span] = torch.tensor(t.teacher_logprobs)
     # rewards on the response's trained tokens, taken before ``keep_rows``: a row left out of the loss keeps
     # its reward, which its group's baseline counts (DAPO's overlong filtering; TRL's mask_truncated_completions)
     tok_rewards = None if tok_rewards is None else tok_rewards * mask
     if keep_rows is not None:
         mask = mask * keep_rows.to(mask.dtype).unsqueeze(-1)
-    return TrainBatch(ids, att, mask, behav, vers, adv * mask, tok_rewards, group, owner=owner)
+    return TrainBatch(ids, att, mask, behav, vers, adv * mask, tok_rewards, group, owner=owner,
+                      teacher_logp=None if teacher is None else teacher * mask)
 
 
 def micro_batches(batch: TrainBatch, token_budget: int, packed: bool = False) -> list[list[int]]:

@@ -154,13 +154,34 @@ def _recorded_base(folder: Path) -> str | None:
     return resolve_model_path(path, log=lambda *a, **k: None) if path else None
 
 
+def load_merged(checkpoint: str | Path, dtype: str = "float32", field: str | None = None):
+    """The policy of an adapter checkpoint in memory: its base (from_pretrained) with the adapter merged in
+    (PEFT's ``merge_and_unload``)."""
+    from peft import PeftModel
+
+    from relayrl.models import load_policy
+
+    _, base, _ = read_adapter(checkpoint)
+    model = load_policy(base, dtype, field=f"the base model of {field + '=' if field else ''}{checkpoint}")
+    return PeftModel.from_pretrained(model, str(checkpoint)).merge_and_unload()
+
+
+def load_model(path: str, dtype: str = "float32", field: str = "model.path"):
+    """A model to run, not train (a teacher, a judge): a from_pretrained folder or hub id, 'builtin:...', or a
+    relayrl checkpoint, an adapter checkpoint's base with its adapter merged in."""
+    from relayrl.models import load_policy, resolve_model_path
+
+    path = resolve_model_path(path, log=lambda *a, **k: None, field=field)
+    if read_adapter(path) is not None:
+        return load_merged(path, dtype, field)
+    return load_policy(path, dtype, field=field)
+
+
 def export_merged(checkpoint: str | Path, out: str | Path, dtype: str = "float32") -> Path:
     """Write the policy of ``checkpoint`` (an adapter checkpoint) to ``out`` as a plain Hugging Face model:
     the base with the adapter merged into its weights (PEFT's ``merge_and_unload``) and the tokenizer,
     loadable by ``AutoModelForCausalLM.from_pretrained(out)`` with no PEFT."""
-    from peft import PeftModel
-
-    from relayrl.models import load_policy, load_tokenizer
+    from relayrl.models import load_tokenizer
 
     checkpoint, out = Path(checkpoint), Path(out)
     found = read_adapter(checkpoint)
@@ -168,8 +189,7 @@ def export_merged(checkpoint: str | Path, out: str | Path, dtype: str = "float32
         raise ModelError(f"{checkpoint}: no LoRA adapter there ({ADAPTER_CONFIG}): a checkpoint of full fine-tuning "
                          "is already a whole model (AutoModelForCausalLM.from_pretrained reads it)")
     _, base, _ = found
-    model = load_policy(base, dtype, field=f"the base model of {checkpoint}")
-    merged = PeftModel.from_pretrained(model, str(checkpoint)).merge_and_unload()
+    merged = load_merged(checkpoint, dtype)
     out.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(out, safe_serialization=True)
     tokenizer = checkpoint if any((checkpoint / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")) \

@@ -72,7 +72,7 @@ class Trainer:
 
     def __init__(self, model, tcfg: TrainerCfg, acfg: AlgoCfg, temperature: float, total_steps: int, norm_len: int,
                  ref_model=None, top_p: float = 1.0, top_k: int = 0, mismatch_rows: int = 16, critic=None,
-                 group_size: int = 8, check_rows: int = 0):
+                 group_size: int = 8, check_rows: int = 0, teacher_coef: float = 0.0):
         self.model, self.tcfg, self.acfg = model, tcfg, acfg
         self.temperature, self.norm_len = temperature, norm_len
         self.top_p, self.top_k = top_p, top_k  # the engine's truncation, reproduced (sampling.py)
@@ -126,6 +126,7 @@ class Trainer:
         self.est_knobs = EstimatorKnobs(acfg.discount(), acfg.lam, acfg.evpo_level, group_size)
         self.kl_in_reward = (self.ref is not None or self.ref_is_base) and acfg.kl_mode == "reward"
         self.critic = critic
+        self.teacher_coef = teacher_coef  # on-policy distillation: λ of the teacher's per-token term (batch.teacher_logp)
         # (FSDP: every rank runs its share of the micro-batches in step with the others: the plain forward;
         # config refuses trainer.share_prefix set with trainer.fsdp)
         self.sharing = PrefixSharing(tcfg.share_prefix and self.dp is None, tcfg.micro_batch_tokens,
@@ -236,7 +237,7 @@ class Trainer:
         batch), so the gradient does not depend on how rows are split into micro-batches.
         ``ref_logp``: the reference's log-probs for the KL loss term (None: no KL term)."""
         sums = {"loss": 0.0, **{k: 0.0 for k in LOSS_METRICS}, "kl": 0.0, "entropy_sum": 0.0, "entropy_tokens": 0.0,
-                "mismatch_sum": 0.0,
+                "teacher_rkl_sum": 0.0, "mismatch_sum": 0.0,
                 "mismatch_max": 0.0, "mismatch_tokens": 0.0, "seq_log_w": torch.zeros(batch.size)}
         a = self.acfg
         dev = self.device
@@ -252,6 +253,9 @@ class Trainer:
             logp, entropy = self.readout.split(outputs_of(idx, mb), mb.input_ids[:, 1:], bool(a.entropy_coef))
             # on-policy single update: π_old is the current policy, so this forward gives it for free
             old = logp.detach() if old_logp is None else old_logp[t, :L].to(dev)
+            if mb.teacher_logp is not None and self.teacher_coef:
+                mb, rkl = self._distilled(mb, old)
+                sums["teacher_rkl_sum"] += rkl
             stale = (mb.versions < version) & mb.loss_mask.bool() if version is not None else None
             with torch.no_grad():
                 fresh = mb.loss_mask if version is None else sampled_by(mb.versions, mb.loss_mask, version)
@@ -280,17 +284,30 @@ class Trainer:
         if prefixes is not None:  # the micro-batches' gradient for the shared prefixes, through their pass once
             prefixes.backward()
         sums = self._gather_sums(sums) if self.dp else sums
+        rkl = sums.pop("teacher_rkl_sum")
+        if batch.teacher_logp is not None and self.teacher_coef:
+            sums["teacher/reverse_kl"] = rkl / max(sums["entropy_tokens"], 1.0)
         sums["entropy"] = sums.pop("entropy_sum") / max(sums.pop("entropy_tokens"), 1.0)  # over the rows forwarded
         return sums
 
     def _gather_sums(self, sums: dict) -> dict:
         """(FSDP) Every rank's share of the sums, added up (the largest mismatch: the largest)."""
-        keys = ["loss", *LOSS_METRICS, "kl", "entropy_sum", "entropy_tokens", "mismatch_sum", "mismatch_tokens"]
+        keys = ["loss", *LOSS_METRICS, "kl", "entropy_sum", "entropy_tokens", "teacher_rkl_sum", "mismatch_sum",
+                "mismatch_tokens"]
         total = self.dp.reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
         out = {k: v.item() for k, v in zip(keys, total)}
         out["mismatch_max"] = self.dp.reduce(torch.tensor(sums["mismatch_max"]), "max").item()
         out["seq_log_w"] = self.dp.reduce(sums["seq_log_w"])  # each rank filled its own rows
         return out
+
+    def _distilled(self, mb: TrainBatch, old: torch.Tensor) -> tuple[TrainBatch, float]:
+        """On-policy distillation: each trained token's advantage plus teacher.coef × (log π_teacher − log π_old),
+        the per-token reverse KL's policy gradient, undiscounted (Thinking Machines' OPD; tinker's
+        kl_discount_factor 0), not normalised by the group (SkyRL #2256: that would z-score it away); π_old, not
+        the behaviour policy, so a stale token's term has no staleness bias (the correction's ratio handles it).
+        Also Σ (log π_old − log π_teacher) over the trained tokens: the reverse KL's estimate."""
+        gap = (mb.teacher_logp - old) * mb.loss_mask
+        return dataclasses.replace(mb, advantages=mb.advantages + self.teacher_coef * gap), -gap.sum().item()
 
     def _policy_loss(self, logp, old, mb: TrainBatch, stale, keep):
         """Per-token loss: ``algo.loss`` against the anchor ``algo.offpolicy`` names, times its weight."""
@@ -307,8 +324,9 @@ class Trainer:
         """The batch with its advantages (and the critic's values and targets) computed now, from its
         token-level rewards (with the KL folded in under ``algo.kl_mode=reward``). A batch that comes
         with its advantages (``rewards`` None: GiGPO's step credit) is returned as it is."""
+        w = self.acfg.reward_coef  # (0: pure distillation, the teacher's term alone)
         if batch.rewards is None:
-            return batch, {}
+            return (batch if w == 1 else dataclasses.replace(batch, advantages=batch.advantages * w)), {}
         rewards, m = batch.rewards, {}
         if self.kl_in_reward:
             a = self.acfg
@@ -323,7 +341,7 @@ class Trainer:
                                               self.est_knobs)
         else:
             adv, returns, est = self.estimator(rewards, batch.loss_mask, batch.group, values, self.est_knobs)
-        batch = dataclasses.replace(batch, advantages=adv * batch.loss_mask, values=values, returns=returns)
+        batch = dataclasses.replace(batch, advantages=adv * batch.loss_mask * w, values=values, returns=returns)
         return batch, {k: float(v) for k, v in {**m, **est}.items()}
 
     def step(self, batch: TrainBatch, version: int | None = None) -> dict:
@@ -456,7 +474,7 @@ class Trainer:
         skipped — the normalisers stay the whole mini-batch's, so the gradient is the same. With fixed
         budgets and no dynamic sampling, every group whose responses were all right or all wrong is such.
         None: forward every row (nothing to skip, or nothing left: Adam still steps on a zero gradient)."""
-        if ref_logp is not None or self.acfg.entropy_coef or self.acfg.ess_lr_scale:
+        if ref_logp is not None or self.acfg.entropy_coef or self.acfg.ess_lr_scale or mini.teacher_logp is not None:
             return None
         moves = ((mini.advantages != 0) & mini.loss_mask.bool()).any(1)
         if bool(moves.all()) or not bool(moves.any()):
