@@ -135,9 +135,12 @@ def test_rollout_records_are_examples_filtered_by_reward(tmp_path, tok):
     said = []
     exs = load_examples(str(tmp_path / "run"), tok, min_reward=0.5, log=said.append)
     assert [(e.prompt_ids, e.response_ids, e.mask) for e in exs] == [([5, 6], [7, 8], [1, 1]), ([1], [2, 3, 4], [1, 0, 1])]
+    eval_file = tmp_path / "eval_samples.jsonl"  # (relayrl eval's samples: the same records, one file)
+    eval_file.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert len(load_examples(str(eval_file), tok, min_reward=0.5)) == 2
     assert "2 episodes of 5" in said[0] and "1 failed, 1 below data.min_reward=0.5, 1 repeated" in said[0]
     assert len(load_examples(str(folder), tok)) == 3  # (the rollouts folder itself; no filter: the 0.0 one too)
-    with pytest.raises(DataError, match="data.min_reward=0.5 filters a run's rollout records"):
+    with pytest.raises(DataError, match="data.min_reward=0.5 filters episodes' records"):
         load_examples(str(_write([{"prompt": "a", "response": "b"}])), tok, min_reward=0.5)
 
 

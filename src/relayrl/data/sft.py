@@ -5,9 +5,10 @@ A row is either a prompt and a response (``data.prompt_field``, ``data.response_
 string or chat messages, the response a string), or a conversation (``data.prompt_field``, or a
 ``messages`` field where the row has no prompt field): chat messages whose assistant turns are
 supervised, their tool calls included, while system, user and tool messages are context. A third
-source is a relayrl run's rollout records (``data.path=runs/NAME`` or its ``rollouts`` folder): the
-episodes' own token ids, prompt and response, with their loss mask (rejection-sampling fine-tuning,
-filtered by ``data.min_reward``), never re-rendered text.
+source is episodes' records: a relayrl run's rollout records (``data.path=runs/NAME`` or its ``rollouts``
+folder), or the samples ``relayrl eval`` writes (``eval_samples.jsonl``): the episodes' own token ids,
+prompt and response, with their loss mask, never re-rendered text, filtered by ``data.min_reward``
+(rejection-sampling fine-tuning: sample from a policy, keep what the verifier passes, fine-tune).
 
 The supervised tokens of an assistant turn are found by rendering the chat template twice: the
 messages before it with the generation prompt, and the same with the turn; the difference is what the
@@ -171,43 +172,69 @@ def rollouts_folder(path: str) -> Path | None:
     return None
 
 
-def _record_examples(folder: Path, tokenizer, min_reward: float | None, prompt_format: str) -> tuple[list, dict]:
-    """Examples from a run's rollout records: the episodes trained or filtered (not failed), with a reward of at
-    least ``min_reward``, their own token ids; duplicates (same prompt, same response tokens) once."""
-    from relayrl.models import encode_prompt
+def _records(path: str, folder: Path | None):
+    """(where, record) of a run's rollout records (``folder``) or of a JSONL file of them (eval_samples.jsonl)."""
     from relayrl.tracking.rollouts import read_step, recorded_steps
+
+    if folder is not None:
+        for step, p in recorded_steps(folder.parent).items():
+            for i, r in enumerate(read_step(p), start=1):
+                yield f"{p}: line {i}", f"@{step}", r
+        return
+    for n, r in iter_rows(path):
+        yield f"{path}: line {n}", "", r
+
+
+def _record_examples(records, tokenizer, min_reward: float | None, prompt_format: str) -> tuple[list, dict]:
+    """Examples from episodes' records (a run's rollout records, ``relayrl eval``'s eval_samples.jsonl): those
+    not failed, with a reward of at least ``min_reward``, their own token ids; duplicates (same prompt, same
+    response tokens) once."""
+    from relayrl.models import encode_prompt
 
     out, seen = [], set()
     counts = {"records": 0, "failed": 0, "below_min_reward": 0, "duplicates": 0}
-    for step, path in recorded_steps(folder.parent).items():
-        for i, r in enumerate(read_step(path), start=1):
-            counts["records"] += 1
-            where = f"{path}: line {i}"
-            if r.get("status") == "failed" or r.get("failure"):
-                counts["failed"] += 1
-                continue
-            reward = r.get("reward")
-            if not isinstance(reward, (int, float)) or not math.isfinite(reward):
-                counts["failed"] += 1
-                continue
-            if min_reward is not None and reward < min_reward:
-                counts["below_min_reward"] += 1
-                continue
-            prompt_ids = r.get("prompt_ids")
-            if prompt_ids is None:  # (records written before they held the prompt's tokens)
-                prompt_ids = encode_prompt(tokenizer, r["prompt"], prompt_format)
-            response = r.get("response_ids")
-            if not response:
-                raise DataError(f"{where}: the record has no response_ids")
-            key = (tuple(prompt_ids), tuple(response))
-            if key in seen:
-                counts["duplicates"] += 1
-                continue
-            seen.add(key)
-            mask = r.get("mask") or [1] * len(response)
-            out.append(Example(str(r.get("id", f"{step}/{i}")) + f"@{step}", list(prompt_ids), list(response),
-                               list(mask)))
+    for where, tag, r in records:
+        counts["records"] += 1
+        if not isinstance(r, dict):
+            raise DataError(f"{where}: expected an episode's record, got {describe(r)}")
+        if r.get("status") == "failed" or r.get("failure"):
+            counts["failed"] += 1
+            continue
+        reward = r.get("reward")
+        if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
+            counts["failed"] += 1
+            continue
+        if min_reward is not None and reward < min_reward:
+            counts["below_min_reward"] += 1
+            continue
+        prompt_ids = r.get("prompt_ids")
+        if prompt_ids is None:  # (records written before they held the prompt's tokens)
+            prompt_ids = encode_prompt(tokenizer, r["prompt"], prompt_format)
+        response = r.get("response_ids")
+        if not response or not isinstance(response, list):
+            raise DataError(f"{where}: the record has no response_ids")
+        key = (tuple(prompt_ids), tuple(response))
+        if key in seen:
+            counts["duplicates"] += 1
+            continue
+        seen.add(key)
+        mask = r.get("mask") or [1] * len(response)
+        rid = str(r.get("id") or f"{r.get('prompt_id')}/{r.get('kind', '')}{r.get('sample', '')}") + tag
+        out.append(Example(f"{rid}#{len(out)}", list(prompt_ids), list(response), list(mask)))
     return out, counts
+
+
+def _token_records(path: str) -> bool:
+    """A JSONL file of episodes' records (``relayrl eval``'s eval_samples.jsonl): rows with response_ids."""
+    if not path.endswith(".jsonl") or not Path(path).is_file():
+        return False
+    with open(path, "rb") as f:
+        first = next((ln for ln in f if ln.strip()), b"")
+    try:
+        row = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(row, dict) and "response_ids" in row
 
 
 def load_examples(path: str, tokenizer, prompt_field: str = "prompt", response_field: str = "response",
@@ -215,8 +242,8 @@ def load_examples(path: str, tokenizer, prompt_field: str = "prompt", response_f
                   min_reward: float | None = None, log=None) -> list[Example]:
     """The supervised examples of ``path`` (a data file or folder, or a run's rollout records)."""
     folder = rollouts_folder(path)
-    if folder is not None:
-        out, counts = _record_examples(folder, tokenizer, min_reward, prompt_format)
+    if folder is not None or _token_records(path):
+        out, counts = _record_examples(_records(path, folder), tokenizer, min_reward, prompt_format)
         if log:
             log(f"data.path={path}: {len(out)} episodes of {counts['records']} recorded as examples (left out: "
                 f"{counts['failed']} failed, {counts['below_min_reward']} below data.min_reward={min_reward}, "
@@ -225,8 +252,8 @@ def load_examples(path: str, tokenizer, prompt_field: str = "prompt", response_f
             raise DataError(f"{path}: no rollout record to train on ({json.dumps(counts)}; data.min_reward={min_reward})")
         return out
     if min_reward is not None:
-        raise DataError(f"data.min_reward={min_reward} filters a run's rollout records, but data.path={path} is not a "
-                        "run folder or its rollouts folder")
+        raise DataError(f"data.min_reward={min_reward} filters episodes' records, but data.path={path} is not a "
+                        "run folder, its rollouts folder or a file of records (eval_samples.jsonl)")
     fields = dict(prompt_field=prompt_field, response_field=response_field, id_field=id_field,
                   prompt_format=prompt_format, system_prompt=system_prompt)
     out, seen = [], set()

@@ -15,6 +15,8 @@ counted, ``run.max_failure_frac``), never a reward of 0 or a missing teacher ter
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Callable
 
 from relayrl.failures import fail, failed
@@ -63,9 +65,33 @@ class EpisodeScoring:
         self.judge, self.teachers = judge, teachers
         self.fn_weight, self.judge_weight, self.judge_in_eval = fn_weight, judge_weight, judge_in_eval
         self.teacher_timeout_s = teacher_timeout_s
-        self._judged = Batches(loop, executor, lambda _, items: judge.score_pointwise(items)) if judge else None
-        self._ranked = Batches(loop, executor, lambda _, items: judge.score_groups(items)) if judge else None
-        self._taught = Batches(loop, executor, lambda teacher, items: teacher.score(items)) if teachers else None
+        self.seconds = {"judge": 0.0, "teacher": 0.0}  # spent in their calls since ``take_times`` (summed)
+        self._lock = threading.Lock()
+        self._judged = Batches(loop, executor, self._timed("judge", lambda _, items: judge.score_pointwise(items))) \
+            if judge else None
+        self._ranked = Batches(loop, executor, self._timed("judge", lambda _, items: judge.score_groups(items))) \
+            if judge else None
+        self._taught = Batches(loop, executor, self._timed("teacher", lambda teacher, items: teacher.score(items))) \
+            if teachers else None
+
+    def _timed(self, what: str, fn):
+        def run(key, items):
+            t0 = time.perf_counter()
+            try:
+                return fn(key, items)
+            finally:
+                with self._lock:
+                    self.seconds[what] += time.perf_counter() - t0
+        return run
+
+    def take_times(self) -> dict:
+        """``time/judge``, ``time/teacher``: seconds their calls took since the last call (summed over calls; they
+        run off the loop, beside generation)."""
+        with self._lock:
+            out = {f"time/{k}": round(v, 4) for k, v in self.seconds.items()
+                   if (k == "judge" and self.judge) or (k == "teacher" and self.teachers)}
+            self.seconds = dict.fromkeys(self.seconds, 0.0)
+        return out
 
     @property
     def ranking(self) -> bool:

@@ -52,7 +52,8 @@ def sample_record(t, tokenizer, kind: str) -> dict:
     return {"prompt_id": t.prompt.id, "prompt": t.prompt.messages, "answer": t.prompt.answer, "kind": kind,
             "sample": t.sample_idx, "completion": tokenizer.decode(t.response_ids, skip_special_tokens=True),
             "reward": t.reward, "finish_reason": t.finish_reason.value if t.finish_reason else None,
-            "response_tokens": len(t.response_ids), "failure": t.failure,
+            "response_tokens": len(t.response_ids), "failure": t.failure, "prompt_ids": list(t.prompt_ids),
+            "response_ids": list(t.response_ids), **({"mask": list(t.mask)} if t.mask and not all(t.mask) else {}),
             **({"turns": t.info.get("turns"), "tool_calls": t.info.get("tool_calls", 0)} if t.info else {})}
 
 

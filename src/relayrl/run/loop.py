@@ -136,7 +136,8 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                                                              trained_at=state.version - 1))
                 m = record_step(cfg, c, state, groups, generated, {**train_metrics, **idle, **source.metrics(), **dynamic,
                                 **c.sampler.metrics(),
-                                **engine_counters(c.engine), **failures.metrics(failed, state.failures)},
+                                **engine_counters(c.engine), **failures.metrics(failed, state.failures),
+                                **(c.runner.scoring.take_times() if c.runner.scoring else {})},
                                 timers.pop(), metrics, source)
                 trained_log.write({"step": state.step, "prompt_ids": [g.prompt.id for g in groups],
                                    **({"filtered_prompt_ids": filtered} if filtered else {})})
