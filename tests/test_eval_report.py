@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +80,35 @@ def test_model_card_of_an_adapter_says_so():
     assert "LoRA, rank 8, alpha 32.0" in card.text
     full = ModelCard(render(resolved_tree(load_config(None, [])), 4, 256, None, None))
     assert full.data.library_name == "transformers" and "LoRA" not in full.text
+
+
+@pytest.mark.parametrize("fails_at", ["load_weights", "make_runner"])
+def test_evaluate_only_closes_its_engine_when_the_adapter_or_the_runner_fails(tiny_path, fails_at, monkeypatch):
+    """An engine (a vLLM core, an engine process) opened for ``relayrl eval`` is closed whatever fails after it."""
+    import relayrl.run.build as build
+    from relayrl.config import load_config
+    from relayrl.train import lora
+
+    closed = []
+
+    class Engine:
+        def load_weights(self, adapter, version):
+            raise RuntimeError("the adapter does not load")
+
+        def close(self):
+            closed.append(True)
+
+    def no_runner(*a, **k):
+        raise RuntimeError("the runner cannot start")
+
+    monkeypatch.setattr(build, "open_engine", lambda *a, **k: Engine())
+    if fails_at == "load_weights":  # (a LoRA checkpoint: its base in the engine, then the adapter)
+        monkeypatch.setattr(lora, "read_adapter", lambda path: (None, path, {"weights": 1}))
+    else:
+        monkeypatch.setattr(build, "make_runner", no_runner)
+    data = Path(__file__).parent / "data_small.jsonl"
+    cfg = load_config(overrides=[f"model.path={tiny_path}", f"data.eval_path={data}", "eval.size=2",
+                                 "reward.fn=exact"])
+    with pytest.raises(RuntimeError, match="does not load" if fails_at == "load_weights" else "cannot start"):
+        build.evaluate_only(cfg)
+    assert closed == [True]

@@ -341,17 +341,19 @@ def evaluate_only(cfg: Config, out_dir: str | Path | None = None, settings: str 
         engine = open_engine(engine_spec(cfg.rollout, cfg.model.dtype, path, tok_path, 0, cfg.run.seed,
                                          threads(cfg.rollout, cfg.run)[1], lora_spec), cfg.run, cfg.ray, adapter,
                              tokenizer=tokenizer)
-        if adapter is not None:
-            engine.load_weights(adapter, 0)
-        runner = make_runner(cfg, engine, tokenizer, reward,
-                             env_factory(cfg.env),
-                             eos_token_ids(path, tokenizer), model_context(path),
-                             make_scoring(cfg, tokenizer, train=False))
-        try:
-            samples: list[dict] = []
-            result = evaluate(runner, tokenizer, prompts, eval_settings(cfg), samples=samples)
+        try:  # (an adapter that does not load, or a runner that cannot start, must not leave the engine running)
+            if adapter is not None:
+                engine.load_weights(adapter, 0)
+            runner = make_runner(cfg, engine, tokenizer, reward,
+                                 env_factory(cfg.env),
+                                 eos_token_ids(path, tokenizer), model_context(path),
+                                 make_scoring(cfg, tokenizer, train=False))
+            try:
+                samples: list[dict] = []
+                result = evaluate(runner, tokenizer, prompts, eval_settings(cfg), samples=samples)
+            finally:
+                runner.close()
         finally:
-            runner.close()
             engine.close()
         if out_dir is not None:
             from relayrl import __version__
