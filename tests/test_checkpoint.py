@@ -105,3 +105,36 @@ def test_restore_rng_from_a_checkpoint_on_disk(tiny, tmp_path):
     _, trainer_state = load_run_state(ckpt)
     restore_rng(trainer_state)
     assert _draws(snap["rng"]) == first
+
+
+def test_a_checkpoint_is_readable_by_other_users_as_the_umask_allows(tiny, tmp_path):
+    """safetensors writes its files 0600; a checkpoint is for other users and serving containers too."""
+    import os
+    import stat
+
+    from relayrl.run.checkpoint import umask
+
+    model, tok = tiny
+    ckpt = write_snapshot(tmp_path, snapshot(RunState(step=1), model, {}), model, tok, keep=1)
+    mask = umask()
+    assert stat.S_IMODE(os.stat(ckpt).st_mode) == 0o777 & ~mask
+    modes = {p.name: stat.S_IMODE(os.stat(p).st_mode) for p in ckpt.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~mask}, modes
+
+
+def test_the_demo_model_folder_is_readable_and_never_replaces_a_folder_of_other_things(tiny, tmp_path):
+    import os
+    import stat
+
+    from relayrl.demo.model import RECIPE, save_built
+    from relayrl.run.checkpoint import umask
+
+    model, tok = tiny
+    out = save_built(tmp_path / "demo", model, tok, RECIPE)
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o777 & ~umask()
+    assert stat.S_IMODE(os.stat(out / "model.safetensors").st_mode) == 0o666 & ~umask()
+    assert save_built(out, model, tok, RECIPE) == out  # a demo model built before is rebuilt in place
+    (tmp_path / "project" / "src").mkdir(parents=True)
+    with pytest.raises(ValueError, match="is not a demo model built before"):
+        save_built(tmp_path / "project", model, tok, RECIPE)
+    assert (tmp_path / "project" / "src").is_dir()

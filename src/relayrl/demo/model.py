@@ -148,13 +148,20 @@ def build_demo_model(out_dir: str | os.PathLike, recipe: dict | None = None, log
 
 def save_built(out_dir: str | os.PathLike, model, tokenizer, recipe: dict) -> Path:
     """``save_pretrained`` both, with the recipe beside them, into ``out_dir`` atomically."""
+    from relayrl.run.checkpoint import share
+
     out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not (out / "relayrl_recipe.json").exists():
+        # (it is replaced whole: a folder of other things, a home or a project, must never be)
+        raise ValueError(f"{out} exists and is not a demo model built before (no relayrl_recipe.json in it): "
+                         "give a new folder")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".building-"))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "relayrl_recipe.json").write_text(json.dumps(recipe, indent=1))
+    share([tmp, *tmp.rglob("*")])  # (mkdtemp's 0700 and safetensors' 0600 would keep the model from other users)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

@@ -97,6 +97,30 @@ def _fsync_tree(root: Path) -> None:
         _fsync_path(Path(dirpath))
 
 
+def umask() -> int:
+    """The process's umask (Linux says it in /proc; elsewhere it is read by setting it, a moment in which
+    a file another thread creates gets the usual 022)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def share(paths) -> None:
+    """``paths`` (files and folders) readable as any the user creates (0644 and 0755 under the usual umask
+    022): safetensors writes its files 0600 (a private temporary file, renamed) and mkdtemp its folder 0700,
+    where a checkpoint or a model is for other users and serving containers to read too."""
+    mask = umask()
+    for p in paths:
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
@@ -161,6 +185,7 @@ def write_snapshot(run_dir: Path, snap: dict, model, tokenizer, keep: int) -> Pa
         (tmp / "README.md").write_text(snap["card"])
     torch.save({**snap["trainer"], "rng": snap["rng"]}, tmp / "trainer.pt")
     (tmp / "state.json").write_text(snap["state_json"])
+    share([tmp, *tmp.rglob("*")])  # (before the rename: the folder is readable from its first moment under its name)
     _fsync_tree(tmp)  # every file on disk, and the folder's entries, before it gets its name
     fault_point("checkpoint")
     if final.exists():  # (the same step again) set aside, not deleted: some step_N exists at every moment
