@@ -36,6 +36,13 @@ def test_typo_suggests_and_lists_valid_keys():
     assert "Did you mean 'trainer.lr'" in str(e.value) and "warmup_steps" in str(e.value)
 
 
+def test_a_section_typo_suggests_the_section(tmp_path):
+    (tmp_path / "c.yaml").write_text("rolout:\n  group_size: 2\n")
+    for path, overrides in ((None, ["rolout.group_size=2"]), (tmp_path / "c.yaml", [])):
+        with pytest.raises(ConfigError, match="unknown section 'rolout'. Did you mean 'rollout'\\? Valid sections: "):
+            load_config(path, overrides)
+
+
 def test_yaml_unknown_key_names_file(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text("rollout:\n  grup_size: 4\n")
@@ -207,6 +214,14 @@ def _one_error_line(capsys) -> str:
 def test_cli_errors_are_one_line_with_status_2(capsys, tmp_path, argv, kind):
     assert main([*argv, f"run.output_dir={tmp_path}"]) == 2  # (never the working folder's runs/)
     assert _one_error_line(capsys).startswith(f"relayrl: {kind} error: ")
+
+
+def test_eval_without_held_out_prompts_says_to_add_them_even_with_samples(capsys, tmp_path):
+    """The change that makes the command work (data.eval_path=FILE), not "remove eval.samples"."""
+    for argv in (["eval", "data.eval_path=null"], ["eval", "--samples", "8", "data.eval_path=null"]):
+        assert main([*argv, f"run.output_dir={tmp_path}"]) == 2
+        line = _one_error_line(capsys)
+        assert "nothing to evaluate; add data.eval_path=FILE to the command" in line and "remove" not in line
 
 
 def test_cli_folds_multiline_messages(capsys):

@@ -15,14 +15,40 @@ import argparse
 import json
 import shlex
 import sys
+import textwrap
+from pathlib import Path
 
 from relayrl.config import describe, load_config, one_line
+from relayrl.config.naming import NOT_NAMING
+
+def _run_folder(default: str, cmd: str) -> str:
+    """How the command names a run's folder (``config.naming``), for its --help."""
+    kept = ", ".join(sorted(NOT_NAMING - {"run.name"})) + ", eval.*"
+    return textwrap.fill(
+        f"A run goes to <run.output_dir>/<run.name>. With run.name unset (in CONFIG.yaml and on the command line) "
+        f"the command names it: CONFIG's file name (my.yaml: my) or {default}, then each override as key-value "
+        f"(`relayrl {cmd} run.seed=1`: runs/{default}-run.seed-1), but for the fields of its length and watching, "
+        f"which --resume may change ({kept}): the same command with --resume continues the same run.", 110) + "\n"
+
 
 USAGE_NOTE = """\
 Configuration: defaults < CONFIG.yaml < section.key=value overrides (YAML syntax for values).
 With no arguments, `relayrl train` runs the built-in demo (chained addition, tiny model, CPU).
-
+""" + _run_folder("demo", "train") + """
 Fields:
+"""
+
+
+# what `relayrl eval` reads: whole sections, and the fields of others (its --help lists these only)
+EVAL_READS = {"model", "eval", "reward", "env", "data.eval_path", "data.prompt_field", "data.answer_field",
+              "data.id_field", "data.metadata_fields", "data.prompt_format", "rollout.engine", "rollout.dtype",
+              "rollout.max_new_tokens", "rollout.temperature", "rollout.top_p", "run.seed"}
+
+EVAL_NOTE = """\
+Evaluates model.path (or --checkpoint) on data.eval_path: eval.size prompts, eval.samples sampled responses
+each and one greedy, scored by reward.fn (or the environment), writing eval.json and eval_samples.jsonl.
+Configuration: defaults (with --checkpoint: its run's recorded config) < CONFIG.yaml < section.key=value
+overrides. The fields it reads (every field: relayrl train --help):
 """
 
 
@@ -32,7 +58,7 @@ and data.response_field / data.min_reward are its own, the algo, critic, env and
 rollout's shape are not read. With no arguments, `relayrl sft` fine-tunes the demo model on worked solutions
 (builtin:demo-sft) into runs/sft, evaluated as `relayrl train` evaluates. Unset here: data.path is
 builtin:demo-sft, run.name is sft, trainer.pack is true.
-
+""" + _run_folder("sft", "sft") + """
 Fields:
 """
 
@@ -114,9 +140,10 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("args", nargs="*", metavar="CONFIG.yaml | section.key=value")
     f.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint")
     e = sub.add_parser("eval", help="evaluate a policy on the held-out set", formatter_class=fmt,
-                       epilog=USAGE_NOTE + describe())
+                       epilog=EVAL_NOTE + describe(EVAL_READS))
     e.add_argument("args", nargs="*", metavar="CONFIG.yaml | section.key=value")
-    e.add_argument("--checkpoint", help="a checkpoint folder (default: model.path); its run's recorded config "
+    e.add_argument("--checkpoint", help="a checkpoint folder, or a run's folder: its newest checkpoint (default: "
+                   "model.path); its run's recorded config "
                    "(state.json) then replaces the defaults: CONFIG.yaml and section.key=value still override it")
     e.add_argument("--samples", type=int, metavar="K", help="sampled responses per prompt (sets eval.samples=K); "
                    "with K > 1 the report has pass@k (pass_at_1, pass_at_2, ..., pass_at_K)")
@@ -142,11 +169,12 @@ def _parser() -> argparse.ArgumentParser:
     sh.add_argument("--limit", type=int, default=50, metavar="K", help="at most K rows (default 50; 0: all)")
     x = sub.add_parser("export", help="write a checkpoint's policy as a plain Hugging Face model")
     x.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint folder of a run with model.lora (PEFT's "
-                   "adapter_config.json and adapter_model.safetensors)")
+                   "adapter_config.json and adapter_model.safetensors), or the run's folder: its newest checkpoint")
     x.add_argument("--merge", required=True, metavar="OUT", help="the folder to write: the base model with the "
                    "adapter merged into its weights, and the tokenizer (AutoModelForCausalLM.from_pretrained reads it)")
     b = sub.add_parser("build-demo-model", help="(re)build the demo model into a folder")
-    b.add_argument("out")
+    b.add_argument("out", metavar="OUT", help="the folder to write the model and its tokenizer to (created; "
+                   "AutoModelForCausalLM.from_pretrained reads it, and model.path=OUT trains it)")
     return p
 
 
@@ -199,8 +227,35 @@ def main(argv: list[str] | None = None) -> int:
         return kind[1]
 
 
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; CONFIG.yaml and overrides may also follow an option (`relayrl train --resume
+    run.steps=200`), which argparse alone refuses once its positional list has ended."""
+    ns, extra = _parser().parse_known_args(argv)
+    if extra and (not hasattr(ns, "args") or any(a.startswith("-") for a in extra)):
+        raise UsageError(f"unrecognized arguments: {shlex.join(extra):.200} (see relayrl {ns.cmd} --help)")
+    if extra:
+        ns.args = [*ns.args, *extra]
+    return ns
+
+
+def newest_checkpoint(path: str) -> str:
+    """``path`` itself, or where it is a run's folder (``runs/demo``) its newest complete checkpoint: the
+    docs' commands name a run, whatever its length (``relayrl export runs/demo-model.lora.r-8 --merge OUT``)."""
+    from relayrl.run.checkpoint import latest_checkpoint
+
+    p = Path(path)
+    if (p / "state.json").exists() or not (p / "checkpoints").is_dir():
+        return path
+    ckpt = latest_checkpoint(p)
+    if ckpt is None:
+        raise UsageError(f"{path} is a run's folder with no complete checkpoint under {p / 'checkpoints'}")
+    return str(ckpt)
+
+
 def _run(argv: list[str] | None) -> int:
-    ns = _parser().parse_args(argv)
+    ns = parse(argv)
+    if getattr(ns, "checkpoint", None):  # (export's and eval's)
+        ns.checkpoint = newest_checkpoint(ns.checkpoint)
     _quiet_libraries()
     if ns.cmd == "show":
         from relayrl.run.show import show
@@ -212,7 +267,11 @@ def _run(argv: list[str] | None) -> int:
         from relayrl.train.lora import export_merged
 
         recorded, _ = recorded_config(ns.checkpoint)  # (the run's model.dtype: the merged weights keep it)
-        print(export_merged(ns.checkpoint, ns.merge, ((recorded or {}).get("model") or {}).get("dtype", "float32")))
+        from relayrl.run.checkpoint import share
+
+        out = export_merged(ns.checkpoint, ns.merge, ((recorded or {}).get("model") or {}).get("dtype", "float32"))
+        share(Path(out).glob("*.safetensors"))  # (written 0600; OUT may hold other files: only these)
+        print(out)
         return 0
     if ns.cmd == "build-demo-model":
         from relayrl.demo.model import build_demo_model
@@ -228,13 +287,17 @@ def _run(argv: list[str] | None) -> int:
     if ns.cmd in ("train", "sft"):
         from relayrl.config.commands import check_command, sft_defaults
 
+        from relayrl.config.naming import run_name
+
         cfg = load_config(config, overrides)
         check_command(cfg, ns.cmd)
+        named = "name" in cfg.run.model_fields_set  # (by the user: sft_defaults sets its own)
         if ns.cmd == "sft":
             from relayrl.run.sft import sft as run
             cfg = sft_defaults(cfg)
         else:
             from relayrl.run.loop import train as run
+        cfg.run.name = run_name(cfg.run.name, config, overrides, named)
 
         try:
             run(cfg, resume=ns.resume)
@@ -267,18 +330,28 @@ def _eval_config(ns, config: str | None, overrides: list[str]):
     layers = ([f"the checkpoint's recorded config ({source})"] if base else
               [f"the defaults ({ns.checkpoint} has no state.json recording its run's config)"] if ns.checkpoint else
               ["the defaults"]) + ([config] if config else []) + (["the command line"] if overrides else [])
-    overrides = overrides + ([f"model.path={ns.checkpoint}"] if ns.checkpoint else []) + \
-        ([f"eval.samples={ns.samples}"] if ns.samples is not None else [])
+    overrides = overrides + ([f"model.path={ns.checkpoint}"] if ns.checkpoint else [])
     tree = recorded_tree(base) if base else None
     if tree:
         tree.get("model", {}).pop("tokenizer", None)  # (the checkpoint holds the run's tokenizer)
-    try:
-        cfg = load_config(config, overrides, base=tree, base_source=source)
-    except ConfigError as e:
-        if not base:
-            raise
-        raise ConfigError(f"{e} (settings: {' < '.join(layers)}; a section.key=value on the command line "
-                          "overrides the recorded one)") from None
+
+    def load(extra: list[str]):
+        try:
+            return load_config(config, overrides + extra, base=tree, base_source=source)
+        except ConfigError as e:
+            if not base:
+                raise
+            raise ConfigError(f"{e} (settings: {' < '.join(layers)}; a section.key=value on the command line "
+                              "overrides the recorded one)") from None
+
+    # first without --samples: with no held-out prompts eval.samples would be refused as a setting that does
+    # not apply, and the line would say to drop --samples where the command needs data.eval_path
+    cfg = load([])
+    if not cfg.data.eval_path:
+        raise ValueError(f"data.eval_path is not set (settings: {' < '.join(layers)}): nothing to evaluate; add "
+                         "data.eval_path=FILE to the command (prompts and answers, read as data.path is)")
+    if ns.samples is not None:
+        cfg = load([f"eval.samples={ns.samples}"])
     return cfg, " < ".join(layers)
 
 

@@ -29,7 +29,9 @@ def _check_keys(tree: dict, source: str) -> None:
     sections = Config.model_fields
     for sec, body in tree.items():
         if sec not in sections:
-            raise ConfigError(f"{source}: unknown section {str(sec)!r:.80}. Valid sections: {', '.join(sections)}")
+            near = difflib.get_close_matches(str(sec), sections, n=1)
+            hint = f" Did you mean '{near[0]}'?" if near else ""
+            raise ConfigError(f"{source}: unknown section {str(sec)!r:.80}.{hint} Valid sections: {', '.join(sections)}")
         _check_body(sec, body, sections[sec].annotation, source)
 
 
@@ -250,13 +252,16 @@ def dump_config(cfg: Config, path: Path) -> None:
     path.write_text(yaml.safe_dump(resolved_tree(cfg), sort_keys=False))
 
 
-def describe() -> str:
-    """Every field with type, default and doc: the body of ``--help``."""
+def describe(only: set[str] | None = None) -> str:
+    """Every field with type, default and doc: the body of ``--help``; with ``only``, the sections and
+    ``section.field``s it names."""
     out = []
     for sec, info in Config.model_fields.items():
         cls = info.annotation
-        out.append(f"{sec}:  {(cls.__doc__ or '').strip()}")
-        for name, f in nested_fields(cls):
+        fields = [(n, f) for n, f in nested_fields(cls) if only is None or sec in only or f"{sec}.{n}" in only]
+        if fields:
+            out.append(f"{sec}:  {(cls.__doc__ or '').strip()}")
+        for name, f in fields:
             default = f.default_factory() if f.default_factory else f.default
             if get_origin(f.annotation) is Literal:
                 typ = "one of " + "|".join(map(str, get_args(f.annotation)))
