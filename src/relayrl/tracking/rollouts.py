@@ -9,7 +9,7 @@ one step without reading the others. A line:
     {"id": "g12/3", "step": 4, "group": "g12", "sample": 3, "prompt_id": ..., "prompt": [messages],
      "answer": ..., "response": text, "turns": [{"assistant": ..., "env": ...}] (episodes of several
      turns: what the policy wrote and what the environment answered, tool calls and results with it),
-     "reward": 1.0, "failure": {...} | null, "finish_reason": "stop", "status": "trained" | "failed" |
+     "reward": 1.0 (null where the episode failed: no reward), "failure": {...} | null, "finish_reason": "stop", "status": "trained" | "failed" |
      "filtered" (dynamic sampling), "versions": [[version, tokens], ...] (the policy versions of its
      tokens, run-length), "staleness": versions behind the one trained, "length": tokens,
      "info": {turns, tool_calls, step_rewards, ...}, "prompt_ids": [...], "response_ids": [...], "mask": [...]
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -33,6 +34,18 @@ FOLDER = "rollouts"
 _STEP = re.compile(r"step_(\d+)\.jsonl\.gz$")
 TABLE_COLUMNS = ["id", "step", "status", "reward", "finish_reason", "length", "staleness", "prompt", "response"]
 TABLE_TEXT = 2000  # characters of prompt and response in the trackers' tables
+
+
+def finite(x):
+    """``x`` with every float that is not finite (a failed episode's NaN reward) as None: strict JSON, which
+    other readers (jq, JavaScript, Go) parse, where Python's NaN is not JSON."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite(v) for v in x]
+    return x
 
 
 def version_runs(versions: list[int]) -> list[list[int]]:
@@ -123,12 +136,12 @@ class RolloutLog:
 
     def write(self, step: int, groups: list[Group], trained: list[Group], filtered: list[Group],
               trained_at: int) -> list[dict]:
-        records = step_records(step, groups, trained, filtered, trained_at, self.decode)
+        records = finite(step_records(step, groups, trained, filtered, trained_at, self.decode))
         self.dir.mkdir(parents=True, exist_ok=True)
         final = step_file(self.dir.parent, step)
         part = final.with_name(final.name + ".part")
         with gzip.open(part, "wt", encoding="utf-8", compresslevel=6) as f:
-            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+            f.writelines(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in records)
         os.replace(part, final)
         return records
 
