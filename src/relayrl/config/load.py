@@ -5,6 +5,7 @@ was set; the resolved tree a run records, and the ``--help`` text.
 from __future__ import annotations
 
 import difflib
+import reprlib
 import types
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from relayrl.config.rules import APPLIES_ONLY
 from relayrl.config.schema import Config
 from relayrl.config.sections import ConfigError
+from relayrl.config.yaml_input import load_yaml, read_config_bytes
 from relayrl.failures import one_line
 
 
@@ -59,10 +61,18 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if len(parts) not in (2, 3) or not all(parts):
         raise ConfigError(f"override key {key!r:.80} must be section.key (two levels, or three in a section's own "
                           "section: model.lora.r), e.g. trainer.lr=1e-5")
+    if raw == "":
+        return parts, ""
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value, _ = load_yaml(raw, "command line", tuple(parts), lines=False)  # (refuses what would crash later)
     except yaml.YAMLError:
-        value = raw
+        value = raw  # not YAML (`run.name=a: b`): the text as written
+    if isinstance(value, str):  # (argv's undecodable bytes arrive as lone surrogates, which YAML cannot read)
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ConfigError(f"command line: '{'.'.join(parts)[:80]}': invalid Unicode: a lone surrogate at character "
+                              f"{e.start + 1} (no tokenizer or file can take it)") from None
     return parts, value
 
 
@@ -113,22 +123,15 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
 
 def _read_yaml(p: Path) -> tuple[dict, dict[tuple[str, str], str]]:
     """The file's sections, and the text of every scalar as written (see ``_coerce``)."""
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {p}") from None
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read the config file: {e.strerror or e}") from None
+    data = read_config_bytes(p)  # (a regular file, of a config's size)
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p}: not a UTF-8 text file (byte 0x{data[e.start]:02x} at offset {e.start})") from None
     try:
-        tree, node = yaml.safe_load(text), yaml.compose(text, Loader=yaml.SafeLoader)
+        tree, node = load_yaml(text, str(p))  # (parsed once; depth, aliases, duplicate keys, values checked)
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML{_yaml_problem(e)}") from None
-    except RecursionError:
-        raise ConfigError(f"{p}: not valid YAML: nested too deeply") from None
     if tree is None:
         raise ConfigError(f"{p}: the config file is empty (no sections)")
     if not isinstance(tree, dict):
@@ -184,7 +187,18 @@ def _describe(err: dict, origin: dict[tuple[str, str], str]) -> str:
     if len(loc) < 2:  # a section's or the whole config's own check: its message names the fields
         return msg
     where = origin.get(tuple(loc[:3])) or origin.get(tuple(loc[:2]))
-    return f"{'.'.join(loc)}: {msg} (got {err.get('input')!r:.80}{', from ' + where if where else ''})"
+    return f"{'.'.join(loc)}: {msg} (got {_short(err.get('input'))}{', from ' + where if where else ''})"
+
+
+def _short(value: Any) -> str:
+    """A value as the message quotes it, bounded however large or deep it is (``!r:.80`` would build the whole
+    repr first)."""
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother, r.maxlist, r.maxdict = 3, 80, 80, 6, 6
+    try:
+        return r.repr(value)[:120]
+    except Exception:  # noqa: BLE001 - an int past Python's repr limit; a value's own __repr__ that raises
+        return f"<{type(value).__name__}>"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None,
