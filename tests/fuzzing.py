@@ -69,14 +69,24 @@ class Outcome:
     seconds: float
 
 
-def run_cli(argv: list[str], timeout_s: float = 30.0) -> Outcome:
-    """``relayrl <argv>`` in-process, the run itself replaced by ``_accept``."""
+def _built(*args, **kw):
+    raise Accepted()
+
+
+def run_cli(argv: list[str], timeout_s: float = 30.0, at: str = "run") -> Outcome:
+    """``relayrl <argv>`` in-process; ``at="run"``: the run itself replaced by ``_accept`` (the config's checks);
+    ``at="build"``: the run goes as far as building its components (data, trackers, resume checks), no further."""
     from relayrl.cli import main
 
     err, out = io.StringIO(), io.StringIO()
     t0 = time.perf_counter()
-    with mock.patch("relayrl.run.loop.train", _accept), mock.patch("relayrl.run.sft.sft", _accept), \
-            contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+    stubs = ([mock.patch("relayrl.run.loop.train", _accept), mock.patch("relayrl.run.sft.sft", _accept)]
+             if at == "run" else [mock.patch("relayrl.run.loop.build", _built)])
+    with contextlib.ExitStack() as stack:
+        for s in stubs:
+            stack.enter_context(s)
+        stack.enter_context(contextlib.redirect_stderr(err))
+        stack.enter_context(contextlib.redirect_stdout(out))
         try:
             with deadline(timeout_s):
                 code: int | str = main(argv)

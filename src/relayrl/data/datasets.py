@@ -13,6 +13,7 @@ import codecs
 import decimal
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -61,6 +62,8 @@ def _jsonl_rows(p: Path) -> Iterator[tuple[int, Any]]:
                 raise DataError(f"{p}: line {n}: invalid JSON: {e.msg} (column {e.colno})") from None
             except RecursionError:
                 raise DataError(f"{p}: line {n}: invalid JSON: nested too deeply") from None
+            except ValueError as e:  # an integer past Python's 4,300 digits
+                raise DataError(f"{p}: {_number_problem(e, line, n)}") from None
 
 
 def _json_rows(p: Path) -> Iterator[tuple[int, Any]]:
@@ -71,9 +74,25 @@ def _json_rows(p: Path) -> Iterator[tuple[int, Any]]:
         raise DataError(f"{p}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}{hint}") from None
     except RecursionError:
         raise DataError(f"{p}: invalid JSON: nested too deeply") from None
+    except ValueError as e:  # an integer past Python's 4,300 digits (json says neither line nor column)
+        raise DataError(f"{p}: {_number_problem(e, p.read_bytes().decode('utf-8', 'replace'))}") from None
     if not isinstance(rows, list):
         raise DataError(f"{p}: a .json dataset must be a list of rows, got {describe(rows)} (JSON Lines: name it .jsonl)")
     yield from enumerate(rows, start=1)
+
+
+_LONG_NUMBER = re.compile(r'(?:"((?:[^"\\]|\\.)*)"\s*:\s*)?-?\d{4301,}')
+
+
+def _number_problem(e: ValueError, text: str, first_line: int = 1) -> str:
+    """Where the number too long for Python's int is (json.loads says neither line nor field)."""
+    m = _LONG_NUMBER.search(text)
+    if m is None:
+        return f"invalid JSON: {_one_line(e)[:200]}"
+    line = first_line + text.count("\n", 0, m.start())
+    field = f" (field '{m.group(1)[:80]}')" if m.group(1) is not None else ""
+    return (f"line {line}{field}: a number of {len(m.group(0).split(':')[-1].strip())} digits: more than Python's "
+            "int reads (4,300); quote it as a string")
 
 
 def _parquet_rows(p: Path) -> Iterator[tuple[int, Any]]:
@@ -145,6 +164,8 @@ def iter_rows(path: str) -> Iterator[tuple[int, Any]]:
     p = Path(path)
     if not p.exists():
         raise DataError(f"dataset not found: {p}")
+    if not (p.is_dir() or p.is_file()):  # (a link to /dev/zero is a device: it would fill memory; a FIFO blocks)
+        raise DataError(f"{p}: cannot read: not a regular file or a folder (a FIFO, socket or device)")
     reader = _datasets_rows if p.is_dir() else READERS.get(p.suffix)
     if reader is None:
         raise DataError(f"{p}: unsupported dataset format {p.suffix!r}; use .jsonl, .json, .parquet or a folder")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-from relayrl.envs.adapters.spec import parse_spec
+from relayrl.envs.adapters.spec import MAX_SIZE, count_arg, parse_spec
 from relayrl.extras import require
 
 FIELD = "data.path=reasoning_gym:..."
@@ -24,11 +24,14 @@ FIELD = "data.path=reasoning_gym:..."
 def rows(spec: str) -> list[dict]:
     rg = require("reasoning_gym", "reasoning-gym", FIELD)
     name, args = parse_spec(spec, "data.path")
-    size, seed = int(args.pop("size", 1000)), int(args.pop("seed", 0))
+    size = count_arg(args, "size", 1000, spec, "data.path", 1, MAX_SIZE)
+    seed = count_arg(args, "seed", 0, spec, "data.path", 0, 2**63 - 1)
     try:
         ds = rg.create_dataset(name, size=size, seed=seed, **args)
+        entries = list(ds)  # (a config the task takes but cannot generate with fails here, not at create_dataset)
+        meta = {"name": name, "size": size, "seed": seed, "config": json.dumps(args, sort_keys=True)}
     except Exception as e:  # noqa: BLE001 - an unknown task or a bad config, named
-        raise ValueError(f"data.path={spec!r}: reasoning_gym cannot make {name!r}: {type(e).__name__}: {e}") from None
-    meta = {"name": name, "size": size, "seed": seed, "config": json.dumps(args, sort_keys=True)}
+        raise ValueError(f"data.path={spec!r:.200}: reasoning_gym cannot make {name!r:.80}: {type(e).__name__}: "
+                         f"{str(e)[:300]}") from None
     return [{"id": f"{name}-{seed}-{i}", "prompt": e["question"], "answer": str(e["answer"]),
-             "metadata": {"reasoning_gym": {**meta, "index": i}}} for i, e in enumerate(ds)]
+             "metadata": {"reasoning_gym": {**meta, "index": i}}} for i, e in enumerate(entries)]

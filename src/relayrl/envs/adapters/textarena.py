@@ -18,7 +18,7 @@ import random
 import threading
 
 from relayrl.failures import one_line
-from relayrl.envs.adapters.spec import parse_spec
+from relayrl.envs.adapters.spec import MAX_SIZE, count_arg, parse_spec
 from relayrl.extras import require
 from relayrl.envs.base import Env, StepResult
 from relayrl.envs.gym import _seed
@@ -70,7 +70,8 @@ def _start(game: str, seed: int) -> tuple[_Game, str]:
 def rows(spec: str) -> list[dict]:
     require("textarena", "textarena", "data.path=textarena:...")
     game, args = parse_spec(spec, "data.path")
-    size, seed = int(args.pop("size", 1000)), int(args.pop("seed", 0))
+    size = count_arg(args, "size", 1000, spec, "data.path", 1, MAX_SIZE)
+    seed = count_arg(args, "seed", 0, spec, "data.path", 0, 2**63 - 1)
     if args:
         raise ValueError(f"data.path={spec!r}: unknown keys {sorted(args)} (size, seed)")
     out = []
