@@ -6,6 +6,7 @@ generation and training, partial rollouts, checkpoints, trackers): ``src/relayrl
 """
 
 import asyncio
+import copy
 import sys
 
 import torch
@@ -28,7 +29,7 @@ def main(steps: int = 20, seed: int = 0) -> list[float]:
     path = resolve_model_path("builtin:demo")  # a 1.8M-parameter Llama shipped with relayrl
     tokenizer = load_tokenizer(path, "chat")
     policy = load_policy(path)
-    engine = HFEngine(load_policy(path), tokenizer, eos_token_ids=[tokenizer.eos_token_id])  # its own copy
+    engine = HFEngine(copy.deepcopy(policy), tokenizer, eos_token_ids=[tokenizer.eos_token_id])  # its own copy
     prompts = load_prompts("builtin:demo")
 
     verifier = RewardRunner("math")  # reward.fn: isolated worker processes, a time limit per call
