@@ -24,7 +24,7 @@ from typing import Callable
 
 from relayrl.extras import require
 from relayrl.rewards.answers import extract_answer, last_boxed, reference_answer  # noqa: F401 (public here too)
-from relayrl.workers import CallFailed, ImportFailed, SandboxUnavailable, WorkerPool, load
+from relayrl.workers import CallFailed, ImportFailed, PoolError, SandboxUnavailable, WorkerPool, load
 from relayrl.workers.isolation import _private_folders
 
 RewardFn = Callable[[str, "str | None", dict], float]
@@ -42,9 +42,11 @@ def math_reward(completion: str, answer: str | None, metadata: dict) -> float:
         return 1.0
     from math_verify import parse, verify
 
-    gold = parse(f"${answer}$")
-    got = parse(f"${pred}$")
-    return 1.0 if gold and got and verify(gold, got) else 0.0
+    # math-verify's own timeouts off: when one fired, it returned False (a correct answer scored 0.0, a training
+    # signal); the worker's deadline (reward.timeout_s) bounds the call instead, and a call past it is a failure
+    gold = parse(f"${answer}$", parsing_timeout=None)
+    got = parse(f"${pred}$", parsing_timeout=None)
+    return 1.0 if gold and got and verify(gold, got, timeout_seconds=None) else 0.0
 
 
 def exact_reward(completion: str, answer: str | None, metadata: dict) -> float:
@@ -84,8 +86,8 @@ def _check_name(spec: str) -> None:
 
 def _score_one(spec: str, completion: str, answer: str | None, metadata: dict) -> float:
     """Runs in a worker: the verifier's value as a finite float (else an exception). Workers
-    run calls in their main thread, which math-verify needs: it times itself out with
-    signal.alarm (the worker cancels any alarm left pending after each call)."""
+    run calls in their main thread, which a user's verifier may need: signal.alarm works there
+    (the worker cancels any alarm left pending after each call)."""
     fn = REWARDS[spec] if spec in REWARDS else load(spec)
     return as_reward(fn(completion, answer, metadata))
 
@@ -160,7 +162,7 @@ class RewardRunner:
     guarantees: ``RewardCfg.sandbox`` (relayrl.config)."""
 
     def __init__(self, spec: str, timeout_s: float = 5.0, workers: int = 0, memory_mb: int = 4096,
-                 sandbox: str = "none"):
+                 sandbox: str = "none", start_timeout_s: float = 120.0):
         _check_name(spec)  # fail fast, in the parent, on an unknown name
         if spec == "reasoning_gym":
             require("reasoning_gym", "reasoning-gym", "reward.fn=reasoning_gym")
@@ -171,11 +173,14 @@ class RewardRunner:
         try:
             self._pool = WorkerPool([_SCORE_ONE, *preload], workers=workers, timeout_s=timeout_s,
                                     memory_mb=memory_mb, sandbox=sandbox, imports=imports, warmup=warmup,
-                                    hide_paths=_private_folders() if sandbox == "bwrap" else ())
+                                    hide_paths=_private_folders() if sandbox == "bwrap" else (),
+                                    start_timeout_s=start_timeout_s)
         except SandboxUnavailable as e:
             raise RuntimeError(f"reward.sandbox={sandbox} but {e}") from None
         except ImportFailed as e:
             raise ValueError(f"reward function {e}") from None
+        except PoolError as e:  # the verifier's module ended the process (os._exit) or never finished importing
+            raise ValueError(f"reward.fn={spec!r:.200}: its workers did not start: {e}") from None
 
     def score(self, items: list[tuple[str, str | None, dict]]) -> list[tuple[float, dict | None]]:
         """(reward, None) per item, in order; a call that failed gives (nan, its failure: ``kind``
@@ -185,8 +190,11 @@ class RewardRunner:
         for result in self._pool.map(_SCORE_ONE, args, return_exceptions=True):
             if isinstance(result, Exception):
                 out.append((math.nan, self._count(result)))
-            else:
-                out.append((float(result), None))
+                continue
+            try:  # (checked again here: what comes back is JSON that a worker running user code wrote)
+                out.append((as_reward(result), None))
+            except NotAReward as e:
+                out.append((math.nan, self._count(e)))
         return out
 
     def _count(self, err: Exception) -> dict:

@@ -60,7 +60,7 @@ def _import(spec: str, cwd: str) -> Callable:
                 sys.path.insert(0, cwd)
             module = importlib.import_module(target)
         fn = getattr(module, name)
-    except Exception as e:  # any failure of the user's module is reported the same way
+    except BaseException as e:  # any failure of the user's module, sys.exit and KeyboardInterrupt at import too
         raise ImportFailed(f"{spec!r} cannot be imported: {_describe(e)}") from None
     if not callable(fn):
         raise ImportFailed(f"{spec!r} is not callable")

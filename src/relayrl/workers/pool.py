@@ -305,6 +305,7 @@ def _read_ready(proc: subprocess.Popen, replies, timeout: float) -> dict:
     if line:
         return json.loads(line)
     if not readable:
-        raise PoolError(f"the worker pool's server did not start within {timeout:.0f}s (slow imports?)")
-    raise PoolError(f"the worker pool's server exited with code {proc.wait()} before it was ready "
-                    "(its stderr is above)")
+        raise PoolError(f"importing and warming up its functions did not finish within {timeout:g}s (an import "
+                        "that sleeps or waits?)")
+    raise PoolError(f"the process importing its functions exited with code {proc.wait()} before it was ready "
+                    "(os._exit at import? anything it wrote went to stderr)")

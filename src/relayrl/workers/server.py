@@ -8,6 +8,7 @@ import importlib
 import json
 import math
 import os
+import secrets
 import signal
 import sys
 import time
@@ -199,7 +200,11 @@ class _Loop:
         if not w.calls:
             w.deadline = time.monotonic() + call["timeout"]
         w.calls.append(call)
-        w.out += json.dumps({"fn": call["fn"], "args": call["args"], "timeout": call["timeout"]}).encode() + b"\n"
+        # the worker echoes a fresh nonce in its reply: a line the call's own code wrote to the protocol pipe
+        # (fd 4 is open in the worker) does not, so it cannot pass for the result, nor shift the next call's
+        call["nonce"] = secrets.token_hex(8)
+        w.out += json.dumps({"fn": call["fn"], "args": call["args"], "timeout": call["timeout"],
+                             "nonce": call["nonce"]}).encode() + b"\n"
 
     def _flush(self, w: _Worker) -> None:
         if not w.out:
@@ -236,7 +241,7 @@ class _Loop:
         call = w.calls.popleft()
         w.done += 1
         w.deadline = time.monotonic() + w.calls[0]["timeout"] if w.calls else math.inf
-        msg, keep = _parse_reply(line)
+        msg, keep = _parse_reply(line, call["nonce"])
         if msg.get("kind") == "oom":
             msg["error"] = f"killed: out of memory (memory_mb={self.settings['memory_mb']})"
         if not keep or w.done >= self.settings["calls_per_worker"]:
@@ -306,10 +311,14 @@ class _Loop:
             time.sleep(0.01)
 
 
-def _parse_reply(line: bytes) -> tuple[dict, bool]:
-    """A worker's reply, checked: it comes from the process that ran user code."""
+def _parse_reply(line: bytes, nonce: str) -> tuple[dict, bool]:
+    """A worker's reply, checked: it comes from the process that ran user code. One that does not carry its
+    call's nonce was written by that code (the worker is retired: its real reply would answer the next call)."""
     try:
         msg = json.loads(line)
+        if msg.get("nonce") != nonce:
+            return {"ok": False, "kind": "crashed", "error": "a reply that does not answer its call: the call wrote "
+                    "to its worker's protocol pipe"}, False
         keep = msg.get("keep") is True
         if msg.get("ok") is True and "value" in msg:
             return {"ok": True, "value": msg["value"]}, keep
@@ -368,13 +377,14 @@ def _worker_main(settings: dict, req_fd: int, res_fd: int) -> None:
     me = os.getpid()
     requests = open(_REQ_FD, "rb")
     for line in requests:
+        req = json.loads(line)
         if setup_error:
             reply, keep = {"ok": False, "kind": "crashed", "error": setup_error}, False
         else:
-            reply, keep = _run_call(json.loads(line))
+            reply, keep = _run_call(req)
         if os.getpid() != me:
             os._exit(0)  # a copy the user's code forked must not speak the protocol
-        _write_all(_RES_FD, _encode_reply(reply, keep))
+        _write_all(_RES_FD, _encode_reply({**reply, "nonce": req.get("nonce")}, keep))
         if not keep:
             break
     os._exit(0)
@@ -403,5 +413,5 @@ def _encode_reply(reply: dict, keep: bool) -> bytes:
         data = json.dumps({**reply, "keep": keep})
     except (TypeError, ValueError, RecursionError) as e:
         data = json.dumps({"ok": False, "kind": "error", "error": f"the result is not JSON: {_describe(e)}",
-                           "keep": keep})
+                           "keep": keep, "nonce": reply.get("nonce")})
     return data.encode() + b"\n"
