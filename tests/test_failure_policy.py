@@ -480,3 +480,32 @@ def test_arguments_a_tool_does_not_take_are_the_models_mistake_not_the_tools():
     out = asyncio.run(env.step('<tool_call>{"name": "add", "arguments": {"a": 1, "c": 2}}</tool_call>'))
     assert out.info["tool_errors"] == 1 and out.info["tool_raised"] == 0 and out.raised == []
     assert out.messages[0]["content"].startswith("error: add: ")  # what binding the arguments said
+
+
+def test_a_shutdown_coroutine_the_loop_never_ran_is_not_left_unawaited(tok):
+    """close() makes its coroutines on the loop (``_on_loop``): a loop that stops first drops a callback, not a
+    coroutine that warns 'was never awaited' when the loop is collected."""
+    import gc
+    import warnings
+
+    runner = make_runner(tok, calc_reply, None)
+    runner.loop.call_soon_threadsafe(runner.loop.stop)
+    runner._thread.join(timeout=5)
+
+    async def cleanup():
+        pass
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        runner._on_loop(cleanup)  # (the loop is stopped: never run)
+        runner.loop.close()
+        gc.collect()
+        runner.close()
+    assert not [w for w in seen if "never awaited" in str(w.message)], [str(w.message) for w in seen]
+    with warnings.catch_warnings(record=True) as seen:  # what submit(coroutine) leaves, the way close() did
+        warnings.simplefilter("always")
+        loop = asyncio.new_event_loop()
+        asyncio.run_coroutine_threadsafe(cleanup(), loop)
+        loop.close()
+        gc.collect()
+    assert [w for w in seen if "never awaited" in str(w.message)]

@@ -140,6 +140,27 @@ class EpisodeRunner:
             self.check_alive()
         return fut.result()
 
+    def _on_loop(self, make: Callable) -> concurrent.futures.Future:
+        """The coroutine ``make()`` run on the loop, made there: a loop that stops before it gets to it leaves
+        no coroutine behind never awaited (``submit(make())`` would, dropped with the loop's pending callbacks:
+        the RuntimeWarning about ``close.<locals>.cancel_all`` at shutdown)."""
+        out: concurrent.futures.Future = concurrent.futures.Future()
+
+        def done(task: asyncio.Task) -> None:
+            if task.cancelled():
+                out.set_exception(concurrent.futures.CancelledError())
+            elif task.exception() is not None:
+                out.set_exception(task.exception())
+            else:
+                out.set_result(task.result())
+
+        def start() -> None:
+            if out.set_running_or_notify_cancel():
+                self.loop.create_task(make()).add_done_callback(done)
+
+        self.loop.call_soon_threadsafe(start)
+        return out
+
     def _run_loop(self) -> None:
         try:
             self.loop.run_forever()
@@ -248,8 +269,8 @@ class EpisodeRunner:
         if self.loop.is_running() and self.blocked_for() < 5:  # (a blocked loop cannot cancel anything)
             try:
                 if self.agent is not None:
-                    self.submit(self.agent.stop()).result(timeout=30)
-                self.submit(cancel_all()).result(timeout=30)
+                    self._on_loop(self.agent.stop).result(timeout=30)
+                self._on_loop(cancel_all).result(timeout=30)
             except concurrent.futures.TimeoutError:
                 pass
             self.loop.call_soon_threadsafe(self.loop.stop)
