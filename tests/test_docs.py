@@ -231,3 +231,12 @@ def test_the_readmes_training_commands_run(tmp_path):
         assert done.returncode == 0, (argv, done.stderr[-3000:])
         assert "done: 2 steps" in done.stdout + done.stderr, argv
     assert "relayrl train" in text
+
+
+def test_the_sites_search_finds_a_field_by_its_own_name():
+    """The search plugin's separator splits `rollout.max_staleness` at its dot and keeps `max_staleness` whole (a
+    query for the bare name found nothing); a decimal point stays."""
+    conf = yaml.safe_load((ROOT / "mkdocs.yml").read_text().replace("!!python", "#"))
+    sep = next(p["search"]["separator"] for p in conf["plugins"] if isinstance(p, dict) and "search" in p)
+    tokens = [t for t in re.split(sep, "### `rollout.max_staleness` (default 3.5) EngineError") if t]
+    assert {"rollout", "max_staleness", "3.5", "Engine", "Error"} <= set(tokens), tokens
