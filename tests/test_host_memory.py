@@ -41,3 +41,15 @@ def test_freed_blocks_of_a_few_mb_leave_the_process():
 def test_the_users_own_setting_is_left_alone(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert host_memory.release_large_blocks() is False
+
+
+def test_the_cpu_trainer_sets_it(tiny, monkeypatch):
+    """The trainer on a CPU calls ``release_large_blocks`` (deleting the call must not keep the suite green)."""
+    from relayrl.config import AlgoCfg, TrainerCfg
+    from relayrl.train.trainer import Trainer
+
+    calls = []
+    monkeypatch.setattr(host_memory, "release_large_blocks", lambda *a, **k: calls.append(a) or True)
+    model, _ = tiny
+    Trainer(model, TrainerCfg(device="cpu"), AlgoCfg(kl_coef=0.0), 1.0, 10, 16)
+    assert calls == [()]
