@@ -106,14 +106,24 @@ def call_text(name: str, arguments: dict) -> str:
 
 
 def _arguments(raw: Any, where: str) -> dict:
+    from relayrl.serve.bodies import json_problem  # (bodies reads whole requests; it imports ApiError from here)
+
     if isinstance(raw, dict):
         return raw
+    if raw is not None and not isinstance(raw, str):
+        raise ApiError(400, f"{where}: arguments must be a JSON object or its text, got {type(raw).__name__}",
+                       param=where)
     try:
         value = json.loads(raw) if isinstance(raw, str) and raw.strip() else {}
     except json.JSONDecodeError as e:
         raise ApiError(400, f"{where}: arguments are not valid JSON: {e.msg}", param=where) from None
+    except (ValueError, RecursionError) as e:  # an integer of thousands of digits; [[[...]]] past the parser
+        raise ApiError(400, f"{where}: arguments are not valid JSON: {str(e).split(';')[0][:200]}",
+                       param=where) from None
     if not isinstance(value, dict):
         raise ApiError(400, f"{where}: arguments must be a JSON object", param=where)
+    if problem := json_problem(value):  # (the body's own check saw only a string)
+        raise ApiError(400, f"{where}: {problem[1]}", param=where)
     return value
 
 
@@ -141,12 +151,19 @@ def canonical(messages: list[dict]) -> list[dict]:
         if role not in ("system", "user", "assistant", "tool"):
             raise ApiError(400, f"{where}: unknown role {role!r:.40}", param=f"{where}.role")
         item: dict = {"role": role, "content": _text(m.get("content"), f"{where}.content")}
+        for field in ("name", "tool_call_id"):  # (looked up in a dict and rendered by the template: text only)
+            if m.get(field) is not None and not isinstance(m[field], str):
+                raise ApiError(400, f"{where}.{field} must be a string", param=f"{where}.{field}")
+        if role == "assistant" and m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
+            raise ApiError(400, f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
         if role == "assistant" and m.get("tool_calls"):
             calls = []
             for j, c in enumerate(m["tool_calls"]):
                 fn = c.get("function") if isinstance(c, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                     raise ApiError(400, f"{where}.tool_calls[{j}]: needs function.name", param=f"{where}.tool_calls")
+                if c.get("id") is not None and not isinstance(c["id"], str):
+                    raise ApiError(400, f"{where}.tool_calls[{j}].id must be a string", param=f"{where}.tool_calls")
                 args = _arguments(fn.get("arguments"), f"{where}.tool_calls[{j}].function.arguments")
                 calls.append((fn["name"], args))
                 names[c.get("id")] = fn["name"]

@@ -33,10 +33,12 @@ import warnings
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from relayrl.engine.base import EngineError
 from relayrl.envs.chat import TemplateMismatch
 from relayrl.serve import openai_format as oa
+from relayrl.serve.bodies import body_limit, invalid, read_body
 from relayrl.serve.openai_format import ApiError, ChatRequest, CompletionRequest, GenerateRequest
 from relayrl.serve.sessions import Session, SessionTable
 
@@ -53,12 +55,11 @@ def build_app(table: SessionTable, model: str, max_model_len: int | None, max_re
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ())[1:]) or "body"
-        msg = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            where, msg = "body", f"the body is not valid JSON ({first.get('ctx', {}).get('error', msg)})"
-        return _error(ApiError(400, f"{where}: {msg}", param=where))
+        return _error(invalid(e.errors(), skip=1))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):  # (404 no such route, 405): OpenAI's shape too
+        return _error(ApiError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception):
@@ -67,18 +68,25 @@ def build_app(table: SessionTable, model: str, max_model_len: int | None, max_re
 
     card = {"id": model, "object": "model", "created": 0, "owned_by": "relayrl", "max_model_len": max_model_len}
 
-    def session(request: Request, name: str | None = None) -> Session:
-        """The open session the request names (its base URL's key, else its bearer key); the key is
-        checked first, so a client without one learns nothing of the endpoint, not even its model."""
+    limit = body_limit(max_model_len)
+
+    def session(request: Request) -> Session:
+        """The open session the request names (its base URL's key, else its bearer key)."""
         key = request.path_params.get("key")
         if key is None:
             auth = request.headers.get("authorization", "")
             key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-        s = table.get(key)
-        if name is not None and name != model:
-            raise ApiError(404, f"The model `{name}` does not exist (this endpoint serves `{model}`)",
+        return table.get(key)
+
+    async def asked(request: Request, cls):
+        """(session, body): the key is checked first, so a client without one learns nothing of the endpoint,
+        not its schema (a 400 for its body), not even its model; then the body (``serve.bodies``)."""
+        s = session(request)
+        body = await read_body(request, cls, limit)
+        if body.model != model:
+            raise ApiError(404, f"The model `{body.model:.100}` does not exist (this endpoint serves `{model}`)",
                            code="model_not_found", param="model")
-        return s
+        return s, body
 
     for prefix in ("", "/sessions/{key}"):
         @app.get(prefix + "/v1/models")
@@ -94,16 +102,16 @@ def build_app(table: SessionTable, model: str, max_model_len: int | None, max_re
             return JSONResponse(card)
 
         @app.post(prefix + "/v1/chat/completions")
-        async def chat(body: ChatRequest, request: Request):
-            return await _chat(session(request, body.model), body, model)
+        async def chat(request: Request):
+            return await _chat(*await asked(request, ChatRequest), model)
 
         @app.post(prefix + "/v1/completions")
-        async def completions(body: CompletionRequest, request: Request):
-            return await _completion(session(request, body.model), body, model)
+        async def completions(request: Request):
+            return await _completion(*await asked(request, CompletionRequest), model)
 
         @app.post(prefix + "/inference/v1/generate")
-        async def generate(body: GenerateRequest, request: Request):
-            return await _generate(session(request, body.model), body)
+        async def generate(request: Request):
+            return await _generate(*await asked(request, GenerateRequest))
 
     return app
 
