@@ -4,6 +4,7 @@ prompt-length check."""
 from pathlib import Path
 
 import pytest
+import torch
 
 from relayrl.cli import main
 from relayrl.data.datasets import DataError
@@ -130,3 +131,36 @@ def test_prompt_length_check_tokenizes_only_prompts_that_may_not_fit(tiny):
 def test_no_room_for_a_prompt():
     with pytest.raises(ValueError, match="no room for a prompt"):
         check_prompt_lengths([_prompt(0, "x")], None, 0)
+
+
+def test_the_cache_keyword_is_read_from_the_model_under_a_lora_adapter(tiny):
+    """PEFT's wrapper takes **kwargs: its signature names no cache, and ``past_key_values`` was passed, which
+    transformers removes in 5.40. Here the installed transformers, and the newest's API: its forward as in
+    transformers 5.24's modeling_llama.py (``cache``; ``past_key_values`` deprecated), under PEFT."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    from relayrl.config import LoraCfg
+    from relayrl.models import cache_kwarg
+    from relayrl.train import lora
+
+    model, _ = tiny
+    plain = cache_kwarg(model)
+    assert plain == ("cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values")
+    seen = {}
+
+    class Newest(type(model)):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                    labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+            seen["cache"], seen["kwargs"] = cache, set(kwargs)
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache,
+                                   **{plain: cache})
+
+    newest = Newest(model.config)
+    wrapped, _ = lora.wrap(newest, LoraCfg(r=2))
+    assert cache_kwarg(wrapped) == "cache"
+    cache = DynamicCache(config=newest.config)
+    wrapped(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **{cache_kwarg(wrapped): cache})
+    assert seen["cache"] is cache and "past_key_values" not in seen["kwargs"]  # (it reached the model's own forward)
+    assert cache_kwarg(lora.wrap(model, LoraCfg(r=2))[0]) == plain  # the installed transformers, the same

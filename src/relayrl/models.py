@@ -98,11 +98,15 @@ def load_policy(path: str, dtype: str = "float32", field: str = "model.path"):
 
 def cache_kwarg(model) -> str:
     """The name ``model.forward`` takes a KV cache under: ``cache`` from transformers 5.24 on (where
-    ``past_key_values`` is deprecated, to be removed in 5.40), ``past_key_values`` before."""
+    ``past_key_values`` is deprecated, to be removed in 5.40), ``past_key_values`` before. Read from the
+    transformers model itself: PEFT's wrapper (model.lora) takes ``**kwargs`` and passes them on, so its own
+    signature names neither."""
     import inspect
 
-    forward = getattr(model, "module", model).forward  # (a wrapper's module, FSDP2 keeps the class)
-    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    model = getattr(model, "module", model)  # (a wrapper's module, FSDP2 keeps the class)
+    if callable(getattr(model, "get_base_model", None)):  # (PEFT: the model under the adapter)
+        model = model.get_base_model()
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def model_context(path: str, field: str = "model.path") -> int | None:
