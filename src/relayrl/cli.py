@@ -267,7 +267,7 @@ def _run(argv: list[str] | None) -> int:
         from relayrl.train.lora import export_merged
 
         recorded, _ = recorded_config(ns.checkpoint)  # (the run's model.dtype: the merged weights keep it)
-        from relayrl.run.checkpoint import share
+        from relayrl.run.files import share
 
         out = export_merged(ns.checkpoint, ns.merge, ((recorded or {}).get("model") or {}).get("dtype", "float32"))
         share(Path(out).glob("*.safetensors"))  # (written 0600; OUT may hold other files: only these)
