@@ -1,13 +1,16 @@
 """Build the demo policy offline: a byte-level BPE tokenizer and a tiny Llama, warm-started by SFT.
 
 Nothing is downloaded. ``build_demo_model(path)`` trains the tokenizer on generated text,
-builds a ~2.7M-parameter Llama from a config, fine-tunes it briefly on reference solutions of
+builds a 1.8M-parameter Llama from a config, fine-tunes it briefly on reference solutions of
 the demo task (so that it starts RL with partial skill, ~30% accuracy) and saves both with
 ``save_pretrained``, so the rest of relayrl loads it like any other model:
 ``AutoModelForCausalLM.from_pretrained(path)``.
 
-Regenerate by hand with ``python -m relayrl.demo.model OUT_DIR``. It is deterministic for a
-given seed and takes well under a minute on a 2-core CPU.
+Regenerate by hand with ``relayrl build-demo-model OUT`` (or ``python -m relayrl.demo.model OUT``). It is
+deterministic for a given seed. Its time is the warm start's 350 steps and depends on what else the CPU
+runs: on a 2-core AMD EPYC shared with other jobs (load average 8 to 10) the first 61 steps took 834 s
+(`time`, 2026-11-27: about 80 minutes projected; issue 39 saw 9 minutes on a loaded machine); it was not
+measured on an idle one.
 """
 
 from __future__ import annotations
