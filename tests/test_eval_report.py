@@ -80,6 +80,10 @@ def test_model_card_of_an_adapter_says_so():
     assert "LoRA, rank 8, alpha 32.0" in card.text
     full = ModelCard(render(resolved_tree(load_config(None, [])), 4, 256, None, None))
     assert full.data.library_name == "transformers" and "LoRA" not in full.text
+    # a base that is no hub id: the card says where it comes from (an adapter is nothing without it)
+    demo = ModelCard(render(resolved_tree(load_config(None, ["model.lora.r=8"])), 4, 256, None, None))
+    assert demo.data.base_model is None and "rebuilt by `relayrl build-demo-model OUT`" in demo.text
+    assert "finds the base again from state.json" in demo.text and "state.json" not in full.text
 
 
 @pytest.mark.parametrize("fails_at", ["load_weights", "make_runner"])

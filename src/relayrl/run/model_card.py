@@ -71,7 +71,7 @@ def render(config: dict, step: int, samples: int, before: dict | None, after: di
         f"{how} Checkpoint of step {step} of {run['steps']}{'' if done else ' (an intermediate checkpoint)'}, "
         f"after {samples:,} trained {'responses' if kind == 'rl' else 'examples'}.", "",
         "| | |", "|---|---|",
-        f"| base model | `{model['path']}` |",
+        f"| base model | `{model['path']}`{_base_note(model['path'], bool(adapter))} |",
         *([(f"| adapter | LoRA, rank {adapter}, alpha {model['lora']['alpha']} (PEFT's files here; `relayrl export "
             "CHECKPOINT --merge OUT` writes a merged model) |")] if adapter else []),
         f"| training data | `{data['path']}` (prompt field `{data['prompt_field']}`) |",
@@ -91,6 +91,18 @@ def render(config: dict, step: int, samples: int, before: dict | None, after: di
         "```yaml", yaml.safe_dump(config, sort_keys=False).rstrip(), "```", "",
     ]
     return f"---\n{meta.to_yaml()}\n---\n\n" + "\n".join(lines)
+
+
+REBUILD = {"builtin:demo": "`relayrl build-demo-model OUT`", "builtin:agent-demo": "`python -m relayrl.demo.agent_model OUT`"}
+
+
+def _base_note(path: str, adapter: bool) -> str:
+    """Where a base that is no hub id comes from (the card's base_model metadata names hub ids only), for a
+    reader of a checkpoint copied elsewhere: an adapter is nothing without its base."""
+    if path in REBUILD:
+        return (f" (relayrl's own, rebuilt by {REBUILD[path]}" + ("; adapter_config.json names this installation's "
+                "copy, and relayrl finds the base again from state.json where that path is gone)" if adapter else ")"))
+    return " (a local folder: the adapter needs it beside the checkpoint)" if adapter and not _hub_id(path) else ""
 
 
 def _rows(config: dict, sections) -> list[str]:
