@@ -110,9 +110,16 @@ def refusal_problem(o: Outcome, names: list[str] = ()) -> str | None:
         return "not 'relayrl: <kind> error: ...'"
     if "Traceback" in o.err + o.out:
         return "a traceback"
-    if names and not any(n in o.err for n in names):
+    if names and not any(n[:40] in o.err or _shown(n)[:40] in o.err for n in names):
         return f"names none of {list(names)[:4]}"
     return None
+
+
+def _shown(text: str) -> str:
+    """``text`` as ``relayrl.cli.error_line`` shows it (control characters and lone surrogates escaped)."""
+    from relayrl.cli import error_line
+
+    return error_line("x", ValueError(text)).removeprefix("relayrl: x error: ")
 
 
 def handled_problem(o: Outcome, names: list[str] = ()) -> str | None:

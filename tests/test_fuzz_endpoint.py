@@ -30,13 +30,27 @@ def reply(context: str) -> str:  # the scripted policy: a tool call when tools a
 def open_endpoint(model_path: str):
     """(runner, tokenizer): the endpoint served over loopback for a scripted engine (``benchmarks/fuzz.py`` too)."""
     from relayrl.models import load_tokenizer
+    from relayrl.rollout.runner import EpisodeLimits, EpisodeRunner
+    from relayrl.serve.agent import AgentEpisodes, AgentProgram
     from tests.test_chat_template import CHATML
-    from tests.test_serve import served
+    from tests.test_episodes import ScriptedEngine, _score
+    from tests.test_serve import calc_program
+
+    class AnyContext(ScriptedEngine):
+        """The scripted engine, for any context (the token route's ids need hold no chat turn): the reply whole."""
+
+        def submit(self, requests):
+            with self.lock:
+                for r in requests:
+                    text = self.reply(self.tok.decode(r.prompt_ids + r.response_so_far))
+                    ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+                    self.live[r.request_id] = {"todo": ids, "out": [], "vers": [], "left": r.params.max_new_tokens}
 
     tok = load_tokenizer(model_path)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template, tok.eos_token = CHATML, "<|im_end|>"
-    runner = served(tok, reply)
+    agent = AgentEpisodes(AgentProgram("agent:test", calc_program, {}), "agent:test", "policy", context=None)
+    runner = EpisodeRunner(AnyContext(tok, reply), tok, None, EpisodeLimits(4, 4000), _score, agent=agent)
     try:
         yield runner, tok
     finally:
