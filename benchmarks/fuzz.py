@@ -50,7 +50,8 @@ def families(stack: contextlib.ExitStack) -> dict:
                                                                  memory_mb=fv.MEMORY_MB)))
     endpoint = stack.enter_context(_endpoint(fe))
     return {
-        "config overrides": (fc.OVERRIDES, in_tmp(lambda pairs, root: fc.override_problem(pairs, root)[0])),
+        "config overrides": (fc.st.tuples(fc.OVERRIDES, fc.COMMANDS),
+                             in_tmp(lambda case, root: fc.override_problem(case[0], root, cmd=case[1])[0])),
         "config files": (fc.yaml_texts(), in_tmp(lambda text, root: fc.yaml_problem(text, root)[0])),
         "data files": (fd.data_files(), in_tmp(lambda case, root: fd.data_problem(*case, root)[0])),
         "reasoning_gym specs": (fd.SPECS, in_tmp(lambda spec, root: fd.spec_problem(spec, root)[0])),

@@ -22,6 +22,7 @@ import yaml
 
 from relayrl.cli import main
 from relayrl.config import Config
+from tests.fuzzing import parser
 
 SEED = 20261122
 MIN_CASES = 500
@@ -530,6 +531,7 @@ def test_fuzzed_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys
     import relayrl.run.loop
 
     monkeypatch.setattr(relayrl.run.loop, "build", _stand_in_for_build)
+    monkeypatch.setattr("relayrl.cli._parser", parser())  # (built once: building it is most of a case's time)
     g = Gen(tmp_path, random.Random(SEED))
     cases = config_cases(g) + data_cases(g)
     capsys.readouterr()  # what writing the files printed (datasets' save_to_disk progress)

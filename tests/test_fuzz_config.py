@@ -47,16 +47,48 @@ def _flow(value) -> str:
 VALUES = st.one_of(st.sampled_from(ODD_VALUES), TREES.map(_flow), ANY_TEXT)
 KEYS = st.one_of(st.sampled_from(FIELDS), st.sampled_from(FIELDS).map(lambda f: f + "x"),
                  st.sampled_from(FIELDS).map(lambda f: f.split(".")[0] + ".env.x"), st.text(max_size=12))
-OVERRIDES = st.lists(st.tuples(KEYS, VALUES), min_size=1, max_size=3)
 
 
-def _argv(pairs, out: str) -> list[str]:
-    return ["train", *(f"{k}={v}" for k, v in pairs), f"run.output_dir={out}"]
+def plausible(field: str):
+    """Values of the field's own type and range (so that combinations of good values get tried too)."""
+    import types
+    from typing import Literal, Union, get_args, get_origin
+
+    sec, _, name = field.partition(".")
+    info = dict(nested_fields(Config.model_fields[sec].annotation))[name]
+    ann, extra = info.annotation, st.nothing()
+    if get_origin(ann) in (Union, types.UnionType):
+        extra = st.just(None) if type(None) in get_args(ann) else st.nothing()
+        ann = next((a for a in get_args(ann) if a is not type(None)), ann)
+    bounds = {k: getattr(m, k) for m in info.metadata for k in ("ge", "gt", "le", "lt") if getattr(m, k, None) is not None}
+    lo, hi = bounds.get("ge", bounds.get("gt", 0)), bounds.get("le", bounds.get("lt", 64))
+    if get_origin(ann) is Literal:
+        base = st.sampled_from(get_args(ann))
+    elif ann is bool:
+        base = st.booleans()
+    elif ann is int:
+        base = st.integers(int(lo), int(min(hi, lo + 64)))
+    elif ann is float:
+        base = st.floats(float(lo), float(min(hi, lo + 10)), allow_nan=False)
+    elif get_origin(ann) is list and get_args(ann) and get_origin(get_args(ann)[0]) is Literal:
+        base = st.lists(st.sampled_from(get_args(get_args(ann)[0])), max_size=2)
+    else:
+        base = st.text("abc_/-.", max_size=8)
+    return (base | extra).map(_flow)
 
 
-def override_problem(pairs, root: str, timeout_s: float = 30.0) -> tuple[str | None, object]:
-    """The problem with how ``relayrl train k=v ...`` handled these overrides (None: handled)."""
-    o = run_cli(_argv(pairs, str(Path(root) / "runs")), timeout_s)
+GOOD_PAIRS = st.sampled_from(FIELDS).flatmap(lambda f: st.tuples(st.just(f), plausible(f)))
+OVERRIDES = st.lists(st.one_of(st.tuples(KEYS, VALUES), GOOD_PAIRS, GOOD_PAIRS), min_size=1, max_size=4)
+COMMANDS = st.sampled_from(["train", "train", "sft", "eval"])
+
+
+def _argv(pairs, out: str, cmd: str = "train") -> list[str]:
+    return [cmd, *(f"{k}={v}" for k, v in pairs), f"run.output_dir={out}"]
+
+
+def override_problem(pairs, root: str, timeout_s: float = 30.0, cmd: str = "train") -> tuple[str | None, object]:
+    """The problem with how ``relayrl <cmd> k=v ...`` handled these overrides (None: handled)."""
+    o = run_cli(_argv(pairs, str(Path(root) / "runs"), cmd), timeout_s)
     names = [k.strip() for k, _ in pairs] + [k.strip().split(".")[0] for k, _ in pairs] + ["override", "argument"]
     problem = handled_problem(o, [n for n in names if n])
     if problem is None and os.path.exists(Path(root) / "runs"):
@@ -65,11 +97,11 @@ def override_problem(pairs, root: str, timeout_s: float = 30.0) -> tuple[str | N
 
 
 @BUDGET
-@given(OVERRIDES)
-def test_fuzzed_overrides_are_accepted_or_refused_in_one_line(pairs):
+@given(OVERRIDES, COMMANDS)
+def test_fuzzed_overrides_are_accepted_or_refused_in_one_line(pairs, cmd):
     with tempfile.TemporaryDirectory() as root:
-        problem, o = override_problem(pairs, root)
-    assert problem is None, f"{problem}: {pairs!r:.300} -> {o.code} {o.err[:300]!r}"
+        problem, o = override_problem(pairs, root, cmd=cmd)
+    assert problem is None, f"{problem}: {cmd} {pairs!r:.300} -> {o.code} {o.err[:300]!r}"
 
 
 SECTIONS = st.sampled_from(list(Config.model_fields) + ["runx", "x"])
