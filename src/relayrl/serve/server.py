@@ -14,8 +14,9 @@ log). Every route needs an open session's key, ``/v1/models`` too. The endpoint 
 ``serve.host`` other than loopback is warned about at start. Errors are OpenAI's ``{"error": {...}}``
 with a 4xx status for whatever the client got wrong (a malformed body, an unknown model, a key
 that expired with its episode); an unexpected exception in a handler is a 500 for that request and
-never reaches the run. Requests handled at once are bounded (``serve.max_requests``: more get 429,
-which OpenAI clients retry), and so are open connections (``serve.max_connections``: one more is
+never reaches the run. A body is read only after its key is checked, and bounded (``serve.bodies``: its
+size, 413; its JSON's nesting and Unicode, 400). Requests handled at once are bounded (``serve.max_requests``:
+more get 429, which OpenAI clients retry), and so are open connections (``serve.max_connections``: one more is
 closed at once; one that sends no request is closed after ``Endpoint.FIRST_REQUEST_S``).
 """
 
