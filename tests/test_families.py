@@ -115,3 +115,139 @@ def test_the_start_up_check_refuses_a_head_that_is_not_reproduced(tok, monkeypat
     monkeypatch.setattr(logprobs, "probe", lambda model: LogitMap(1.0))
     with pytest.raises(ModelError, match="chunked head's log-probs differ from GraniteForCausalLM's own"):
         _trainer(build("granite", tok), logprob_chunk_tokens=7)
+
+
+# -- the engine's log-probs of its own samples, every memory feature, LoRA, checkpoints -------------------
+
+T, TOP_K, TOP_P = 0.8, 40, 0.95
+
+
+def _sampled_batch(model, tok, fast_decode=True, adapter=None, adapter_state=None):
+    """Groups of the hf engine's own samples of ``model`` (its decoding forward where it supports the family,
+    else the model's), as a training batch with the engine's behaviour log-probs."""
+    from relayrl.engine.hf import HFEngine
+    from relayrl.records import FinishReason, GenRequest, Prompt, SamplingParams, Trajectory
+    from relayrl.train.batch import build_batch
+
+    eng = HFEngine(copy.deepcopy(model), tok, fast_decode=fast_decode, adapter=adapter)
+    if adapter_state is not None:
+        eng.load_weights(adapter_state, 1)
+    trajs, group = [], []
+    try:
+        prompts = ["Sum mod 10: a=3 b=4 c=5", "Add 1 2", "x"]
+        reqs = []
+        for k, text in enumerate(prompts):
+            ids = list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)["input_ids"])
+            reqs += [GenRequest(f"g{k}/{i}", ids, SamplingParams(12, T, TOP_P, TOP_K, seed=7 * k + i)) for i in range(3)]
+        for r, c in zip(reqs, eng.generate(reqs)):
+            k = int(r.request_id[1])
+            trajs.append(Trajectory(Prompt(f"p{k}", [], "3"), f"g{k}", 0, r.prompt_ids, c.token_ids, c.logprobs,
+                                    c.versions, FinishReason.STOP))
+            group.append(k)
+    finally:
+        eng.close()
+    g = torch.Generator().manual_seed(1)
+    return build_batch(trajs, torch.randn(len(trajs), generator=g), tok.pad_token_id, group=torch.tensor(group))
+
+
+def _reader(model, **trainer):
+    cfg = TrainerCfg(**{"micro_batch_tokens": 64, **trainer})
+    return Trainer(model, cfg, AlgoCfg(kl_coef=0.0), T, 10, 16, top_k=TOP_K, top_p=TOP_P)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_engine_samples_with_the_log_probs_the_trainer_reads(family, tok):
+    """The hf engine's behaviour log-probs of its own samples (T=0.8, top-k 40, top-p 0.95) are the trainer's,
+    with the trainer's defaults (chunked head, shared prefixes)."""
+    model = build(family, tok)
+    batch = _sampled_batch(model, tok)
+    trained = _reader(copy.deepcopy(model)).logprobs(batch)
+    m = batch.loss_mask.bool()
+    assert m.sum() > 10
+    torch.testing.assert_close(trained[m], batch.behav_logp[m], atol=2e-4, rtol=1e-4)
+
+
+FEATURES = {
+    "checkpointing": {"gradient_checkpointing": "on"},
+    "packing": {"pack": True, "share_prefix": False},
+    "shared prefixes": {"share_prefix": True},
+    "all": {"gradient_checkpointing": "on", "pack": True, "share_prefix": False, "logprob_chunk_tokens": 5},
+}
+
+
+# what a family cannot do, found from the model when the trainer starts (one line), or switched off with a line
+PACKING_REFUSED = {"falcon_h1": "a recurrent state", "gpt_oss": "attention sinks"}
+LORA_REFUSED = {"deepseek_v3": "mixture of experts' fused weights"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_memory_feature_gives_the_plain_forward_s_numbers(family, tok):
+    """π_old, the loss and every gradient under checkpointing, packing, shared prefixes (and all of them with a
+    chunked head) against the plain forward (whole logits, no feature); packing refused in one line where the
+    model's packed rows are not its padded ones."""
+    from relayrl.models import ModelError
+
+    model = build(family, tok)
+    batch = _groups(tok)
+    plain = _pass(copy.deepcopy(model), batch, logprob_chunk_tokens=0)
+    for name, feature in FEATURES.items():
+        if feature.get("pack") and family in PACKING_REFUSED:
+            with pytest.raises(ModelError, match="trainer.pack: .* differ from its padded rows'.*set trainer.pack=false"):
+                _pass(copy.deepcopy(model), batch, **feature)
+            continue
+        o, s, g = _pass(copy.deepcopy(model), batch, **{"logprob_chunk_tokens": 0, **feature})
+        torch.testing.assert_close(o, plain[0], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        assert s["loss"] == pytest.approx(plain[1]["loss"], rel=1e-4, abs=1e-6), name
+        for a, b in zip(plain[2], g):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_step_trains_and_the_checkpoint_loads(family, tok, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = build(family, tok)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _reader(model, lr=1e-2, warmup_steps=0).step(_groups(tok))
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert len(changed) >= len(before) // 2
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, len(tok), (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model.eval()(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_the_engine_samples_the_adapted_policy_and_its_merge_is_peft_s(family, tok):
+    """An all-linear adapter (B made non-zero): the engine's merged weights are PEFT's merge_and_unload, and its
+    samples' log-probs are the trainer's through PEFT's wrapper."""
+    from relayrl.config import LoraCfg
+    from relayrl.engine.adapter import AdapterMerge
+    from relayrl.train import lora
+
+    from relayrl.models import ModelError
+
+    base = build(family, tok)
+    torch.manual_seed(3)
+    if family in LORA_REFUSED:
+        with pytest.raises(ModelError, match=LORA_REFUSED[family]):
+            lora.wrap(copy.deepcopy(base), LoraCfg(r=4))
+        policy, spec = lora.wrap(copy.deepcopy(base), LoraCfg(r=4, targets=["q_a_proj", "kv_a_proj_with_mqa", "o_proj"]))
+    else:
+        policy, spec = lora.wrap(copy.deepcopy(base), LoraCfg(r=4))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    state = lora.adapter_state(policy)
+    engine_model = copy.deepcopy(base)
+    merge = AdapterMerge(engine_model, spec)
+    merge.apply(state)
+    merged = copy.deepcopy(policy).merge_and_unload()
+    for (k, a), b in zip(merged.state_dict().items(), engine_model.state_dict().values()):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5, msg=lambda m: f"{k}: {m}")
+    batch = _sampled_batch(merged, tok)
+    trained = _reader(policy).logprobs(batch)
+    m = batch.loss_mask.bool()
+    torch.testing.assert_close(trained[m], batch.behav_logp[m], atol=2e-4, rtol=1e-4)

@@ -282,3 +282,41 @@ def test_a_moved_base_is_found_from_the_runs_recorded_model_path(tiny_path, tmp_
     got, base, weights = lora.read_adapter(tmp_path)
     assert base == tiny_path and got == spec and weights.keys() == lora.adapter_state(model).keys()
     assert lora.read_adapter(tiny_path) is None  # a whole model: no adapter
+
+
+def test_the_no_grad_recomputes_run_without_the_adapters_dropout(tiny, tiny_path):
+    """model.lora.dropout is a training regulariser: π_old and the alarm's rows are read as the engine samples,
+    without it, even while the model is in training mode (a step's own mode)."""
+    _, tok = tiny
+    model, _ = _wrapped(tiny_path, dropout=0.5)
+    _randomise_b(model)
+    tr = Trainer(model, TrainerCfg(), AlgoCfg(kl_coef=0), 1.0, 10, 16)
+    batch = _batch(tok)
+    model.eval()
+    want = tr.logprobs(batch)
+    model.train()
+    got = [tr.logprobs(batch) for _ in range(3)]
+    assert model.training  # (left as it was)
+    for g in got:
+        torch.testing.assert_close(g, want, atol=1e-6, rtol=1e-6)
+
+
+def test_an_adapter_with_per_module_alphas_is_refused_for_the_engines_and_merged_by_peft_elsewhere(tiny_path,
+                                                                                                    tmp_path):
+    """PEFT's alpha_pattern gives modules scales of their own; the engines apply one: such an adapter is refused
+    in one line for `relayrl eval --checkpoint` (never sampled as another policy), and a teacher or judge made
+    of it is PEFT's own merge."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    peft_model = get_peft_model(load_policy(tiny_path), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                                   alpha_pattern={"v_proj": 64}))
+    _randomise_b(peft_model)
+    peft_model.save_pretrained(tmp_path)
+    with pytest.raises(ModelError, match=r"the adapter's alpha_pattern=\{'v_proj': 64\} is not what relayrl's engines "
+                                         r"apply \(one scale lora_alpha / r = 2"):
+        lora.read_adapter(tmp_path)
+    merged = lora.load_model(str(tmp_path))
+    want = copy.deepcopy(peft_model).merge_and_unload()
+    for (k, a), b in zip(want.state_dict().items(), merged.state_dict().values()):
+        torch.testing.assert_close(b, a, msg=lambda m: f"{k}: {m}")

@@ -1,6 +1,7 @@
 """run.mismatch_alarm: a run whose engine stops taking the trained weights stops at the first step after,
 with one line naming the step and version; a correct run (float32 or a bfloat16 engine) never does."""
 
+import dataclasses
 import json
 
 import pytest
@@ -75,9 +76,27 @@ def test_a_broken_sync_stops_the_run_at_the_first_step_after(tiny_path, tmp_path
 def test_a_correct_run_never_stops_and_records_the_check(tiny_path, tmp_path, dtype):
     assert main(_args(tiny_path, tmp_path, f"rollout.dtype={dtype}")) == 0
     rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 5 and all(r["logprob_mismatch_check"] < r["logprob_mismatch_check_prev_weights"]
-                                  for r in rows[1:]), [(r["logprob_mismatch_check"],
-                                                        r["logprob_mismatch_check_prev_weights"]) for r in rows]
+    checked = [r for r in rows if "logprob_mismatch_check" in r]  # (versions 1-3, then every eighth)
+    assert len(rows) == 5 and [r["step"] for r in checked] == [2, 3, 4]
+    assert all(r["logprob_mismatch_check"] < r["logprob_mismatch_check_prev_weights"] for r in checked), \
+        [(r["logprob_mismatch_check"], r["logprob_mismatch_check_prev_weights"]) for r in checked]
+
+
+def test_sync_training_keeps_no_copy_of_the_weights_between_checks(tiny):
+    """The check's cost is a copy of the trainable weights, kept only from the step before a check to it (sync
+    mode has no stale tokens that would need it every step): none at versions 3-6, one at 7 (for 8)."""
+    from relayrl.config import AlgoCfg, TrainerCfg
+    from relayrl.train.trainer import Trainer
+    from tests.test_shared_prefix import _groups
+
+    model, tok = tiny
+    tr = Trainer(model, TrainerCfg(), AlgoCfg(kl_coef=0), 1.0, 20, 16, check_rows=8)
+    batch = _groups(tok)
+    kept = []
+    for v in range(10):
+        tr.step(dataclasses.replace(batch, versions=torch.where(batch.loss_mask.bool(), v, -1)), version=v)
+        kept.append(tr.versions.prev is not None)
+    assert kept == [True, True, True, False, False, False, False, True, False, False], kept
 
 
 @pytest.mark.slow

@@ -134,7 +134,7 @@ def check_tokenizer(teacher_path: str, field: str, student, student_field: str) 
     from relayrl.train.lora import read_adapter
 
     path = resolve_model_path(teacher_path, log=lambda *a, **k: None, field=field)
-    found = read_adapter(path)
+    found = read_adapter(path, engine=False)
     own = found is None or any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
     tok = load_tokenizer(path if own else found[1], field=field)
     if tok.get_vocab() != student.get_vocab():

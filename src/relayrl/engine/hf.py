@@ -51,6 +51,21 @@ class _Row:
         return list(self.req.prompt_ids) + list(self.req.response_so_far) + self.tokens
 
 
+def select_rows(cache, idx: torch.Tensor, rows: int) -> None:
+    """Keep rows ``idx`` of a transformers cache of ``rows`` rows. ``batch_select_indices`` selects keys and
+    values; a hybrid model's layers (Falcon-H1's linear-attention and Mamba states, kept in dicts beside them)
+    are left whole by it in transformers 5.19, so every tensor still ``rows`` long is selected here too."""
+    cache.batch_select_indices(idx)
+    for layer in getattr(cache, "layers", []):
+        for name, value in vars(layer).items():
+            if torch.is_tensor(value) and value.dim() and value.shape[0] == rows:
+                setattr(layer, name, value.index_select(0, idx))
+            elif isinstance(value, dict):
+                for k, v in value.items():
+                    if torch.is_tensor(v) and v.dim() and v.shape[0] == rows:
+                        value[k] = v.index_select(0, idx)
+
+
 class HFEngine(Engine):
     def __init__(self, model, tokenizer, max_batch: int = 256, version: int = 0, batch_guard=None,
                  eos_token_ids: list[int] | None = None, driven: bool = False, fast_decode: bool = False,
@@ -384,7 +399,7 @@ class HFEngine(Engine):
                 if self._fast is not None:
                     keep = cache.keep(keep)  # (the rows reordered: a few moved, not the cache copied)
                 else:
-                    cache.batch_select_indices(torch.tensor(keep, device=self.device))
+                    select_rows(cache, torch.tensor(keep, device=self.device), len(live))
                 idx = torch.tensor(keep, device=self.device)
                 live, tok, att, pos, at = [live[i] for i in keep], tok[idx], att[idx], pos[idx], at[keep]
                 seeds = seeds[keep] if seeds is not None else None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -70,9 +71,28 @@ def wrap(model, lora):
     from peft import LoraConfig, get_peft_model
 
     spec = spec_for(lora, model)
-    config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=lora.dropout, target_modules=list(spec.targets),
-                        bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, config), spec
+
+    def config(targets):
+        return LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=lora.dropout, target_modules=list(targets),
+                          bias="none", task_type="CAUSAL_LM")
+
+    try:
+        wrapped = get_peft_model(model, config(spec.targets))
+    except ValueError as e:  # (PEFT refuses some linear layers: a Mamba mixer's out_proj, Falcon-H1's)
+        found = re.search(r"[Ii]ncompatible modules: \{([^}]*)\}", str(e))
+        if lora.targets != "all-linear" or found is None:
+            raise ModelError(f"model.lora.targets: PEFT cannot put an adapter there: {str(e).splitlines()[0]}") from None
+        drop = {x.strip(" '\"") for x in found.group(1).split(",")}
+        spec = LoraSpec(spec.r, spec.alpha, tuple(t for t in spec.targets if t not in drop))
+        wrapped = get_peft_model(model, config(spec.targets))  # ('all-linear': those PEFT adapts)
+    odd = sorted({type(m.base_layer).__name__ for _, m in wrapped.named_modules()
+                  if hasattr(m, "lora_A") and hasattr(m, "base_layer") and not isinstance(m.base_layer, torch.nn.Linear)})
+    if odd:
+        raise ModelError(f"model.lora.targets: PEFT puts adapters on {', '.join(odd)} modules of this model (a "
+                         "mixture of experts' fused weights), which relayrl's engines cannot merge (they add B·A to "
+                         "linear layers): give model.lora.targets the attention's layers, e.g. [q_proj, k_proj, v_proj, "
+                         "o_proj]")
+    return wrapped, spec
 
 
 def base_model(model):
@@ -117,8 +137,11 @@ def write_adapter(folder: Path, weights: dict[str, torch.Tensor], config: dict) 
     (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1))
 
 
-def read_adapter(folder: str | Path) -> tuple[LoraSpec, str, dict[str, torch.Tensor]] | None:
-    """(spec, base model, tensors) of the PEFT adapter in ``folder``; None when it holds none (a whole model)."""
+def read_adapter(folder: str | Path, engine: bool = True) -> tuple[LoraSpec, str, dict[str, torch.Tensor]] | None:
+    """(spec, base model, tensors) of the PEFT adapter in ``folder``; None when it holds none (a whole model).
+    ``engine``: for an engine, which applies one scale alpha / r to every module (B·A added to the weight): an
+    adapter whose math is another (per-module alpha_pattern / rank_pattern, a bias, fan_in_fan_out) is refused in
+    one line, never sampled as another policy than PEFT's (a model merged by PEFT itself takes any)."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -134,6 +157,13 @@ def read_adapter(folder: str | Path) -> tuple[LoraSpec, str, dict[str, torch.Ten
     if c.get("peft_type", "LORA") != "LORA" or c.get("use_dora") or c.get("use_rslora"):
         raise ModelError(f"{folder}: the adapter is not a plain LoRA adapter (peft_type {c.get('peft_type')!r}, "
                          f"use_dora {c.get('use_dora')}, use_rslora {c.get('use_rslora')})")
+    other = [f"{k}={c[k]!r:.60}" for k in ("alpha_pattern", "rank_pattern") if c.get(k)] + \
+        [f"{k}={c[k]!r}" for k, plain in (("bias", "none"), ("fan_in_fan_out", False)) if c.get(k, plain) != plain]
+    if engine and other:
+        raise ModelError(f"{folder}: the adapter's {', '.join(other)} is not what relayrl's engines apply (one scale "
+                         f"lora_alpha / r = {spec.scale:g} on every target, no bias): merge it with PEFT first "
+                         "(PeftModel.from_pretrained(base, folder).merge_and_unload().save_pretrained(out)) and give "
+                         "the merged model")
     base = c.get("base_model_name_or_path")
     if (not base or base.startswith("/") and not Path(base).exists()) and (folder / "state.json").is_file():
         base = _recorded_base(folder) or base  # (moved: a relayrl checkpoint records its run's model.path)
@@ -161,7 +191,7 @@ def load_merged(checkpoint: str | Path, dtype: str = "float32", field: str | Non
 
     from relayrl.models import load_policy
 
-    _, base, _ = read_adapter(checkpoint)
+    _, base, _ = read_adapter(checkpoint, engine=False)
     model = load_policy(base, dtype, field=f"the base model of {field + '=' if field else ''}{checkpoint}")
     return PeftModel.from_pretrained(model, str(checkpoint)).merge_and_unload()
 
@@ -172,7 +202,7 @@ def load_model(path: str, dtype: str = "float32", field: str = "model.path"):
     from relayrl.models import load_policy, resolve_model_path
 
     path = resolve_model_path(path, log=lambda *a, **k: None, field=field)
-    if read_adapter(path) is not None:
+    if read_adapter(path, engine=False) is not None:
         return load_merged(path, dtype, field)
     return load_policy(path, dtype, field=field)
 
@@ -184,7 +214,7 @@ def export_merged(checkpoint: str | Path, out: str | Path, dtype: str = "float32
     from relayrl.models import load_tokenizer
 
     checkpoint, out = Path(checkpoint), Path(out)
-    found = read_adapter(checkpoint)
+    found = read_adapter(checkpoint, engine=False)
     if found is None:
         raise ModelError(f"{checkpoint}: no LoRA adapter there ({ADAPTER_CONFIG}): a checkpoint of full fine-tuning "
                          "is already a whole model (AutoModelForCausalLM.from_pretrained reads it)")

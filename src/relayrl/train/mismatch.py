@@ -47,9 +47,17 @@ class VersionCheck:
     rows read under both versions' weights each step (0: no check; the weights are then kept only in
     modes with stale tokens)."""
 
+    CHECK_FIRST, CHECK_EVERY = 3, 8  # the check's steps: every one of the first three, then every eighth
+
     def __init__(self, rows: int = 16, check_rows: int = 0):
         self.rows, self.check_rows = rows, check_rows
         self.prev: tuple[int, dict] | None = None  # (version, its weights by name)
+
+    def due(self, version: int) -> bool:
+        """Is the alarm's check run at the step training ``version``? A copy of the trainable weights is what it
+        costs (kept from the step before), so it runs where an engine that does not follow is most likely seen
+        first, the first steps, then every ``CHECK_EVERY``-th: a copy one step in eight, not every step."""
+        return version <= self.CHECK_FIRST or version % self.CHECK_EVERY == 0
 
     def _prev_params(self, trainer) -> dict:
         return {k: v.to(trainer.device, non_blocking=True) for k, v in self.prev[1].items()}
@@ -58,7 +66,8 @@ class VersionCheck:
     def fresh_against_previous(self, trainer, batch: TrainBatch, version: int | None) -> dict:
         """Mean mismatch of up to ``check_rows`` rows of tokens sampled by ``version``, under its weights and
         under the previous version's ({} on the first step, or with no such tokens)."""
-        if version is None or not self.check_rows or self.prev is None or self.prev[0] != version - 1:
+        if version is None or not self.check_rows or not self.due(version) or self.prev is None or \
+                self.prev[0] != version - 1:
             return {}
         sel = sampled_by(batch.versions, batch.loss_mask, version)
         rows = _rows(sel, self.check_rows)
@@ -84,7 +93,11 @@ class VersionCheck:
                 sub = batch.select(rows)
                 lp = trainer.logprobs(sub, params=self._prev_params(trainer))
                 out = mismatch_sums(lp, sub.behav_logp, sel[torch.tensor(rows), : lp.shape[1]])
-        if self.check_rows or bool(((batch.versions < version) & batch.loss_mask.bool()).any()):
+        # kept where the next step needs them: tokens one version old (periodic, async, partial rollouts), or the
+        # alarm's check due then; else dropped (sync mode: no copy between checks)
+        stale = bool(((batch.versions < version) & batch.loss_mask.bool()).any())
+        self.prev = None
+        if stale or (self.check_rows and self.due(version + 1)):
             if trainer.dp:  # (the shards, as ``Trainer._swapped`` puts them back)
                 distributed.reshard(trainer.model)
             where = trainer.device if trainer.dp else torch.device("cpu")

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from relayrl.models import ModelError
+
 
 class Packed:
     """The real tokens of right-padded rows (``attention_mask`` [k, L]) as one row, and back."""
@@ -49,3 +51,43 @@ def padding_fraction(lengths: list[int], groups: list[list[int]], packed: bool) 
         return 0.0
     forwarded = sum(len(g) * max(lengths[i] for i in g) for g in groups)
     return 1 - sum(lengths[i] for g in groups for i in g) / forwarded
+
+
+class PackingError(ModelError):
+    """A model whose packed forward is not its padded one (trainer.pack refused in one line)."""
+
+
+@torch.no_grad()
+def check_packing(model, tol: float = 1e-4) -> None:
+    """The model's log-probs of three rows packed into one sequence against the same rows padded (float32, eval
+    mode): a ``PackingError`` naming the difference where they differ. Transformers confines attention to each
+    packed row from the position ids, but not every layer follows (a recurrent layer's state runs on across rows,
+    Falcon-H1's Mamba; a sliding window or attention sinks over packed rows, gpt-oss), and such a model would train
+    on other numbers than it samples with: found from the model, once, when the trainer starts."""
+    p = next(model.parameters())
+    vocab = model.get_output_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    lengths = [9, 5, 12, 7]
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(0, vocab, (n,), generator=g)
+        att[i, :n] = 1
+    ids, att = ids.to(p.device), att.to(p.device)
+    was = model.training
+    model.eval()
+    try:
+        with torch.autocast(p.device.type, enabled=False):
+            padded = model(input_ids=ids, attention_mask=att, use_cache=False).logits.float().log_softmax(-1)
+            pk = Packed(att)
+            packed = pk.unflat(model(input_ids=pk.flat(ids), position_ids=pk.position_ids, use_cache=False).logits
+                               .float().log_softmax(-1))
+    finally:
+        model.train(was)
+    m = att.bool()
+    err = (packed[m] - padded[m]).abs().max().item()
+    if not err <= tol:
+        name = type(getattr(model, "get_base_model", lambda: model)()).__name__
+        raise PackingError(f"trainer.pack: {name}'s log-probs for rows packed into one sequence differ from its padded "
+                           f"rows' by {err:.2g} (a layer that does not stop at the packed rows' boundaries: a "
+                           "recurrent state, a sliding window or attention sinks): set trainer.pack=false")

@@ -51,6 +51,23 @@ def worth_it(owner: torch.Tensor, cut: torch.Tensor, min_prefix: int = 2) -> boo
     return bool((shared & (cut >= min_prefix)).any())
 
 
+class Unshareable(RuntimeError):
+    """A model whose cache holds more than keys and values (a hybrid's recurrent state): a prefix's keys and values
+    alone do not give its suffixes their context."""
+
+
+def _state_beside_keys(cache) -> str | None:
+    """The name of a state a cache layer holds beside its keys and values (Falcon-H1's Mamba conv and recurrent
+    states), or None."""
+    for layer in getattr(cache, "layers", []):
+        for name, v in vars(layer).items():
+            if name in ("keys", "values"):
+                continue
+            if (torch.is_tensor(v) and v.numel()) or (isinstance(v, dict) and any(torch.is_tensor(x) for x in v.values())):
+                return f"{type(layer).__name__}.{name}"
+    return None
+
+
 def _logits(out) -> torch.Tensor:
     return out.logits
 
@@ -96,6 +113,9 @@ class Prefixes:
             cache = DynamicCache(config=self.config)
             self.call(None, input_ids=ids[t, :c].to(self.dev), attention_mask=self.mask[t, :c].to(self.dev),
                       use_cache=True, **{self.kw: cache})
+            if (extra := _state_beside_keys(cache)) is not None:
+                raise Unshareable(f"its cache holds {extra} beside keys and values (a recurrent layer's state, which "
+                                  "a prefix's keys and values do not carry)")
             pairs.append([tuple(F.pad(x, (0, 0, 0, C - c)) for x in (layer.keys, layer.values))
                           for layer in cache.layers])
         like = next(p for p in pairs if p is not None)
@@ -174,7 +194,12 @@ class PrefixSharing:
         owner, cut = cuts(batch.input_ids, batch.attention_mask, batch.loss_mask, batch.group)
         if not worth_it(owner, cut):
             return None
-        return Prefixes(model, batch, owner, cut, self.budget, grad, call, readout)
+        try:
+            return Prefixes(model, batch, owner, cut, self.budget, grad, call, readout)
+        except Unshareable as e:
+            self.enabled = False
+            self.log(f"trainer.share_prefix: off for this model: {e}; training with the plain forward")
+            return None
 
     @torch.no_grad()
     def verify(self, model, batch, plain=None, readout=_logits, call=None) -> None:

@@ -43,7 +43,7 @@ from relayrl.config import AlgoCfg, TrainerCfg
 from relayrl.fault_injection import fault_point
 from relayrl.train.logprobs import Readout, check_head, install_head
 from relayrl.train.mismatch import VersionCheck, mismatch_sums, sampled_by
-from relayrl.train.packing import Packed
+from relayrl.train.packing import Packed, check_packing
 from relayrl.train.shared_prefix import PrefixSharing
 
 __all__ = ["Trainer", "TrainBatch", "build_batch", "micro_batches", "lr_lambda"]
@@ -102,6 +102,8 @@ class Trainer:
                 if tcfg.bf16 and self.device.type == "cpu" and not checkpointed:
                     m.set_attn_implementation("eager")
         # (the policy only: the reference runs under no_grad, where a checkpointed layer would run plainly anyway)
+        if tcfg.pack:  # (once: packed rows against padded ones, on the model itself)
+            check_packing(model)
         if checkpointed:
             checkpointing.enable(model)
         self.dp = distributed.setup(self.device) if tcfg.fsdp else None  # None: this process trains alone
@@ -196,6 +198,8 @@ class Trainer:
         ``params`` instead of its own weights if given), no grad; on the CPU, on every rank."""
         model = model or self.model
         out = torch.zeros_like(batch.behav_logp)
+        was = model.training
+        model.eval()  # (the engine samples without dropout, model.lora.dropout's included: so are these read)
         with self._swapped(params) if self.dp and params is not None else contextlib.nullcontext():
             groups, _, outputs_of = self._passes(model, batch, False, None if self.dp else params)
             for idx in groups:
@@ -205,6 +209,7 @@ class Trainer:
                 mb = batch.select(idx).to(self.device)
                 lp, _ = self.readout.split(outputs_of(idx, mb), mb.input_ids[:, 1:])
                 out[torch.tensor(idx), : lp.shape[1]] = lp.cpu()
+        model.train(was)
         if self.dp:  # each rank filled its own rows
             out = self.dp.reduce(out)
         return out * batch.loss_mask
