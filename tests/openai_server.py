@@ -1,5 +1,5 @@
 """A small OpenAI-compatible HTTP server on loopback for the tests of teachers and judges (relayrl's clients
-talk to it over real HTTP: ``relayrl.remote``). It serves a real model (a transformers causal LM):
+talk to it over real HTTP: ``relayrl.rewards.remote``). It serves a real model (a transformers causal LM):
 
     GET  /v1/models             the model's id
     POST /v1/completions        token ids (or text) as the prompt, ``echo`` + ``logprobs``: the prompt's log-probs

@@ -10,7 +10,7 @@ import torch
 
 from relayrl.config import AlgoCfg, TeacherCfg, TrainerCfg
 from relayrl.models import ModelError, load_policy, load_tokenizer
-from relayrl.teachers import LocalTeacher, RemoteTeacher, TeacherError, Teachers
+from relayrl.rewards.teachers import LocalTeacher, RemoteTeacher, TeacherError, Teachers
 from relayrl.train.trainer import Trainer
 from tests.openai_server import Server
 from tests.test_shared_prefix import _groups

@@ -9,7 +9,7 @@ Two modes (``reward.judge.mode``):
 
 Served by relayrl's own engine (``reward.judge.path``: ``HFEngine`` on the judge's weights, greedy), or by
 any OpenAI-compatible server (``reward.judge.url``: ``/chat/completions``, greedy, key from an environment
-variable, retried with backoff on transient errors: ``relayrl.remote``). Calls run at most
+variable, retried with backoff on transient errors: ``relayrl.rewards.remote``). Calls run at most
 ``reward.judge.max_concurrency`` at once, each under ``reward.judge.timeout_s``; scores are cached by
 (judge, rendered prompt), which holds the template, the prompt, the response(s), the answer and metadata.
 
@@ -30,7 +30,7 @@ import re
 import threading
 from pathlib import Path
 
-from relayrl.remote import RemoteError, api_key, call, served_models
+from relayrl.rewards.remote import RemoteError, api_key, call, served_models
 
 POINTWISE = """You are grading a response to a task.
 

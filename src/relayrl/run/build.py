@@ -129,7 +129,7 @@ def make_scoring(cfg: Config, tokenizer, prompts=(), train: bool = True) -> dict
     naming no teacher there: one line each, here, before any work. ``train=False`` (relayrl eval): the judge
     only where reward.fn is 'none' (the held-out score is reward.fn's otherwise), no teachers."""
     from relayrl.rewards.judge import Judge
-    from relayrl.teachers import Teachers
+    from relayrl.rewards.teachers import Teachers
 
     j, t = cfg.reward.judge, cfg.teacher
     use_judge = bool(j.path or j.url) and (train or cfg.reward.fn == "none")

@@ -59,11 +59,11 @@ class VersionCheck:
         first, the first steps, then every ``CHECK_EVERY``-th: a copy one step in eight, not every step."""
         return version <= self.CHECK_FIRST or version % self.CHECK_EVERY == 0
 
-    def _prev_params(self, trainer) -> dict:
-        return {k: v.to(trainer.device, non_blocking=True) for k, v in self.prev[1].items()}
+    def _prev_params(self, fwd) -> dict:
+        return {k: v.to(fwd.device, non_blocking=True) for k, v in self.prev[1].items()}
 
     @torch.no_grad()
-    def fresh_against_previous(self, trainer, batch: TrainBatch, version: int | None) -> dict:
+    def fresh_against_previous(self, fwd, batch: TrainBatch, version: int | None) -> dict:
         """Mean mismatch of up to ``check_rows`` rows of tokens sampled by ``version``, under its weights and
         under the previous version's ({} on the first step, or with no such tokens)."""
         if version is None or not self.check_rows or not self.due(version) or self.prev is None or \
@@ -75,12 +75,12 @@ class VersionCheck:
             return {}
         sub = batch.select(rows)
         sel = sel[torch.tensor(rows), : sub.loss_mask.shape[1]]
-        now = mismatch_sums(trainer.logprobs(sub), sub.behav_logp, sel)
-        prev = mismatch_sums(trainer.logprobs(sub, params=self._prev_params(trainer)), sub.behav_logp, sel)
+        now = mismatch_sums(fwd.logprobs(sub), sub.behav_logp, sel)
+        prev = mismatch_sums(fwd.logprobs(sub, params=self._prev_params(fwd)), sub.behav_logp, sel)
         return {"logprob_mismatch_check": now[0] / now[2], "logprob_mismatch_check_prev_weights": prev[0] / prev[2]}
 
     @torch.no_grad()
-    def previous_version(self, trainer, batch: TrainBatch, version: int | None) -> tuple[float, float, float]:
+    def previous_version(self, fwd, batch: TrainBatch, version: int | None) -> tuple[float, float, float]:
         """Mismatch sums of up to ``rows`` rows of tokens sampled one version ago, under that version's weights
         (a small forward pass); then this version's weights are kept for the next step."""
         out = (0.0, 0.0, 0.0)
@@ -91,15 +91,15 @@ class VersionCheck:
             rows = _rows(sel, self.rows)
             if rows:
                 sub = batch.select(rows)
-                lp = trainer.logprobs(sub, params=self._prev_params(trainer))
+                lp = fwd.logprobs(sub, params=self._prev_params(fwd))
                 out = mismatch_sums(lp, sub.behav_logp, sel[torch.tensor(rows), : lp.shape[1]])
         # kept where the next step needs them: tokens one version old (periodic, async, partial rollouts), or the
         # alarm's check due then; else dropped (sync mode: no copy between checks)
         stale = bool(((batch.versions < version) & batch.loss_mask.bool()).any())
         self.prev = None
         if stale or (self.check_rows and self.due(version + 1)):
-            if trainer.dp:  # (the shards, as ``Trainer._swapped`` puts them back)
-                distributed.reshard(trainer.model)
-            where = trainer.device if trainer.dp else torch.device("cpu")
-            self.prev = (version, {k: p.detach().to(where, copy=True) for k, p in lora.trainable(trainer.model).items()})
+            if fwd.dp:  # (the shards, as ``PolicyForward.swapped`` puts them back)
+                distributed.reshard(fwd.model)
+            where = fwd.device if fwd.dp else torch.device("cpu")
+            self.prev = (version, {k: p.detach().to(where, copy=True) for k, p in lora.trainable(fwd.model).items()})
         return out

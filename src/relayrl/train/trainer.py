@@ -21,16 +21,14 @@ the micro-batches; rank 0 leads, sending each call to the other ranks first.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import math
 import time
-import warnings
 
 import torch
 
-from relayrl.train import checkpointing, distributed, host_memory, lora
+from relayrl.train import distributed, host_memory, lora
 from relayrl.algos import AGGREGATIONS, CORRECTIONS, ESTIMATORS, NEEDS_CRITIC, POLICY_LOSSES, kl_penalty, lookup
 from relayrl.algos.estimators import GROUP_BASELINE, over_episodes
 from relayrl.algos.estimators import Knobs as EstimatorKnobs
@@ -41,9 +39,9 @@ from relayrl.algos.shaping import fold_kl
 from relayrl.train.batch import TrainBatch, build_batch, micro_batches
 from relayrl.config import AlgoCfg, TrainerCfg
 from relayrl.fault_injection import fault_point
-from relayrl.train.logprobs import Readout, check_head, install_head
+from relayrl.train.forward import PolicyForward, prepare
+from relayrl.train.logprobs import Readout
 from relayrl.train.mismatch import VersionCheck, mismatch_sums, sampled_by
-from relayrl.train.packing import Packed, check_packing
 from relayrl.train.shared_prefix import PrefixSharing
 
 __all__ = ["Trainer", "TrainBatch", "build_batch", "micro_batches", "lr_lambda"]
@@ -91,27 +89,10 @@ class Trainer:
             host_memory.release_large_blocks()
         # the log-probs: whole logits, or (trainer.logprob_chunk_tokens) the head chunk by chunk (logprobs.py)
         self.readout = Readout(tcfg.logprob_chunk_tokens, temperature, top_k, top_p)
-        checkpointed = checkpointing.wanted(tcfg.gradient_checkpointing, model)
-        for m in (model, self.ref):
-            if m is not None and (tcfg.bf16 or tcfg.logprob_chunk_tokens):
-                install_head(m, float32=tcfg.bf16)  # (the float32 head of trainer.bf16, and the chunked readout)
-                if tcfg.logprob_chunk_tokens and m is model:  # (once: the chunked head against the model's own logits)
-                    check_head(m, self.readout)
-                # (the CPU's bfloat16 SDPA backward: 2.4x its float32 time; but eager attention holds T x T
-                # probabilities per head: where memory is asked for, checkpointing, SDPA keeps it linear)
-                if tcfg.bf16 and self.device.type == "cpu" and not checkpointed:
-                    m.set_attn_implementation("eager")
-        # (the policy only: the reference runs under no_grad, where a checkpointed layer would run plainly anyway)
-        if tcfg.pack:  # (once: packed rows against padded ones, on the model itself)
-            check_packing(model)
-        if checkpointed:
-            checkpointing.enable(model)
-        self.dp = distributed.setup(self.device) if tcfg.fsdp else None  # None: this process trains alone
-        for m in (model, self.ref):
-            if m is not None:
-                m.to(self.device)
-                if self.dp:
-                    distributed.shard(m)
+        self.dp = prepare(model, self.ref, tcfg, self.readout, self.device)  # None: this process trains alone
+        # (FSDP: every rank runs its share of the micro-batches in step with the others: the plain forward;
+        # config refuses trainer.share_prefix set with trainer.fsdp)
+        self.fwd = PolicyForward(model, tcfg, self.readout, self.device, self.dp)
         self.params = [p for p in model.parameters() if p.requires_grad]  # (with an adapter: its tensors only)
         self.opt = torch.optim.AdamW(  # after sharding: it holds this rank's shards
             self.params, lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay
@@ -129,10 +110,6 @@ class Trainer:
         self.kl_in_reward = (self.ref is not None or self.ref_is_base) and acfg.kl_mode == "reward"
         self.critic = critic
         self.teacher_coef = teacher_coef  # on-policy distillation: λ of the teacher's per-token term (batch.teacher_logp)
-        # (FSDP: every rank runs its share of the micro-batches in step with the others: the plain forward;
-        # config refuses trainer.share_prefix set with trainer.fsdp)
-        self.sharing = PrefixSharing(tcfg.share_prefix and self.dp is None, tcfg.micro_batch_tokens,
-                                     log=lambda m: warnings.warn(m, stacklevel=3))
         if (acfg.advantage in NEEDS_CRITIC) != (critic is not None):
             raise ValueError(f"algo.advantage={acfg.advantage!r} {'needs a' if critic is None else 'takes no'} critic")
 
@@ -141,95 +118,14 @@ class Trainer:
         """Rank 0 of an FSDP run: its calls are sent to the other ranks first."""
         return self.dp is not None and self.dp.leads
 
-    def _micro_batches(self, batch: TrainBatch) -> list[list[int] | None]:
-        """This rank's micro-batches of ``batch`` (None: a pass with no rows, to keep in step)."""
-        groups = micro_batches(batch, self.tcfg.micro_batch_tokens, packed=self.tcfg.pack)
-        return self.dp.share(groups) if self.dp else groups
+    @property
+    def sharing(self) -> PrefixSharing:
+        return self.fwd.sharing
 
-    # -- forward helpers -------------------------------------------------------------------
-    def _logits(self, model, mb: TrainBatch, params: dict | None = None, entropy: bool = False) -> torch.Tensor:
-        """[k, L-1, X]: logits, or (chunked) (log-prob, entropy) on the trained positions (0 elsewhere); the
-        rows forwarded padded, or (``trainer.pack``) as one sequence of their real tokens (``packing``)."""
-        pad = lambda x: torch.nn.functional.pad(x, (0, 1))  # noqa: E731 (the last position predicts nothing)
-        targets, trained = pad(mb.input_ids[:, 1:]), pad(mb.loss_mask.bool())
-        call = self._caller(model, params)
-        if not self.tcfg.pack:
-            with self.readout.context(model, targets, trained, entropy):
-                return call(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1]
-        p = Packed(mb.attention_mask)
-        with self.readout.context(model, p.flat(targets), p.flat(trained), entropy):
-            out = call(input_ids=p.flat(mb.input_ids), position_ids=p.position_ids, use_cache=False).logits
-        return p.unflat(out)[:, :-1]
-
-    @staticmethod
-    def _caller(model, params: dict | None):
-        """How ``model`` is run: itself, or (``params``) the same module with other weights."""
-        if params is None:
-            return lambda **kw: model(**kw)
-        return lambda **kw: torch.func.functional_call(model, params, (), kw)
-
-    def _prefix_call(self, model, params: dict | None = None, entropy: bool = False):
-        """How ``Prefixes`` runs ``model``: its prefixes' pass (targets None) and suffixes' (targets, trained)."""
-        caller = self._caller(model, params)
-
-        def call(targets=None, **kw):
-            with self.readout.context(model, *(targets or (None, None)), entropy):
-                return caller(**kw)
-
-        return call
-
-    def _passes(self, model, batch: TrainBatch, grad: bool, params: dict | None = None, entropy: bool = False):
-        """(micro-batches, outputs of one: ``_logits``'): through the group's shared prefixes where
-        ``trainer.share_prefix`` finds some (``shared_prefix``: the prefixes forwarded once, here), else the
-        plain forward of each."""
-        call = self._prefix_call(model, params, entropy)
-        pre = self.sharing.prefixes(model, batch, grad, call) if self.dp is None else None
-        if pre is None:
-            return self._micro_batches(batch), None, lambda idx, mb: self._logits(model, mb, params, entropy)
-        return pre.micro_batches(self.tcfg.micro_batch_tokens), pre, lambda idx, mb: pre.outputs(idx)
-
-    def _logp(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """log π of the targets under the distribution the engine samples from (T, top-k, top-p)."""
-        return self.readout.logp(logits, targets)
-
-    @torch.no_grad()
     def logprobs(self, batch: TrainBatch, model=None, params: dict | None = None) -> torch.Tensor:
-        """Per-token log-probs [N, L-1] of ``batch`` under ``model`` (default: the policy, with
-        ``params`` instead of its own weights if given), no grad; on the CPU, on every rank."""
-        model = model or self.model
-        out = torch.zeros_like(batch.behav_logp)
-        was = model.training
-        model.eval()  # (the engine samples without dropout, model.lora.dropout's included: so are these read)
-        with self._swapped(params) if self.dp and params is not None else contextlib.nullcontext():
-            groups, _, outputs_of = self._passes(model, batch, False, None if self.dp else params)
-            for idx in groups:
-                if idx is None:  # (FSDP) this rank has no rows left: a forward all the same
-                    self._logits(model, batch.select([0]).to(self.device))
-                    continue
-                mb = batch.select(idx).to(self.device)
-                lp, _ = self.readout.split(outputs_of(idx, mb), mb.input_ids[:, 1:])
-                out[torch.tensor(idx), : lp.shape[1]] = lp.cpu()
-        model.train(was)
-        if self.dp:  # each rank filled its own rows
-            out = self.dp.reduce(out)
-        return out * batch.loss_mask
-
-    @contextlib.contextmanager
-    def _swapped(self, params: dict):
-        """(FSDP) The policy with ``params`` (shards, by name) in place of its weights, copied in and
-        back: FSDP2 gathers a layer's own parameters for its forward, so ``functional_call``'s
-        substitutes would be ignored."""
-        distributed.reshard(self.model)
-        named = dict(self.model.named_parameters())
-        with torch.no_grad():
-            own = {k: named[k].detach().clone() for k in params}
-            try:
-                for k, v in params.items():
-                    named[k].copy_(v)
-                yield
-            finally:
-                for k, v in own.items():
-                    named[k].copy_(v)
+        """Per-token log-probs [N, L-1] of ``batch`` under ``model`` (default: the policy, with ``params`` instead
+        of its own weights if given): ``PolicyForward.logprobs``."""
+        return self.fwd.logprobs(batch, model, params)
 
     # -- one optimiser step ----------------------------------------------------------------
     def accumulate(self, batch: TrainBatch, old_logp, ref_logp, num_tokens: float, num_seqs: float,
@@ -246,10 +142,10 @@ class Trainer:
                 "mismatch_max": 0.0, "mismatch_tokens": 0.0, "seq_log_w": torch.zeros(batch.size)}
         a = self.acfg
         dev = self.device
-        groups, prefixes, outputs_of = self._passes(self.model, batch, True, entropy=True)
+        groups, prefixes, outputs_of = self.fwd.passes(self.model, batch, True, entropy=True)
         for idx in groups:
             if idx is None:  # (FSDP) this rank has no rows left: a zero-loss pass, as FSDP needs every rank's
-                (self._logits(self.model, batch.select([0]).to(dev)).sum() * 0).backward()
+                (self.fwd.logits(self.model, batch.select([0]).to(dev)).sum() * 0).backward()
                 continue
             mb = batch.select(idx).to(dev)
             t = torch.tensor(idx)
@@ -361,8 +257,8 @@ class Trainer:
             self.dp.send("step", batch, version)
         if self.dp is None:
             # (once; in eval mode, where dropout cannot tell them apart; chunked: log-probs, not logits)
-            self.sharing.verify(self.model, batch, lambda mb: self._logits(self.model, mb),
-                                call=self._prefix_call(self.model))
+            self.sharing.verify(self.model, batch, lambda mb: self.fwd.logits(self.model, mb),
+                                call=self.fwd.prefix_call(self.model))
         self.model.train()
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.tcfg.bf16):
             totals, mismatch, est_metrics, batch = self._update(batch, version)
@@ -387,8 +283,8 @@ class Trainer:
         loss_ref = None if self.kl_in_reward else ref_logp
         fresh = batch.loss_mask if version is None else sampled_by(batch.versions, batch.loss_mask, version)
         mismatch = [mismatch_sums(old_logp, batch.behav_logp, fresh)] if old_logp is not None else []
-        prev_check = self.versions.fresh_against_previous(self, batch, version)  # (before the previous weights go)
-        mismatch.append(self.versions.previous_version(self, batch, version))
+        prev_check = self.versions.fresh_against_previous(self.fwd, batch, version)  # (before the previous weights go)
+        mismatch.append(self.versions.previous_version(self.fwd, batch, version))
         perm = torch.randperm(batch.size)
         perm = (self.dp.broadcast(perm) if self.dp else perm).tolist()  # (FSDP: rank 0's order on every rank)
         # (a batch left with fewer rows than updates_per_step, after failed episodes were left out: fewer steps)
@@ -449,10 +345,10 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         nll = 0.0
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.tcfg.bf16):
-            groups, _, outputs_of = self._passes(self.model, batch, True)
+            groups, _, outputs_of = self.fwd.passes(self.model, batch, True)
             for idx in groups:
                 if idx is None:  # (FSDP) a zero-loss pass, as FSDP needs every rank's
-                    (self._logits(self.model, batch.select([0]).to(self.device)).sum() * 0).backward()
+                    (self.fwd.logits(self.model, batch.select([0]).to(self.device)).sum() * 0).backward()
                     continue
                 mb = batch.select(idx).to(self.device)
                 logp, _ = self.readout.split(outputs_of(idx, mb), mb.input_ids[:, 1:])

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from relayrl.models import ModelError
-from relayrl.remote import RemoteError, api_key, call, served_models
+from relayrl.rewards.remote import RemoteError, api_key, call, served_models
 
 REMOTE = ("http://", "https://")
 
