@@ -409,8 +409,7 @@ def test_a_verifier_that_always_raises_stops_the_run_in_its_first_step(tiny_path
     where, of = ("the evaluation before training (sampled)", "8 of 8") if with_eval else ("step 1", "16 of 16")
     assert lines[0].startswith(f"relayrl: user code error: {where}: reward.fn=broken.py:score raised in {of} episodes")
     assert "ZeroDivisionError: division by zero" in lines[0] and "run.max_failure_frac" in lines[0]
-    assert not (tmp_path / "runs" / "demo" / "checkpoints").exists() or not any(
-        (tmp_path / "runs" / "demo" / "checkpoints").iterdir())  # nothing of the failed step was saved
+    assert not any(tmp_path.glob("runs/*/checkpoints/*"))  # nothing of the failed step was saved
 
 
 class SometimesHangs(ToolEnv):
