@@ -45,16 +45,18 @@ itself the n-th time it reaches generate = a completion received, train = a micr
 checkpoint = inside a checkpoint write before the atomic rename, eval = between the sampled and
 greedy halves of an evaluation) with n drawn from a range by ``--seed``; the others are an
 external ``kill -9`` at a random wall-clock time after start (start-up, model loading, between
-phases), or a random delay after the attempt logged its k-th step. The 22 cases cover
+phases), or a random delay after the attempt logged its k-th step. The 26 cases cover
 ``run.mode`` sync, periodic and async, each with ``rollout.partial`` on and off, and include a
 kill while the first checkpoint is written, kills before any checkpoint (``--resume`` must then
 start cleanly from scratch), kills during evaluation (``eval.every=2``, a small held-out set),
 cases killed two or three times, and two runs with a critic (``algo.advantage=gae``; checked
 too: 5. **critic**, the final checkpoint holds the critic's weights and optimiser state and its
-schedule counted every step once, as the policy's did). The counters of ``RELAYRL_KILL_AT`` are per process, so a kill
+schedule counted every step once, as the policy's did), and four of ``relayrl sft`` (killed in a step, in its first
+checkpoint write, at start-up then after a step, in an evaluation; checked by 5. **exact** in place of once: every
+step's loss and the final weights those of a run never killed, the data cursor at steps × batch examples). The counters of ``RELAYRL_KILL_AT`` are per process, so a kill
 of a resumed attempt counts from that attempt's start.
 
-    python benchmarks/kill_torture.py                 # all 22 cases (~21 min on 2 shared cores)
+    python benchmarks/kill_torture.py                 # all 26 cases (~21 min on 2 shared cores)
     python benchmarks/kill_torture.py --cases 3       # the first 3 (what tests/test_kill_torture.py runs)
     python benchmarks/kill_torture.py --only 4 19 --keep   # chosen cases (1-based), keep their run dirs
     python benchmarks/kill_torture.py --seed 7        # other random kill moments
@@ -138,6 +140,7 @@ class Case:
     kills: list[Kill]
     eval: bool = False
     extra: tuple[str, ...] = ()  # more overrides (a critic: algo.advantage=gae)
+    command: str = "train"  # or "sft" (mode and partial then unused)
 
 
 # With the base config a run receives >= 16 completions and trains >= 1 micro-batch per step (6
@@ -170,7 +173,15 @@ CASES = [
     # with a critic (PPO's GAE): its weights, optimiser and schedule are part of every checkpoint
     Case("async", True, [fault("train", 3, 6, why="critic: in a training micro-batch")], extra=CRITIC),
     Case("sync", False, [fault("checkpoint", 2, why="critic: in its second checkpoint write")], extra=CRITIC),
+    # relayrl sft (checked: 5. **exact**, the losses of every step and the final weights those of one run never
+    # killed, and the data cursor at steps × sft.batch_size examples)
+    Case("sft", False, [fault("train", 3, 5, why="sft: a step")], command="sft"),
+    Case("sft", False, [fault("checkpoint", 1, why="sft: first checkpoint write")], command="sft"),
+    Case("sft", False, [wall(0.5, 6.0, why="sft: start-up"), after_step(1, 3)], command="sft"),
+    Case("sft", False, [fault("eval", 1, 6, why="sft: an evaluation")], eval=True, command="sft"),
 ]
+SFT_BASE = ["sft.batch_size=8", f"run.steps={STEPS}", "run.save_every=2", "run.progress=false",
+            "run.keep_checkpoints=3", "rollout.max_new_tokens=64", "trainer.lr=1e-3"]
 
 
 # ---------------------------------------------------------------- processes
@@ -485,6 +496,43 @@ def case_label(case: Case) -> str:
             + "".join(f" +{x}" for x in case.extra))
 
 
+def case_command(case: Case, workdir: Path, name: str, extra) -> list[str]:
+    if case.command == "sft":
+        return [sys.executable, "-m", "relayrl.cli", "sft", f"run.output_dir={workdir}", f"run.name={name}", *SFT_BASE,
+                *(WITH_EVAL if case.eval else NO_EVAL), *case.extra, *extra]
+    return [sys.executable, "-m", "relayrl.cli", "train", f"run.output_dir={workdir}", f"run.name={name}",
+            f"run.mode={case.mode}", f"rollout.partial={str(case.partial).lower()}", *BASE,
+            *(WITH_EVAL if case.eval else NO_EVAL), *case.extra, *extra]
+
+
+def sft_reference(workdir: Path, env: dict, extra) -> Path:
+    """The run directory of an SFT run never killed (made once per workdir): what a killed one must equal."""
+    ref = workdir / "sft-reference"
+    if not (ref / "checkpoints" / f"step_{STEPS:06d}").is_dir():
+        subprocess.run(case_command(Case("sft", False, [], command="sft"), workdir, ref.name, extra), env=env,
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+    return ref
+
+
+def check_exact(run_dir: Path, steps: int, ref: Path) -> tuple[bool, str]:
+    """(relayrl sft.) Every step's loss and the final weights those of the run never killed; the data cursor at
+    steps × sft.batch_size examples (none taken twice, none skipped)."""
+    import torch
+    from safetensors.torch import load_file
+
+    got = [m.get("loss") for m in read_jsonl(run_dir / "metrics.jsonl")]
+    want = [m.get("loss") for m in read_jsonl(ref / "metrics.jsonl")]
+    if len(got) != len(want) or any(abs(a - b) > 1e-5 * max(1.0, abs(b)) for a, b in zip(got, want)):
+        return False, f"losses {got} != the uninterrupted run's {want}"
+    final = f"checkpoints/step_{steps:06d}"
+    state = json.loads((run_dir / final / "state.json").read_text())
+    if state["sampler"]["consumed"] != steps * 8:
+        return False, f"sampler.consumed {state['sampler']['consumed']} != {steps} × 8"
+    a, b = load_file(run_dir / final / "model.safetensors"), load_file(ref / final / "model.safetensors")
+    off = [k for k in a if not torch.allclose(a[k], b[k], atol=1e-6)]
+    return (not off, f"weights differ from the uninterrupted run's: {off[:3]}" if off else "")
+
+
 def attempt_with_replans(i: int, kill: Kill | None, n_kills: int, cmd: list[str], env: dict, run_dir: Path,
                          logs: Path, rng: random.Random, random_for, workdir: Path, tries: list, notes: list,
                          timeout: float, grace: float, marker: str) -> Attempt:
@@ -537,9 +585,7 @@ def run_case(index: int, workdir: Path, seed: int = 0, src: Path | None = None, 
     src = src or REPO / "src"
     env = {**os.environ, MARKER: marker, "PYTHONUNBUFFERED": "1", "COLUMNS": "400",
            "PYTHONPATH": os.pathsep.join(p for p in (str(src), os.environ.get("PYTHONPATH", "")) if p)}
-    cmd = [sys.executable, "-m", "relayrl.cli", "train", f"run.output_dir={workdir}", f"run.name={name}",
-           f"run.mode={case.mode}", f"rollout.partial={str(case.partial).lower()}", *BASE,
-           *(WITH_EVAL if case.eval else NO_EVAL), *case.extra, *extra]
+    cmd = case_command(case, workdir, name, extra)
     logs = workdir / f"{name}-logs"
     logs.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -582,8 +628,10 @@ def run_case(index: int, workdir: Path, seed: int = 0, src: Path | None = None, 
     if final.rc not in (0, -signal.SIGKILL) and not final.landed.startswith("HUNG"):
         notes.append(f"attempt {len(attempts) - 1} exited {final.rc}: {last_line(final.log_tail)}")
     checks, why = {"exit 0": completed}, {}
-    for key, fn in (("once", check_once), ("steps", check_steps), ("loads", check_loads),
-                    *([("critic", check_critic)] if CRITIC[0] in case.extra else [])):
+    sft = case.command == "sft"
+    for key, fn in (*([] if sft else [("once", check_once)]), ("steps", check_steps), ("loads", check_loads),
+                    *([("critic", check_critic)] if CRITIC[0] in case.extra else []),
+                    *([("exact", lambda d, n: check_exact(d, n, sft_reference(workdir, env, extra)))] if sft else [])):
         checks[key], why[key] = fn(run_dir, STEPS)
     blind = sorted({i for i, a in tries if a.seconds > 3 and a.procs_seen == 0})
     if blind:  # the CLI itself carries the marker: a scan that never saw it proves nothing
@@ -593,7 +641,7 @@ def run_case(index: int, workdir: Path, seed: int = 0, src: Path | None = None, 
     kills = [a for a in attempts if a.killed]
     result = {
         "case": index + 1,
-        "mode": case.mode,
+        "mode": case.mode if case.command == "train" else "sft",
         "partial": case.partial,
         "eval": case.eval,
         "extra": list(case.extra),
@@ -629,13 +677,14 @@ def row(r: dict) -> list[str]:
     mode = r["mode"] + (" +eval" if r["eval"] else "") + "".join(f" +{x}" for x in r.get("extra", []))
     return [str(r["case"]), mode, "on" if r["partial"] else "off", r["where"],
             str(r["kills"]) + (f" of {len(r['planned'])}" if r["kills"] != len(r["planned"]) else ""),
-            str(r["replans"] or "—"), ", ".join(r["resumed_from"]) or "—", mark(c["exit 0"]), mark(c["once"]),
+            str(r["replans"] or "—"), ", ".join(r["resumed_from"]) or "—", mark(c["exit 0"]),
+            mark(c["once"] if "once" in c else c["exact"]),
             mark(c["steps"]), mark(c["loads"]), mark(c["critic"]) if "critic" in c else "—", mark(c["no orphans"]),
             f"{r['seconds']:.0f}"]
 
 
 HEADER = ["#", "mode", "partial", "where killed [run dir at the kill]", "kills", "re-plans", "resumed from step",
-          "exit 0", "once", "steps", "loads", "critic", "no orphans", "s"]
+          "exit 0", "once (sft: exact)", "steps", "loads", "critic", "no orphans", "s"]
 
 
 def main() -> int:

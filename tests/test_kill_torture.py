@@ -18,18 +18,20 @@ REDUCED = {
     1: ("periodic", True, "train", ()),  # killed in a training micro-batch
     2: ("async", False, "generate", ()),  # killed while completions arrive
     20: ("async", True, "train", kill_torture.CRITIC),  # with a critic, in a training micro-batch
+    22: ("sft", False, "train", ()),  # relayrl sft, killed in a step: the same losses and weights as never killed
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", list(REDUCED), ids=["sync-first-checkpoint", "periodic+partial-train",
-                                                      "async-generate", "async+partial+critic-train"])
+                                                      "async-generate", "async+partial+critic-train", "sft-train"])
 def test_killed_run_resumes_exactly(tmp_path, index):
     case = kill_torture.CASES[index]
     assert (case.mode, case.partial, case.kills[0].phase, case.extra) == REDUCED[index]
     r = kill_torture.run_case(index, tmp_path, seed=0)
     assert r["kills"] == len(case.kills), r["notes"]
     assert ("critic" in r["checks"]) == bool(case.extra)
+    assert ("exact" in r["checks"]) == (case.command == "sft")
     assert r["passed"], json.dumps({k: r[k] for k in ("where", "checks", "notes", "resumed_from")}, indent=1,
                                    ensure_ascii=False) + "\n" + "\n".join(
         f"attempt {i} log tail:\n{a['log_tail']}" for i, a in enumerate(r["attempts"]) if a["log_tail"])
