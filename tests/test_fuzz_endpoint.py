@@ -169,8 +169,8 @@ def request_problem(endpoint, route: str, auth: str, body, timeout_s: float = 20
 
 @BUDGET
 @given(REQUESTS)
-def test_fuzzed_requests_get_200_or_a_4xx_in_openais_shape_never_a_500(endpoint, request):
-    route, auth, body = request
+def test_fuzzed_requests_get_200_or_a_4xx_in_openais_shape_never_a_500(endpoint, req):
+    route, auth, body = req
     problem = request_problem(endpoint, route, auth, body)
     assert problem is None, f"{problem} ({route} {auth} {body!r:.300})"
 
