@@ -60,7 +60,7 @@ def test_chunked_head_equals_whole_logits(family, tok):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["llama-tied", "granite", "gemma2", "cohere2"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_chunked_head_under_bf16_equals_whole_logits(family, tok):
     """trainer.bf16 (the float32 head under bfloat16 autocast): chunked against whole logits, Gemma's softcap
     included (it was refused under bf16 even with whole logits)."""
