@@ -5,7 +5,7 @@ first, and a client without a key would learn the schema from the 400), and boun
   episodes' event loop, > 2 GiB before its 400);
 - JSON: invalid JSON, invalid UTF-8, an integer past Python's 4,300 digits or nesting too deep for the parser
   are a 400, never a 500;
-- content: nesting past ``MAX_DEPTH`` (tool parameters 900 deep made the chat template recurse) and lone
+- content: nesting past ``openai_format.MAX_DEPTH`` (tool parameters 900 deep made the chat template recurse) and lone
   surrogates (``"\\ud800"``: JSON can spell them, no tokenizer can encode them) anywhere are a 400 naming where.
 """
 
@@ -17,10 +17,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from relayrl.serve.openai_format import ApiError
-
-MAX_DEPTH = 64  # levels of JSON a request may nest; a tool's parameter schema takes a handful
-
+from relayrl.serve.openai_format import ApiError, json_problem
 
 def body_limit(max_model_len: int | None) -> int:
     """Bytes a request may send: room for the model's whole context at 32 bytes a token (JSON-escaped text,
@@ -63,33 +60,6 @@ def invalid(errors: list[dict], skip: int) -> ApiError:
     if first.get("type") == "json_invalid":
         where, msg = "body", f"the body is not valid JSON ({first.get('ctx', {}).get('error', msg)})"
     return ApiError(400, f"{where}: {msg}", param=where)
-
-
-def json_problem(data: Any) -> tuple[str, str] | None:
-    """(where, message) of the first value nested past ``MAX_DEPTH`` or text with a lone surrogate; None if none."""
-    stack = [(data, "", 0)]
-    while stack:
-        value, path, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            return path, f"{path or 'body'}: nested deeper than {MAX_DEPTH} levels"
-        if isinstance(value, dict):
-            for k, v in value.items():
-                if bad := _surrogate(k):
-                    return path, f"{path or 'body'}: a key with invalid Unicode: {bad}"
-                stack.append((v, f"{path}.{k}" if path else str(k), depth + 1))
-        elif isinstance(value, list):
-            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
-        elif isinstance(value, str) and (bad := _surrogate(value)):
-            return path, f"{path or 'body'}: invalid Unicode: {bad}"
-    return None
-
-
-def _surrogate(text: str) -> str | None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return f"a lone surrogate at character {e.start + 1} (no tokenizer can encode it)"
-    return None
 
 
 def _too_large(limit: int) -> ApiError:

@@ -80,6 +80,36 @@ class GenerateRequest(BaseModel):
     sampling_params: dict[str, Any] = Field(default_factory=dict)
 
 
+MAX_DEPTH = 64  # levels of JSON a request may nest; a tool's parameter schema takes a handful
+
+
+def json_problem(data: Any) -> tuple[str, str] | None:
+    """(where, message) of the first value nested past ``MAX_DEPTH`` or text with a lone surrogate; None if none."""
+    stack = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return path, f"{path or 'body'}: nested deeper than {MAX_DEPTH} levels"
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if bad := _surrogate(k):
+                    return path, f"{path or 'body'}: a key with invalid Unicode: {bad}"
+                stack.append((v, f"{path}.{k}" if path else str(k), depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
+        elif isinstance(value, str) and (bad := _surrogate(value)):
+            return path, f"{path or 'body'}: invalid Unicode: {bad}"
+    return None
+
+
+def _surrogate(text: str) -> str | None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"a lone surrogate at character {e.start + 1} (no tokenizer can encode it)"
+    return None
+
+
 # ------------------------------------------------------------------------------- messages in
 
 
@@ -106,8 +136,6 @@ def call_text(name: str, arguments: dict) -> str:
 
 
 def _arguments(raw: Any, where: str) -> dict:
-    from relayrl.serve.bodies import json_problem  # (bodies reads whole requests; it imports ApiError from here)
-
     if isinstance(raw, dict):
         return raw
     if raw is not None and not isinstance(raw, str):
