@@ -5,8 +5,9 @@ first, and a client without a key would learn the schema from the 400), and boun
   episodes' event loop, > 2 GiB before its 400);
 - JSON: invalid JSON, invalid UTF-8, an integer past Python's 4,300 digits or nesting too deep for the parser
   are a 400, never a 500;
-- content: nesting past ``openai_format.MAX_DEPTH`` (tool parameters 900 deep made the chat template recurse) and lone
-  surrogates (``"\\ud800"``: JSON can spell them, no tokenizer can encode them) anywhere are a 400 naming where.
+- content: nesting past ``openai_format.MAX_DEPTH`` (tool parameters 900 deep made the chat template recurse)
+  and lone surrogates (``"\\ud800"``: JSON can spell them, no tokenizer can encode them) anywhere are a 400
+  naming where (``openai_format.json_problem``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from relayrl.serve.openai_format import ApiError, json_problem
+
 
 def body_limit(max_model_len: int | None) -> int:
     """Bytes a request may send: room for the model's whole context at 32 bytes a token (JSON-escaped text,
