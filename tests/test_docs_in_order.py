@@ -23,7 +23,8 @@ from relayrl import cli
 from relayrl.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", ROOT / "docs" / "getting-started.md", ROOT / "docs" / "guides" / "lora.md"]
+PAGES = [ROOT / "README.md", ROOT / "docs" / "getting-started.md", ROOT / "docs" / "guides" / "lora.md",
+         *(ROOT / "docs" / "guides" / f"{g}.md" for g in ("sft", "distillation", "judges"))]
 SHORT = ["run.steps=2", "eval.size=8"]
 LONG = 20  # steps: a run longer than this is shortened
 SKIP = {  # the start of a line -> why it does not run here
@@ -32,6 +33,10 @@ SKIP = {  # the start of a line -> why it does not run here
     "relayrl train my.yaml model.path=Qwen/": "needs a GPU and the Hugging Face hub",
     "python examples/minimal_loop.py": "tests/test_minimal_loop.py runs it",
     "python benchmarks/": "a benchmark: minutes of measuring",
+    "relayrl train reward.judge.url=": "needs a judge's server (tests/test_judges.py runs one on loopback)",
+    "relayrl train reward.judge.path=my-judge": "a judge of the reader's own",
+    "python examples/judge_demo/": "makes a judge in ~10 minutes (its pieces: tests/test_judges.py, tests/test_sft.py)",
+    "relayrl train reward.judge.path=runs/judge-demo": "the judge the line before makes",
 }
 # `pip install ... && relayrl train`: the tests run in the installed environment (.ci/run runs the README's own
 # pip commands), so what follows the install runs
@@ -73,10 +78,10 @@ def reading(page: Path) -> list[tuple[str, str]]:
 def _shortened(line: str, folder: Path) -> str:
     """``line`` with SHORT appended where it trains for more than LONG steps."""
     words = shlex.split(line, comments=True)
-    if words[:2] != ["relayrl", "train"] or "--help" in words:
+    if words[:2] not in (["relayrl", "train"], ["relayrl", "sft"]) or "--help" in words:
         return line
     config, overrides = cli._split([w for w in words[2:] if not w.startswith("--")])
-    cfg = load_config(str(folder / config) if config else None, overrides)
+    cfg = load_config(str(folder / config) if config else None, overrides)  # (relayrl sft's default: 80 steps too)
     return line if cfg.run.steps <= LONG else f"{line.split('#')[0].rstrip()} {' '.join(SHORT)}"
 
 

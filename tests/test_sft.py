@@ -165,7 +165,7 @@ def _metrics(run_dir):
 def test_sft_learns_checkpoints_load_and_a_killed_run_resumes_exactly(tiny_path, tmp_path):
     """The demonstrations' loss falls; a run killed after its step-4 checkpoint resumes to the same weights and
     metrics as one never killed; its checkpoint is taken by relayrl train and relayrl eval as it is."""
-    args = [f"model.path={tiny_path}", *SMALL, "run.steps=8", "run.save_every=2", "trainer.lr=3e-3"]
+    args = [f"model.path={tiny_path}", *SMALL, "run.steps=8", "run.save_every=2", "trainer.lr=3e-3", "run.name=sft"]
     whole = _cli("sft", *args, f"run.output_dir={tmp_path / 'a'}", cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr
     m = _metrics(tmp_path / "a" / "sft")

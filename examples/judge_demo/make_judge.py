@@ -2,8 +2,8 @@
 verifier, teach a copy of the demo model to judge (relayrl sft); it then replaces the verifier in RL.
 
     python examples/judge_demo/make_judge.py runs/judge-demo     # ~10 min on 2 CPU cores
-    relayrl train reward.judge.path=runs/judge-demo/judge/checkpoints/step_000150 \\
-        reward.judge.template=examples/judge_demo/template.txt reward.fn=math reward.fn_weight=0 run.name=judged
+    relayrl train reward.judge.path=runs/judge-demo/judge reward.judge.template=examples/judge_demo/template.txt \\
+        reward.fn=math reward.fn_weight=0 run.name=judged
 
 The judge sees what examples/judge_demo/template.txt shows (the response and the reference answer) and replies
 "Score: 1" or "Score: 0". In the run, reward.fn_weight=0 leaves the verifier out of the reward (the judge's alone

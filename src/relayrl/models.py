@@ -74,7 +74,20 @@ def resolve_model_path(path: str, log=print, field: str = "model.path") -> str:
         return str(agent_demo_model_path(log=log))
     if path.startswith("builtin:"):
         raise ModelError(f"{field}={path!r}: unknown built-in model; valid: builtin:demo, builtin:agent-demo")
-    return path
+    return newest_checkpoint_of(path, field)
+
+
+def newest_checkpoint_of(path: str, field: str = "model.path") -> str:
+    """``path``, or where it is a relayrl run's folder (``runs/demo``: no model of its own, a ``checkpoints``
+    folder) its newest complete checkpoint: a ``step_N`` folder, whose name it gets only once written whole."""
+    p = Path(os.path.expanduser(path))
+    ckpts = p / "checkpoints"
+    if not ckpts.is_dir() or any((p / f).exists() for f in ("config.json", "adapter_config.json")):
+        return path
+    steps = sorted(c for c in ckpts.glob("step_*") if (c / "state.json").exists())
+    if not steps:
+        raise ModelError(f"{field}={path!r}: a run's folder with no complete checkpoint under {ckpts}")
+    return str(steps[-1])
 
 
 def load_tokenizer(path: str, prompt_format: str | None = None, field: str = "model.path"):

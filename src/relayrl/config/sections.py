@@ -26,7 +26,10 @@ TrackerName = Literal["jsonl", "tensorboard", "wandb", "mlflow", "trackio", "swa
 class RunCfg(_Section):
     """The run: name, length, mode, checkpoints."""
 
-    name: str = Field("demo", description="Run name; outputs go to <output_dir>/<name>/.")
+    name: str = Field("demo", description="Run name; outputs go to <output_dir>/<name>/. Unset, the run is named "
+                      "after its command: the config file's name (or demo; relayrl sft: sft) and each override, key and "
+                      "value (runs/demo-run.mode-async), so the same command with --resume finds its folder again; "
+                      "overrides of length and monitoring (run.steps, eval.*, saving, threads, trackers) do not count.")
     output_dir: str = Field("runs", description="Parent folder of run directories.")
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
     steps: int = Field(80, ge=1, description="Number of training steps (one policy update each).")

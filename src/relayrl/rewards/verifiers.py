@@ -15,6 +15,7 @@ stop the run (``relayrl.failures``).
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import sys
@@ -26,6 +27,11 @@ from relayrl.extras import require
 from relayrl.rewards.answers import extract_answer, last_boxed, reference_answer  # noqa: F401 (public here too)
 from relayrl.workers import CallFailed, ImportFailed, PoolError, SandboxUnavailable, WorkerPool, load
 from relayrl.workers.isolation import _private_folders
+
+# math-verify warns once per process that its own timeouts are off: they are, on purpose (a timeout of its own
+# scored 0.0); the worker's deadline times every call. Its warning on every run's stderr says nothing to a user.
+for _name in ("math_verify.grader", "math_verify.parser"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 RewardFn = Callable[[str, "str | None", dict], float]
 
