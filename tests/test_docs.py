@@ -223,10 +223,13 @@ def test_the_readmes_training_commands_run(tmp_path):
     runs = readme_training_commands()
     assert runs, "the README has no relayrl train command"
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    for i, argv in enumerate(runs):
+    # (in the README's order, each into the folder its name derives, under runs/ here: a later command reads an
+    # earlier one's run, as `teacher.path=runs/demo` does; a command repeated runs once)
+    for argv in dict.fromkeys(map(tuple, runs)):
+        argv = list(argv)
         cfg = validate(argv, tmp_path)
         tiny = TINY + (["eval.size=8"] if cfg.data.eval_path is not None else [])
-        done = subprocess.run([sys.executable, "-m", "relayrl.cli", *argv, *tiny, f"run.output_dir={tmp_path}/r{i}"],
+        done = subprocess.run([sys.executable, "-m", "relayrl.cli", *argv, *tiny],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, (argv, done.stderr[-3000:])
         assert "done: 2 steps" in done.stdout + done.stderr, argv

@@ -249,7 +249,7 @@ def _watch_steps(monkeypatch) -> list[tuple[float, bool]]:
             for p, b in zip(params, before):
                 p.copy_(b)
         logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-        logp = self._logp(logits[:, :-1], batch.input_ids[:, 1:])
+        logp = self.readout.logp(logits[:, :-1], batch.input_ids[:, 1:])
         grads = torch.autograd.grad((adv * logp).sum(), params, allow_unused=True)
         with torch.no_grad():
             for p, a in zip(params, after):
