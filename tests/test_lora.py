@@ -226,6 +226,16 @@ def test_a_bfloat16_engine_merges_in_float32_then_rounds(tiny, tiny_path):
         eng.close()
 
 
+def test_the_engines_base_copy_is_the_weights_as_loaded_kept_on_the_host(tiny_path):
+    """The merge's base: the target weights in the dtype they were loaded in (a bf16 model's copy is bf16, not a
+    float32 copy twice its size), on the CPU, apart from the parameters the merges overwrite."""
+    _, spec = _wrapped(tiny_path)
+    model = load_policy(tiny_path).to(torch.bfloat16)
+    merge = AdapterMerge(model, spec)
+    assert merge.base and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in merge.base.values())
+    assert all(merge.base[n].data_ptr() != m.weight.data_ptr() for n, m in merge.modules.items())
+
+
 def test_the_engine_process_takes_the_adapter_only(tiny, tiny_path):
     from relayrl.engine.process import ProcessEngine
     from relayrl.engine.spec import EngineSpec

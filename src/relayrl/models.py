@@ -45,7 +45,7 @@ _FILES = {
 }
 
 
-def _load(loader, path: str, field: str, what: str, **kw):
+def load_checked(loader, path: str, field: str, what: str, **kw):
     """``loader(path)``; any failure becomes a ModelError naming ``field`` and ``path``. Everything
     from_pretrained raises (OSError, ValueError, safetensors and JSON errors) means the path does
     not hold a loadable ``what``."""
@@ -95,7 +95,7 @@ def load_tokenizer(path: str, prompt_format: str | None = None, field: str = "mo
     error here, before any work; None skips that check (callers that encode no prompts)."""
     from transformers import AutoTokenizer
 
-    tok = _load(AutoTokenizer.from_pretrained, path, field, "tokenizer")
+    tok = load_checked(AutoTokenizer.from_pretrained, path, field, "tokenizer")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     if prompt_format == "chat" and tok.chat_template is None:
@@ -106,7 +106,7 @@ def load_tokenizer(path: str, prompt_format: str | None = None, field: str = "mo
 def load_policy(path: str, dtype: str = "float32", field: str = "model.path"):
     from transformers import AutoModelForCausalLM
 
-    return _load(AutoModelForCausalLM.from_pretrained, path, field, "model", dtype=DTYPES[dtype])
+    return load_checked(AutoModelForCausalLM.from_pretrained, path, field, "model", dtype=DTYPES[dtype])
 
 
 def cache_kwarg(model) -> str:
@@ -132,7 +132,7 @@ def model_context_source(path: str, field: str = "model.path") -> tuple[int, str
     """(the model's context length, where it was read: the key and the model), for messages about it."""
     from transformers import AutoConfig
 
-    cfg = _load(AutoConfig.from_pretrained, path, field, "model config")
+    cfg = load_checked(AutoConfig.from_pretrained, path, field, "model config")
     for key in _CONTEXT_KEYS:
         if isinstance(getattr(cfg, key, None), int):
             return getattr(cfg, key), f"{key} in the config.json of {path}"

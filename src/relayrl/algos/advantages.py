@@ -13,7 +13,7 @@ from torch import Tensor
 EPS = 1e-6
 
 
-def _group_stats(rewards: Tensor, group: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def group_stats(rewards: Tensor, group: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Per-response group size, mean and Bessel-corrected std (std of a group of 1 is 1)."""
     k = int(group.max()) + 1 if group.numel() else 0
     r = rewards.double()
@@ -26,21 +26,21 @@ def _group_stats(rewards: Tensor, group: Tensor) -> tuple[Tensor, Tensor, Tensor
 
 def grpo(rewards: Tensor, group: Tensor) -> Tensor:
     """(R - mean_g) / (std_g + eps). A group of one has mean 0 and std 1, so A = R."""
-    n, mean, std = _group_stats(rewards, group)
+    n, mean, std = group_stats(rewards, group)
     mean = torch.where(n > 1, mean, torch.zeros_like(mean))
     return ((rewards.double() - mean) / (std + EPS)).to(rewards.dtype)
 
 
 def dr_grpo(rewards: Tensor, group: Tensor) -> Tensor:
     """R - mean_g, no std scaling (Dr. GRPO). Pair with agg='seq_mean_token_sum_norm'."""
-    n, mean, _ = _group_stats(rewards, group)
+    n, mean, _ = group_stats(rewards, group)
     mean = torch.where(n > 1, mean, torch.zeros_like(mean))
     return (rewards.double() - mean).to(rewards.dtype)
 
 
 def rloo(rewards: Tensor, group: Tensor) -> Tensor:
     """Leave-one-out baseline: R_i - mean_{j != i} R_j = G/(G-1) (R_i - mean_g). A group of one: A = R."""
-    n, mean, _ = _group_stats(rewards, group)
+    n, mean, _ = group_stats(rewards, group)
     scale = torch.where(n > 1, n / (n - 1).clamp(min=1), torch.ones_like(n))
     mean = torch.where(n > 1, mean, torch.zeros_like(mean))
     return (scale * (rewards.double() - mean)).to(rewards.dtype)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from relayrl.algos.advantages import _group_stats, dr_grpo, grpo
+from relayrl.algos.advantages import dr_grpo, group_stats, grpo
 
 EPS = 1e-6
 
@@ -62,7 +62,7 @@ def gigpo(
     # step sets: one per distinct (group, anchor state) pair
     keys = torch.stack([episode_group[step_episode], anchor_ids], dim=1)
     step_set = torch.unique(keys, dim=0, return_inverse=True)[1] if keys.numel() else anchor_ids
-    _, mean, std = _group_stats(step_returns, step_set)
+    _, mean, std = group_stats(step_returns, step_set)
     step_adv = step_returns.double() - mean  # exactly 0 for a set of one step
     if normalize == "std":
         step_adv = step_adv / (std + EPS)

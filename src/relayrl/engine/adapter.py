@@ -2,8 +2,10 @@
 and each ``load_weights`` brings the adapter's tensors only (PEFT's saved names, ``models.lora_pairs``).
 
 Merged decoding: every target module's weight becomes W_base + (alpha / r)·B·A, computed in float32 from
-a float32 copy of its base weight kept here (taken when the engine starts, from the base model) and cast
-to the engine's dtype (``rollout.dtype``) as it is written. Decoding then runs on plain weights at the
+a copy of its base weight kept here (taken when the engine starts, from the base model as loaded, in
+model.dtype, and kept in the host's memory: the engine's device holds its own weights only, where a float32
+copy beside a bf16 GPU engine's weights tripled them) and cast to the engine's dtype (``rollout.dtype``) as
+it is written, one module at a time. Decoding then runs on plain weights at the
 speed of the base model, with relayrl's fused forward too (``fast_decode``: the weight is written in place,
 into the fused tensor it is a view of); the update costs one [out, r]·[r, in] product per module. Each
 update starts from the base copy, never from the weights as they are, so loading the same version twice
@@ -20,7 +22,7 @@ from relayrl.models import LoraSpec, lora_pairs, merged_weight
 
 
 class AdapterMerge:
-    """The target modules of an engine's ``model`` (``spec.targets``), their float32 base weights, and
+    """The target modules of an engine's ``model`` (``spec.targets``), their base weights (as loaded, on the CPU), and
     ``apply``, which writes base + scale·B·A into them. Made before the model is cast to the engine's
     dtype and moved to its device (``spec.build_local_engine``): it holds the modules, whose parameters
     stay the same objects through ``model.to``."""
@@ -33,7 +35,7 @@ class AdapterMerge:
             raise EngineError(f"model.lora: none of the adapter's target modules ({', '.join(spec.targets)}) is a "
                               "linear layer of the engine's model")
         with torch.no_grad():
-            self.base = {name: m.weight.detach().to(torch.float32, copy=True) for name, m in self.modules.items()}
+            self.base = {name: m.weight.detach().to("cpu", copy=True) for name, m in self.modules.items()}
 
     def apply(self, adapter: dict[str, torch.Tensor]) -> None:
         try:
@@ -51,7 +53,5 @@ class AdapterMerge:
                                   f"weight {tuple(w.shape)} at rank {self.spec.r}")
         with torch.no_grad():
             for name, (a, b) in pairs.items():
-                w = self.modules[name].weight
-                if self.base[name].device != w.device:  # (taken before the model moved to rollout.device)
-                    self.base[name] = self.base[name].to(w.device)
-                w.copy_(merged_weight(self.base[name], a, b, self.spec.scale))
+                w = self.modules[name].weight  # (a module's float32 base on the device while it is merged)
+                w.copy_(merged_weight(self.base[name].to(w.device, torch.float32), a, b, self.spec.scale))

@@ -174,8 +174,13 @@ class HFEngine(Engine):
                 self._adapter.apply(state_dict)
             else:
                 copy_weights(self.model, state_dict)  # (cast to the engine's dtype as it is copied: rollout.dtype)
-            self._version = version
-            self._step_version = version
+            self.mark_version(version)
+
+    def mark_version(self, version: int) -> None:
+        """Its weights are now ``version``'s (written by ``load_weights``, or by an engine sharing its model,
+        ``hf_cb``'s fallback): what completions begun from here are tagged with."""
+        self._version = version
+        self._step_version = version
 
     def num_pending(self) -> int:
         with self._cv:

@@ -190,7 +190,7 @@ class HFContinuousEngine(Engine):
             else:
                 copy_weights(self.model, state_dict)
             self._version = version
-            self._fallback._version = self._fallback._step_version = version
+            self._fallback.mark_version(version)
 
     def num_pending(self) -> int:
         with self._lock:

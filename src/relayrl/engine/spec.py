@@ -87,8 +87,8 @@ def build_local_engine(spec: EngineSpec, driven: bool = False, model=None, token
 
     adapter = None
     if spec.lora is not None:
-        # loaded in model.dtype: the adapter merges from its float32 copy of the base, taken before the cast to
-        # the engine's dtype (rollout.dtype)
+        # loaded in model.dtype: the adapter merges from its copy of the base as loaded (on the CPU), taken
+        # before the cast to the engine's dtype (rollout.dtype)
         from relayrl.engine.adapter import AdapterMerge
 
         model = model if model is not None else load_policy(spec.weights, spec.dtype)

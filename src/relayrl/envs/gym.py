@@ -22,7 +22,7 @@ from relayrl.envs.base import Env, StepResult, import_object
 from relayrl.records import Prompt
 
 
-def _seed(prompt: Prompt) -> int:
+def episode_seed(prompt: Prompt) -> int:
     if isinstance(prompt.metadata.get("seed"), int):
         return prompt.metadata["seed"]
     return int.from_bytes(hashlib.sha256(prompt.id.encode()).digest()[:4], "little")
@@ -36,7 +36,7 @@ class GymTextEnv(Env):
 
     async def reset(self, prompt: Prompt) -> list[dict]:
         self.env = self.make()
-        obs, _ = await asyncio.to_thread(self.env.reset, seed=_seed(prompt))
+        obs, _ = await asyncio.to_thread(self.env.reset, seed=episode_seed(prompt))
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return system + [{"role": "user", "content": str(obs)}]
 

@@ -71,7 +71,7 @@ from concurrent.futures import Future
 from typing import Callable, Iterable
 
 from relayrl.workers import CallFailed, PoolError, WorkerPool
-from relayrl.workers.isolation import _private_folders
+from relayrl.workers.isolation import private_folders
 
 _SPEC = "relayrl.envs.python_exec:_execute"
 _GRACE_S = 5.0  # the pool's deadline is the tool's + this: time to kill, drain and clean up
@@ -99,7 +99,7 @@ class PythonTool:
             raise ValueError("memory_mb must be >= 32 and max_output_chars >= 100")
         hidden = list(hide)
         if sandbox == "bwrap":  # the trainer's folder and the home folder, where they can be hidden
-            hidden += _private_folders()
+            hidden += private_folders()
         self._pool = WorkerPool([_SPEC], workers=workers, timeout_s=self.timeout_s + _GRACE_S,
                                 memory_mb=self.memory_mb + _WORKER_MEMORY_MB, sandbox=sandbox, prefetch=1,
                                 procs_per_worker=_PROCS_PER_WORKER, hide_paths=hidden,

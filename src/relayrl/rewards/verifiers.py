@@ -26,7 +26,7 @@ from typing import Callable
 from relayrl.extras import require
 from relayrl.rewards.answers import extract_answer, last_boxed, reference_answer  # noqa: F401 (public here too)
 from relayrl.workers import CallFailed, ImportFailed, PoolError, SandboxUnavailable, WorkerPool, load
-from relayrl.workers.isolation import _private_folders
+from relayrl.workers.isolation import private_folders
 
 # math-verify warns once per process that its own timeouts are off: they are, on purpose (a timeout of its own
 # scored 0.0); the worker's deadline times every call. Its warning on every run's stderr says nothing to a user.
@@ -179,7 +179,7 @@ class RewardRunner:
         try:
             self._pool = WorkerPool([_SCORE_ONE, *preload], workers=workers, timeout_s=timeout_s,
                                     memory_mb=memory_mb, sandbox=sandbox, imports=imports, warmup=warmup,
-                                    hide_paths=_private_folders() if sandbox == "bwrap" else (),
+                                    hide_paths=private_folders() if sandbox == "bwrap" else (),
                                     start_timeout_s=start_timeout_s)
         except SandboxUnavailable as e:
             raise RuntimeError(f"reward.sandbox={sandbox} but {e}") from None

@@ -30,7 +30,7 @@ import os
 import time
 from pathlib import Path
 
-from relayrl.tracking.base import Tracker, TrackerContext, TrackerError, _import, check_reachable, quietly
+from relayrl.tracking.base import Tracker, TrackerContext, TrackerError, check_reachable, import_library, quietly
 
 
 def markdown_table(columns: list[str], rows: list[list]) -> str:
@@ -186,8 +186,8 @@ class MLflow(Tracker):
         if uri.startswith(("http://", "https://")):
             check_reachable("mlflow", uri, f"MLFLOW_TRACKING_URI={uri}")
         elif uri.startswith("sqlite:"):  # (mlflow-skinny's local store needs them)
-            _import("mlflow", "sqlalchemy")
-            _import("mlflow", "alembic")
+            import_library("mlflow", "sqlalchemy")
+            import_library("mlflow", "alembic")
 
     def __init__(self, ctx: TrackerContext):
         super().__init__(ctx)

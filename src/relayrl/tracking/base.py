@@ -45,7 +45,7 @@ class Tracker:
     @classmethod
     def check(cls, run_dir: Path) -> None:
         """Raise TrackerError if it cannot start here (its library missing, its server unreachable)."""
-        _import(cls.name, cls.package)
+        import_library(cls.name, cls.package)
 
     def __init__(self, ctx: TrackerContext):
         self.ctx = ctx
@@ -75,7 +75,7 @@ class Tracker:
         raise NotImplementedError
 
 
-def _import(name: str, module: str):
+def import_library(name: str, module: str):
     import importlib
 
     try:

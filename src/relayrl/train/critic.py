@@ -21,7 +21,7 @@ from torch import nn
 from relayrl.train import checkpointing, distributed
 from relayrl.algos.values import value_loss
 from relayrl.train.batch import TrainBatch, micro_batches
-from relayrl.models import DTYPES, _load
+from relayrl.models import DTYPES, load_checked
 from relayrl.train.packing import Packed
 from relayrl.train.shared_prefix import PrefixSharing
 
@@ -52,7 +52,7 @@ def load_value_model(path: str, dtype: str = "float32", seed: int = 0, field: st
     """The body of the model at ``path`` (a causal LM's weights load without their LM head) with a fresh head."""
     from transformers import AutoModel
 
-    return ValueModel(_load(AutoModel.from_pretrained, path, field, "model", dtype=DTYPES[dtype]), seed)
+    return ValueModel(load_checked(AutoModel.from_pretrained, path, field, "model", dtype=DTYPES[dtype]), seed)
 
 
 def make_critic(ccfg, tcfg, model_path: str, dtype: str, seed: int, total_steps: int) -> "Critic":

@@ -274,7 +274,7 @@ def _python_paths() -> list[str]:
     return sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
 
 
-def _private_folders() -> list[str]:
+def private_folders() -> list[str]:
     """What a sandbox for model-written code hides by default: the folder the trainer runs in
     (the project, its runs and checkpoints) and the home folder (tokens: ~/.cache/huggingface,
     ~/.ssh, ~/.netrc), where they are folders other than /."""

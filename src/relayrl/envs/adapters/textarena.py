@@ -21,7 +21,7 @@ from relayrl.failures import one_line
 from relayrl.envs.adapters.spec import MAX_SIZE, count_arg, parse_spec
 from relayrl.extras import require
 from relayrl.envs.base import Env, StepResult
-from relayrl.envs.gym import _seed
+from relayrl.envs.gym import episode_seed
 from relayrl.records import Prompt
 
 FIELD = "env.name=textarena:..."
@@ -100,7 +100,7 @@ class TextArenaEnv(Env):
             raise ValueError(f"env.name=textarena:{game}: not a TextArena game (e.g. GuessTheNumber-v0)")
 
     async def reset(self, prompt: Prompt) -> list[dict]:
-        self.env, self.seen = await asyncio.to_thread(_start, self.game, _seed(prompt))
+        self.env, self.seen = await asyncio.to_thread(_start, self.game, episode_seed(prompt))
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return system + [{"role": "user", "content": self.seen.strip()}]
 
