@@ -17,7 +17,6 @@ demo's demonstrations, side by side in one run.
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 import time
@@ -56,10 +55,15 @@ def shape_rows(a) -> list[list[str]]:
         "relayrl sft, padded": ("sft", {**common, "pack": False}),
         "relayrl train's step (padded: its default)": ("rl", {**common, "pack": False}),
     }
-    trainers = {}
+    # (one model and one optimiser for the three: three copies of a 0.5B model with their Adam states took
+    # 24 GiB and were killed for memory; the speed of a step does not depend on the weights' values)
+    trainers, first = {}, None
     for name, (kind, over) in systems.items():
-        tr = Trainer(copy.deepcopy(base), TrainerCfg(**over), AlgoCfg(kl_coef=0.0), 1.0, 100, a.length)
-        prime_optimizer(tr)
+        tr = Trainer(base, TrainerCfg(**over), AlgoCfg(kl_coef=0.0), 1.0, 100, a.length)
+        if first is None:
+            prime_optimizer(tr)
+            first = tr
+        tr.opt, tr.sched = first.opt, first.sched
         trainers[name] = (kind, tr)
     times: dict[str, list[float]] = {n: [] for n in systems}
     for _ in range(a.steps):  # (interleaved: a neighbour's load lands on every system alike)
