@@ -53,6 +53,18 @@ def test_pointwise_over_http_with_retries_and_a_cache():
         assert srv.requests == sent + 1
 
 
+def test_a_template_file_is_read_less_its_final_newline(tmp_path):
+    """As Jinja reads a template: the newline an editor ends the file with is not the judge's prompt's last
+    token (a judge fine-tuned on prompts without it read one token more than it learned on); a second stays."""
+    (tmp_path / "one.txt").write_text("{response}\nReference: {answer}\n")
+    (tmp_path / "two.txt").write_text("{response}\n\n")
+    with Server(reply=_by_answer) as url:
+        one = Judge(JudgeCfg(url=url, template=str(tmp_path / "one.txt")))
+        two = Judge(JudgeCfg(url=url, template=str(tmp_path / "two.txt")))
+        assert one._render(P, response="it is 3") == "it is 3\nReference: 3"
+        assert two._render(P, response="x") == "x\n"
+
+
 def test_a_reply_without_a_score_fails_quoting_it_and_errors_after_retries_fail():
     with Server(reply=lambda text: "I would rather not say.") as url:
         [out] = Judge(JudgeCfg(url=url)).score_pointwise([(P, "3")])

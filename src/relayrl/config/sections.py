@@ -377,7 +377,8 @@ class JudgeCfg(_Section):
         "token; never logged or written).")
     template: str | None = Field(
         None, description="The judge's prompt: a text file with {prompt}, {response}, {answer}, {metadata} "
-        "(pointwise) or {prompt}, {responses}, {answer}, {metadata}, {n} (ranking) in Python's format syntax "
+        "(pointwise) or {prompt}, {responses}, {answer}, {metadata}, {n} (ranking) in Python's format syntax, "
+        "read less the file's final newline "
         "(null: relayrl's default rubric for the mode). The reply must end with the score: pointwise, a number in "
         "[0, 1] ('Score: 0.8'; 'x/10' and 'x out of 10' are divided), ranking, one number per response "
         "('Scores: 0.2, 1, 0.5'). A reply without one fails the episode (counted, never a 0).")

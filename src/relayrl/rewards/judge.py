@@ -192,7 +192,9 @@ class Judge:
         if cfg.template is not None:
             p = Path(cfg.template)
             try:
-                self.template = p.read_text(encoding="utf-8")
+                # (less the file's final newline, as Jinja reads a template: an editor adds it, and a judge
+                # fine-tuned on prompts without it reads one more token than it learned on)
+                self.template = p.read_text(encoding="utf-8").removesuffix("\n")
             except (OSError, UnicodeDecodeError) as e:
                 raise ValueError(f"reward.judge.template={cfg.template!r}: cannot read it: {e}") from None
         else:

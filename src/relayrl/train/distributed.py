@@ -141,6 +141,21 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def full_parameters(model: torch.nn.Module, names: set[str]) -> dict[str, torch.Tensor]:
+    """The parameters ``names`` only, each gathered whole onto rank 0's CPU ({} on the other ranks): an
+    adapter's few MB, where ``full_state_dict`` would gather the whole model to keep them. A collective,
+    the parameters in the same order on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        if name in names:
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            if dist.get_rank() == 0:
+                out[name] = full.detach().cpu()
+    return out
+
+
 def load_model_state(model: torch.nn.Module, state: dict) -> None:
     """Rank 0's whole weights (``full_state_dict``), sharded onto every rank ({} on the others). A collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

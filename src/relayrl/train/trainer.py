@@ -393,8 +393,10 @@ class Trainer:
             return sd if self.device.type == "cpu" else {k: v.detach().cpu() for k, v in sd.items()}
         if self._leads:
             self.dp.send("weights")
-        sd = distributed.full_state_dict(self.model)
-        return lora.adapter_state(self.model, sd) if self.adapter and sd else sd
+        if self.adapter:  # (the adapter's tensors gathered, not the whole model to keep them)
+            sd = distributed.full_parameters(self.model, set(lora.trainable(self.model)))
+            return lora.adapter_state(self.model, sd) if sd else sd
+        return distributed.full_state_dict(self.model)
 
     def state_dict(self) -> dict:
         """Optimiser and scheduler, and the critic's weights and state. FSDP: the optimiser state by
