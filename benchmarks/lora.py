@@ -75,7 +75,8 @@ def sizes(ranks: list[int], repeats: int) -> list[dict]:
 
     from relayrl.config import RolloutCfg
     from relayrl.engine.spec import EngineSpec, build_local_engine
-    from relayrl.models import LoraSpec, load_policy, resolve_model_path
+    from relayrl.lora_weights import LoraSpec
+    from relayrl.models import load_policy, resolve_model_path
 
     demo = resolve_model_path("builtin:demo", log=lambda *a, **k: None)
     out = []

@@ -34,7 +34,8 @@ from common import machine_info, write_results
 from engines import in_fresh_process
 from trainer_scale import QWEN25_05B
 
-from relayrl.models import LoraSpec, load_policy, load_tokenizer, resolve_model_path
+from relayrl.lora_weights import LoraSpec
+from relayrl.models import load_policy, load_tokenizer, resolve_model_path
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -28,7 +28,8 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 @pytest.fixture(scope="module")
 def demo():
     from relayrl.demo.model import demo_model_path
-    from relayrl.models import LoraSpec, load_policy, load_tokenizer
+    from relayrl.lora_weights import LoraSpec
+    from relayrl.models import load_policy, load_tokenizer
 
     path = str(demo_model_path(log=lambda *a: None))
     return path, load_policy(path), load_tokenizer(path), LoraSpec(8, 16.0, TARGETS)
@@ -119,7 +120,7 @@ def test_an_adapter_samples_as_the_merged_model(engine, demo, adapters):
 def test_an_adapter_on_some_of_the_targets(engine, demo):
     """An adapter on q_proj and v_proj only (vLLM packs q, k, v into one layer: the k slice has no adapter) samples
     as its merged model too."""
-    from relayrl.models import LoraSpec
+    from relayrl.lora_weights import LoraSpec
 
     _, base, tok, spec = demo
     some = Adapters(base, LoraSpec(spec.r, spec.alpha, ("q_proj", "v_proj")))

@@ -13,7 +13,8 @@ from relayrl.config.sections import LoraCfg
 from relayrl.engine import EngineError
 from relayrl.engine.adapter import AdapterMerge
 from relayrl.engine.hf import HFEngine
-from relayrl.models import ModelError, load_policy, lora_pairs, token_logprobs
+from relayrl.lora_weights import lora_pairs
+from relayrl.models import ModelError, load_policy, token_logprobs
 from relayrl.records import GenRequest, SamplingParams
 from relayrl.train import lora
 from relayrl.train.trainer import Trainer, build_batch

@@ -5,8 +5,9 @@ verifier, teach a copy of the demo model to judge (relayrl sft); it then replace
     relayrl train reward.judge.path=runs/judge-demo/judge reward.judge.template=examples/judge_demo/template.txt \\
         reward.fn=math reward.fn_weight=0 run.name=judged
 
-The judge sees what examples/judge_demo/template.txt shows (the response and the reference answer) and replies
-"Score: 1" or "Score: 0". In the run, reward.fn_weight=0 leaves the verifier out of the reward (the judge's alone
+The judge sees what examples/judge_demo/template.txt shows (the response, then the reference answer: nothing
+between them and the reply, for a model of 1.8M parameters; a longer question after them left it at chance) and
+replies "Score: 1" or "Score: 0". In the run, reward.fn_weight=0 leaves the verifier out of the reward (the judge's alone
 trains) while the held-out accuracy stays the verifier's, so the two can be told apart.
 
 1. ``relayrl eval`` samples the demo policy 4 times on 1,024 training prompts (and 256 held-out ones); the
@@ -74,14 +75,14 @@ def agreement(judge: Path, rows: list[dict]) -> dict:
             "right_answers": sum(r["label"] for r in rows)}
 
 
-def main(out: Path, steps: int = 150) -> None:
+def main(out: Path, steps: int = 300) -> None:
     out.mkdir(parents=True, exist_ok=True)
     train = balanced([judgment(r) for r in samples(out / "train_samples", "builtin:demo", 1024, 1)], 0)
     held = [judgment(r) for r in samples(out / "held_out_samples", "builtin:demo-eval", 256, 2)]
     (out / "judgments.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
     print(f"{len(train)} judgments ({sum(r['label'] for r in train)} of right answers)", flush=True)
     relayrl("sft", f"data.path={out / 'judgments.jsonl'}", "data.eval_path=null", f"run.output_dir={out}",
-            "run.name=judge", f"run.steps={steps}", "run.progress=false", "trainer.lr=3e-4")
+            "run.name=judge", f"run.steps={steps}", "run.progress=false", "trainer.lr=1e-3")
     judge = out / "judge" / "checkpoints" / f"step_{steps:06d}"
     result = {"judge": str(judge), **agreement(judge, held)}
     (out / "judge.json").write_text(json.dumps(result, indent=1))

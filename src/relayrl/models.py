@@ -1,5 +1,6 @@
 """Loading policies and tokenizers (``from_pretrained``), prompt encoding (chat template or raw),
-the prompt-length check, token log-probs.
+the prompt-length check, token log-probs, the device. (LoRA's arithmetic, shared by the trainer and the
+engines: ``lora_weights``.)
 
 A model or tokenizer that cannot be loaded raises ``ModelError`` naming the config field, the
 path and the reason, in one line.
@@ -8,7 +9,6 @@ path and the reason, in one line.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -230,55 +230,3 @@ def resolve_device(name: str, field: str = "trainer.device") -> torch.device:
                          f"{'a CPU-only build' if torch.version.cuda is None else 'no GPU visible'}): use "
                          f"{field}=auto or cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """A LoRA adapter's shape (``model.lora``), as the trainer and the engines need it: rank, alpha, and the
-    target modules (PEFT's ``target_modules``: module-name suffixes such as "q_proj"). With it, an engine's
-    ``load_weights(state_dict, version)`` receives the adapter's tensors only, under PEFT's saved names
-    (``peft.get_peft_model_state_dict``: "base_model.model.<module>.lora_A.weight" [r, in] and
-    ".lora_B.weight" [out, r]); the update of a target weight W is (alpha / r) · B @ A, on the base weights."""
-
-    r: int
-    alpha: float
-    targets: tuple[str, ...]
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.r
-
-    def adapter_config(self, base_model: str) -> dict:
-        """PEFT's ``adapter_config.json`` for this adapter on ``base_model``."""
-        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": self.r,
-                "lora_alpha": self.alpha, "target_modules": list(self.targets), "lora_dropout": 0.0, "bias": "none",
-                "fan_in_fan_out": False, "inference_mode": True}
-
-
-PEFT_PREFIX = "base_model.model."  # PEFT's saved names: the wrapper's path, then the base model's own
-
-
-def lora_pairs(adapter: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """module name in the base model (``named_modules``) -> (A [r, in], B [out, r]), from an adapter's tensors
-    under PEFT's saved names. A name that is not a LoRA A or B, or a module with only one of the two, is a
-    ``ValueError``: an adapter applied in part would sample from neither policy."""
-    found: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in adapter.items():
-        for part in ("lora_A", "lora_B"):
-            suffix = f".{part}.weight"
-            if key.startswith(PEFT_PREFIX) and key.endswith(suffix):
-                found.setdefault(key[len(PEFT_PREFIX) : -len(suffix)], {})[part] = t
-                break
-        else:
-            raise ValueError(f"{key!r} is not a LoRA adapter's tensor (PEFT's saved names: "
-                             f"{PEFT_PREFIX}<module>.lora_A.weight / .lora_B.weight)")
-    lone = [m for m, d in found.items() if len(d) != 2]
-    if lone:
-        raise ValueError(f"the adapter has only one of lora_A / lora_B for {lone[:3]}")
-    return {m: (d["lora_A"], d["lora_B"]) for m, d in found.items()}
-
-
-def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """W = W_base + scale·B·A in float32 (``base``: the base weight, float32), from the base every time:
-    merging into weights that already hold an adapter would apply it twice (SkyRL #2250's bug)."""
-    return torch.addmm(base, b.to(base.device, torch.float32), a.to(base.device, torch.float32), alpha=scale)

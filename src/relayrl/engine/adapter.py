@@ -1,5 +1,5 @@
 """Adapter-only weight updates for the hf engines (``model.lora``): the engine keeps its base weights,
-and each ``load_weights`` brings the adapter's tensors only (PEFT's saved names, ``models.lora_pairs``).
+and each ``load_weights`` brings the adapter's tensors only (PEFT's saved names, ``lora_weights.lora_pairs``).
 
 Merged decoding: every target module's weight becomes W_base + (alpha / r)·B·A, computed in float32 from
 a copy of its base weight kept here (taken when the engine starts, from the base model as loaded, in
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from relayrl.engine.base import EngineError
-from relayrl.models import LoraSpec, lora_pairs, merged_weight
+from relayrl.lora_weights import LoraSpec, lora_pairs, merged_weight
 
 
 class AdapterMerge:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from relayrl.config.sections import RolloutCfg
 from relayrl.engine import make_engine
 from relayrl.engine.base import Engine
-from relayrl.models import LoraSpec
+from relayrl.lora_weights import LoraSpec
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class EngineSpec:
     threads: int = 0  # torch threads of the engine's process (0: leave as is)
     seed: int = 0
     max_model_len: int = 2048  # vLLM's context
-    # model.lora: the engine keeps its base weights and load_weights receives adapters only (models.LoraSpec)
+    # model.lora: the engine keeps its base weights and load_weights receives adapters only (lora_weights.LoraSpec)
     lora: LoraSpec | None = None
 
     @property

@@ -41,7 +41,8 @@ from typing import Iterable
 import torch
 
 from relayrl.engine.base import Engine, EngineError, check_new, take
-from relayrl.models import DTYPES, LoraSpec
+from relayrl.lora_weights import LoraSpec
+from relayrl.models import DTYPES
 from relayrl.records import Completion, FinishReason, GenRequest
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}

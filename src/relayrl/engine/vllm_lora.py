@@ -1,7 +1,7 @@
 """vLLM's side of LoRA (``model.lora``): the engine keeps its base weights and every weight update is an
 adapter, loaded into vLLM as a version of its own.
 
-``prepare`` checks the adapter's tensors (PEFT's saved names and shapes, ``models.LoraSpec``) and writes them in
+``prepare`` checks the adapter's tensors (PEFT's saved names and shapes, ``lora_weights.LoraSpec``) and writes them in
 PEFT's format (``adapter_config.json``, ``adapter_model.safetensors``) to a fresh folder in shared memory;
 ``publish`` registers it as ``LoRARequest("v<version>", id, folder)`` (vLLM reads and validates it then, so a bad
 adapter fails the update, not a later request) and makes it the current version. vLLM 0.32 takes adapters from a
@@ -34,7 +34,7 @@ import torch
 
 from relayrl.config.rules import vllm_lora_rank
 from relayrl.engine.base import EngineError
-from relayrl.models import LoraSpec
+from relayrl.lora_weights import LoraSpec
 
 _NAME = re.compile(r"^base_model\.model\.(.+)\.lora_([AB])\.weight$")
 

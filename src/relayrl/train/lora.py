@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from relayrl.models import LoraSpec, ModelError
+from relayrl.lora_weights import LoraSpec
+from relayrl.models import ModelError
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
@@ -60,7 +61,7 @@ def resolve_targets(model, targets) -> tuple[str, ...]:
 
 
 def spec_for(lora, model) -> LoraSpec:
-    """The adapter's shape (``models.LoraSpec``) from the ``model.lora`` section, its targets resolved on ``model``."""
+    """The adapter's shape (``lora_weights.LoraSpec``) from the ``model.lora`` section, its targets resolved on ``model``."""
     return LoraSpec(lora.r, float(lora.alpha), resolve_targets(model, lora.targets))
 
 
