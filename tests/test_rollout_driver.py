@@ -260,13 +260,15 @@ def test_held_groups_resume_without_loss_within_the_bound(seed, eta, partial):
 @settings(max_examples=24, deadline=None)
 @given(mode=st.sampled_from(["sync", "periodic", "async"]), partial=st.booleans(), seed=st.integers(0, 10**6))
 def test_dynamic_sampling_trains_only_groups_that_teach_and_accounts_for_every_prompt(mode, partial, seed):
-    """Zero-variance groups (a third of them here) are left out before acceptance and replaced: every
-    trained group has reward variance, the staleness bound holds, every prompt drawn is trained, held
-    or filtered (recorded), and the generation they cost is counted."""
+    """Zero-variance groups (about two thirds of them here) are left out before acceptance and replaced:
+    every trained group has reward variance, the staleness bound holds, every prompt drawn is trained,
+    held or filtered (recorded), and the generation they cost is counted. (The cap is out of reach: a
+    trainer thread starved by a loaded machine lets up to (η+1)·B groups be accepted in one window,
+    which filters ~2·(η+1)·B on average and, 3% of the time, past a cap of 10·B.)"""
     eta = {"sync": 0, "periodic": 1, "async": 2}[mode]
     eng = FakeEngine(seed, max_len=12, width=2)
     ro, drawn = rollout(eng, eta, partial=partial, park=mode == "sync", drain=mode == "periodic", seed=seed,
-                        max_groups=5 * B if mode != "async" else None, filter_groups=True, filter_max=10)
+                        max_groups=5 * B if mode != "async" else None, filter_groups=True, filter_max=1000)
     batches, held = drive(ro, eng, steps=5)
     trained = check_trained(batches, eta)
     assert all(len(set(g.rewards)) > 1 for g in trained)
