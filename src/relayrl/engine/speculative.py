@@ -1,0 +1,129 @@
+"""Exact speculative decoding from drafts that cost no model (``rollout.speculative``; the math:
+docs/concepts/speculative.md, from ../spec/speculative.md A2–A3).
+
+Drafts. A row's draft is what followed, elsewhere, the last tokens it has: the longest of its last
+``max_n`` .. ``min_n`` tokens found in a source, and the tokens after that occurrence. Sources
+(``DraftStore``), all keyed by the row's prompt, none a model:
+
+    siblings  the other responses of the same prompt in the engine now (Seer's grouped drafts);
+    history   the prompt's earlier responses (SPEC-RL's previous epoch), the last ``keep`` of each
+              of at most ``prompts`` prompts, the least recently used prompt forgotten first;
+    prompt    the row's own context: its prompt and what it generated (prompt lookup).
+
+Verification, sample and compare: one forward over the row's last token and its draft x_1..x_k gives
+the sampling scores p_1..p_{k+1}, each conditioned on the draft before it. At each position i a token
+y_i is drawn from p_i exactly as plain decoding draws it (the same seeded numbers at the same positions
+for a seeded request); x_i is accepted while y_i = x_i, and the first y_i that differs is emitted in its
+place and ends the row's step; when every x_i is accepted, y_{k+1} is emitted as well (the bonus).
+
+Why it is exact: position i is examined only when x_1..x_{i−1} were accepted, so the row's real prefix
+is the draft's and p_i is the right conditional; the token emitted there is y_i, a draw from p_i,
+whatever x_i was. Accepting x with probability p(x) and, on rejection, drawing from p without x
+renormalised (the rule for a deterministic draft) is the same law: P(x) = p(x), and for y ≠ x
+P(y) = (1 − p(x)) · p(y)/(1 − p(x)) = p(y). The draft may depend on anything but the numbers drawn
+for this step, so it changes how many forwards a response costs, never its distribution; each
+emitted token's log-prob is log p_i(y_i) from the verification forward, the number plain decoding
+records.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+SOURCES = ("siblings", "history", "prompt")
+
+
+def find_draft(tail: Sequence[int], seq: Sequence[int], k: int, min_n: int, max_n: int,
+               end: int | None = None) -> list[int]:
+    """The up to ``k`` tokens that follow the most recent occurrence in ``seq[:end]`` of the longest of
+    ``tail``'s last ``max_n`` .. ``min_n`` tokens (an occurrence must have at least one token after it)."""
+    end = len(seq) if end is None else end
+    for n in range(min(max_n, len(tail)), min_n - 1, -1):
+        pat = list(tail[-n:])
+        first = pat[0]
+        for i in range(end - n - 1, -1, -1):  # the match seq[i:i+n] must leave a token after it
+            if seq[i] == first and list(seq[i:i + n]) == pat:
+                return list(seq[i + n:min(end, i + n + k)])
+    return []
+
+
+class DraftStore:
+    """Responses by prompt, for drafts: the live rows' (siblings) and finished ones (history)."""
+
+    def __init__(self, sources: Sequence[str] = SOURCES, keep: int = 4, prompts: int = 4096,
+                 min_n: int = 2, max_n: int = 8):
+        bad = [s for s in sources if s not in SOURCES]
+        if bad:
+            raise ValueError(f"unknown draft sources {bad}; valid: {', '.join(SOURCES)}")
+        self.sources, self.keep, self.prompts, self.min_n, self.max_n = tuple(sources), keep, prompts, min_n, max_n
+        self.history: OrderedDict[tuple, deque[tuple[int, ...]]] = OrderedDict()
+
+    @staticmethod
+    def key(prompt_ids: Sequence[int]) -> tuple:
+        return tuple(prompt_ids)
+
+    def finished(self, prompt_ids: Sequence[int], response: Sequence[int]) -> None:
+        """A response that ended (any reason): a draft for the prompt's later responses."""
+        if "history" not in self.sources or not response:
+            return
+        key = self.key(prompt_ids)
+        kept = self.history.pop(key, None) or deque(maxlen=self.keep)
+        kept.append(tuple(response))
+        self.history[key] = kept
+        while len(self.history) > self.prompts:
+            self.history.popitem(last=False)
+
+    def draft(self, prompt_ids: Sequence[int], response: Sequence[int], k: int,
+              siblings: Sequence[Sequence[int]] = ()) -> tuple[list[int], str | None]:
+        """The draft of up to ``k`` tokens for a row (its prompt, its response so far) and its source."""
+        if k <= 0:
+            return [], None
+        # the tail: the response's last tokens, or the prompt's end (the response's first tokens follow it)
+        head = list(prompt_ids[-self.max_n:])
+        tail = (head + list(response))[-self.max_n:]
+        found: list[tuple[list[int], str]] = []
+        if "siblings" in self.sources:
+            found += [(find_draft(tail, head + list(s), k, self.min_n, self.max_n), "siblings") for s in siblings]
+        if "history" in self.sources:
+            found += [(find_draft(tail, head + list(r), k, self.min_n, self.max_n), "history")
+                      for r in reversed(self.history.get(self.key(prompt_ids), ()))]
+        if "prompt" in self.sources:
+            own = list(prompt_ids) + list(response)
+            found.append((find_draft(tail, own, k, self.min_n, self.max_n, end=len(own) - 1), "prompt"))
+        best = max(found, key=lambda f: len(f[0]), default=([], None))
+        return (best[0], best[1]) if best[0] else ([], None)
+
+
+def next_draft_length(k: int, drafted: int, accepted: int, k_max: int) -> int:
+    """A row's next draft length: doubled after a draft accepted whole, else one past what was accepted."""
+    if drafted == 0:
+        return k
+    return min(k_max, 2 * k if accepted == drafted else max(1, accepted + 1))
+
+
+def verify(scores: Tensor, drafts: Tensor, lengths: Tensor, draw: Callable[[Tensor, int], Tensor]
+           ) -> tuple[list[list[int]], list[list[float]], Tensor]:
+    """Sample and compare (module doc). ``scores`` [rows, k+1, vocab]: the sampling scores at the row's
+    last token and at each draft token; ``drafts`` [rows, k] (padding past ``lengths`` ignored);
+    ``draw(scores_i, i)`` a token per row from scores [rows, vocab] at offset ``i`` (the engine's
+    sampler: seeded rows draw their own numbers at that position). Returns the tokens each row emits
+    (its accepted draft, then the token drawn at its first rejection or the bonus), their log-probs,
+    and the accepted counts."""
+    rows, width, _ = scores.shape
+    logp = torch.log_softmax(scores.float(), dim=-1)
+    drawn = torch.stack([draw(scores[:, i], i) for i in range(width)], dim=1)  # [rows, k+1]
+    k = width - 1
+    cols = torch.arange(k, device=scores.device)
+    match = (drawn[:, :k] == drafts) & (cols[None, :] < lengths[:, None]) if k else drawn[:, :0].bool()
+    accepted = (match.long().cumprod(dim=1).sum(dim=1) if k else torch.zeros(rows, dtype=torch.long,
+                                                                                device=scores.device))
+    lps = logp.gather(-1, drawn[..., None]).squeeze(-1)
+    tokens, logprobs = [], []
+    for a, row, lp in zip(accepted.tolist(), drawn.tolist(), lps.tolist()):
+        tokens.append(row[:a + 1])  # accepted draft tokens equal the drawn ones; then the first difference
+        logprobs.append(lp[:a + 1])
+    return tokens, logprobs, accepted

@@ -1,0 +1,195 @@
+"""Exact speculative decoding (``engine.speculative``): sequences sampled through drafts follow the policy's
+own sampling distribution, computed exactly on a tiny model (a chi-square test over every sequence of three
+tokens of a five-token vocabulary), at T = 1, T = 0.7, top-k and top-p, for drafts right, wrong and random;
+a lenient acceptance rule (SPEC-RL's) fails the same test; log-probs are the policy's; drafts come from
+siblings, earlier responses and the prompt."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from relayrl.algos.token_sampling import sample_tokens, sampling_scores
+from relayrl.engine.speculative import DraftStore, find_draft, next_draft_length, verify
+
+V, L, STATES = 5, 3, 97
+
+
+class Tiny:
+    """Logits a fixed function of the whole prefix (a hashed state), vectorised over rows."""
+
+    def __init__(self, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(STATES, V, generator=g) * 1.5
+
+    @staticmethod
+    def step(state, tok):
+        return (state * 7 + tok + 1) % STATES
+
+    def logits(self, state):
+        return self.table[state]
+
+
+def exact(model, T, top_k, top_p):
+    """P(sequence) for every sequence of L tokens under the sampling distribution."""
+    out = {}
+    for seq in itertools.product(range(V), repeat=L):
+        state, p = torch.tensor([3]), 1.0
+        for tok in seq:
+            probs = torch.softmax(sampling_scores(model.logits(state), T, top_k, top_p), -1)[0]
+            p *= float(probs[tok])
+            state = model.step(state, tok)
+        out[seq] = p
+    return out
+
+
+def speculative_sample(model, n, T, top_k, top_p, draft_of, rule=verify, gen=None):
+    """n sequences of L tokens, every step a verification of a draft of 2 tokens from ``draft_of``
+    (vectorised: ``draft_of(seqs, counts, gen)`` gives every live row's draft)."""
+    seqs, counts, states = torch.full((n, L), -1), torch.zeros(n, dtype=torch.long), torch.full((n,), 3)
+    draw = (lambda s, i: sample_tokens(s)) if T > 0 else (lambda s, i: s.argmax(-1))
+    while (live := (counts < L).nonzero().squeeze(1)).numel():
+        drafts = draft_of(model, seqs[live], counts[live], gen)  # [rows, 2]
+        st, scores = states[live], []
+        for j in range(drafts.shape[1] + 1):
+            scores.append(sampling_scores(model.logits(st), T, top_k, top_p))
+            if j < drafts.shape[1]:
+                st = model.step(st, drafts[:, j])
+        tokens, _, _ = rule(torch.stack(scores, 1), drafts, torch.full((len(live),), drafts.shape[1]), draw)
+        width = max(map(len, tokens))
+        emitted = torch.tensor([t + [-1] * (width - len(t)) for t in tokens])
+        for j in range(width):
+            tok = emitted[:, j]
+            go = (tok >= 0) & (counts[live] < L)
+            rows = live[go]
+            seqs[rows, counts[rows]] = tok[go]
+            states[rows] = model.step(states[rows], tok[go])
+            counts[rows] += 1
+    return [tuple(s) for s in seqs.tolist()]
+
+
+def chi_square_rejects(samples, probs, z=3.09):
+    """Pearson's chi-square over the cells with expected count ≥ 5 (the rest pooled) above its 0.999
+    quantile (Wilson–Hilferty)."""
+    n = len(samples)
+    counts = {s: 0 for s in probs}
+    for s in samples:
+        counts[s] += 1
+    stat, pooled_o, pooled_e, cells = 0.0, 0, 0.0, 0
+    for s, p in probs.items():
+        if n * p >= 5:
+            stat += (counts[s] - n * p) ** 2 / (n * p)
+            cells += 1
+        else:
+            pooled_o, pooled_e = pooled_o + counts[s], pooled_e + n * p
+    if pooled_e > 0:
+        stat += (pooled_o - pooled_e) ** 2 / max(pooled_e, 1e-9)
+        cells += 1
+    df = cells - 1
+    return stat > df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def always_zero(model, seqs, counts, gen):
+    return torch.zeros(len(seqs), 2, dtype=torch.long)
+
+
+def random_draft(model, seqs, counts, gen):
+    return torch.randint(0, V, (len(seqs), 2), generator=gen)
+
+
+def likely_draft(model, seqs, counts, gen):
+    """The greedy continuation of each row: a draft often accepted."""
+    state = torch.full((len(seqs),), 3)
+    for j in range(L):
+        go = j < counts
+        state = torch.where(go, model.step(state, seqs[:, j].clamp(min=0)), state)
+    out = []
+    for _ in range(2):
+        t = model.logits(state).argmax(-1)
+        out.append(t)
+        state = model.step(state, t)
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("T,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.8)])
+def test_sequences_through_drafts_have_the_policy_s_distribution(T, top_k, top_p):
+    torch.manual_seed(0)
+    model, gen = Tiny(), torch.Generator().manual_seed(1)
+    probs = exact(model, T, top_k, top_p)
+    for draft in (always_zero, random_draft, likely_draft):
+        samples = speculative_sample(model, 40000, T, top_k, top_p, draft, gen=gen)
+        assert not chi_square_rejects(samples, probs), (draft, T, top_k, top_p)
+
+
+def no_residual(scores, drafts, lengths, draw):
+    """The classic mistake: x accepted with probability p(x), and on rejection a token drawn from p with x
+    left in (not the residual)."""
+    probs, k = torch.softmax(scores, -1), drafts.shape[1]
+    p_draft = probs[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
+    kept = (torch.rand_like(p_draft) < p_draft).long().cumprod(1).sum(1)
+    drawn = torch.stack([draw(scores[:, i], i) for i in range(k + 1)], 1)
+    return [d[:a] + [t[a]] for d, a, t in zip(drafts.tolist(), kept.tolist(), drawn.tolist())], None, kept
+
+
+def test_an_inexact_acceptance_rule_fails_the_same_test():
+    """SPEC-RL's lenience (a draft token kept whenever the policy gives it at least a fifth of the top
+    token's probability), or a rejection that draws from p with the draft token left in, biases the
+    sequences: the chi-square test sees it."""
+    def lenient(scores, drafts, lengths, draw):
+        probs = torch.softmax(scores, -1)
+        p_draft = probs[:, :-1].gather(-1, drafts[..., None]).squeeze(-1)
+        kept = (p_draft >= 0.2 * probs[:, :-1].max(-1).values).long().cumprod(1).sum(1)
+        drawn = torch.stack([draw(scores[:, i], i) for i in range(scores.shape[1])], 1)
+        tokens = [d[:a] + [t[a]] for d, a, t in zip(drafts.tolist(), kept.tolist(), drawn.tolist())]
+        return tokens, None, kept
+
+    torch.manual_seed(0)
+    model = Tiny()
+    probs = exact(model, 1.0, 0, 1.0)
+    for rule in (lenient, no_residual):
+        samples = speculative_sample(model, 40000, 1.0, 0, 1.0, likely_draft, rule=rule)
+        assert chi_square_rejects(samples, probs), rule
+
+
+def test_greedy_accepts_exactly_the_argmax_and_seeded_rows_emit_what_plain_decoding_would():
+    model = Tiny(3)
+    scores = torch.stack([model.logits(torch.tensor([s, s + 1])) for s in (5, 9, 11)], 1)  # [2, 3, V]
+    best = scores.argmax(-1)
+    drafts = torch.stack([best[:, 0], (best[:, 1] + 1) % V], 1)  # first right, second wrong
+    tokens, lps, acc = verify(scores, drafts, torch.tensor([2, 2]), lambda s, i: s.argmax(-1))
+    assert acc.tolist() == [1, 1] and tokens == best[:, :2].tolist()
+    logp = torch.log_softmax(scores, -1)
+    assert torch.allclose(torch.tensor(lps), logp.gather(-1, best[..., None]).squeeze(-1)[:, :2])
+    # seeded: the token drawn at each position is the one plain decoding draws there, the draft aside
+    seeds, at = torch.tensor([7, 8]), torch.tensor([4, 4])
+    plain = [sample_tokens(scores[:, i], seeds, at + i) for i in range(3)]
+    drafts = torch.stack([plain[0], plain[1]], 1)
+    tokens, _, acc = verify(scores, drafts, torch.tensor([2, 2]), lambda s, i: sample_tokens(s, seeds, at + i))
+    assert acc.tolist() == [2, 2] and tokens == torch.stack(plain, 1).tolist()  # the bonus too
+    tokens, _, acc = verify(scores, drafts, torch.tensor([0, 1]), lambda s, i: sample_tokens(s, seeds, at + i))
+    assert acc.tolist() == [0, 1] and tokens == [[int(plain[0][0])], [int(plain[0][1]), int(plain[1][1])]]
+
+
+def test_drafts_come_from_siblings_earlier_responses_and_the_prompt():
+    assert find_draft([4, 5], [1, 4, 5, 6, 7, 4, 5, 8], 3, 1, 2) == [8]  # the most recent occurrence
+    assert find_draft([9, 4, 5], [1, 9, 4, 5, 6, 7, 4, 5, 8], 2, 1, 3) == [6, 7]  # the longest match wins
+    assert find_draft([3], [1, 2, 3], 2, 1, 2) == []  # nothing after it
+    store = DraftStore(keep=2, prompts=2, min_n=1, max_n=3)
+    prompt = [10, 11, 12]
+    # at a response's first token the prompt's end is the tail: an earlier response is the draft
+    store.finished(prompt, [20, 21, 22, 23])
+    assert store.draft(prompt, [], 3) == ([20, 21, 22], "history")
+    assert store.draft(prompt, [20, 21], 5) == ([22, 23], "history")
+    # a sibling that ran ahead, longer than history's
+    assert store.draft(prompt, [20, 21], 5, siblings=[[20, 21, 30, 31, 32, 33]]) == ([30, 31, 32, 33], "siblings")
+    # the row's own context (prompt lookup), its last token excluded as a match
+    assert store.draft([1, 2, 3, 4], [2, 3], 2) == ([4, 2], "prompt")  # (a repeat: 2 3 4 2 3 ...)
+    # a capped, least-recently-used history
+    store.finished([1], [5, 6])
+    store.finished([2], [5, 7])
+    assert store.draft(prompt, [], 3) == ([], None)
+    with pytest.raises(ValueError, match="unknown draft sources"):
+        DraftStore(sources=("siblings", "model"))
+    assert [next_draft_length(4, 4, 4, 8), next_draft_length(4, 4, 1, 8), next_draft_length(8, 8, 8, 8),
+            next_draft_length(4, 0, 0, 8)] == [8, 2, 8, 4]
