@@ -167,7 +167,7 @@ def test_eval_lines_are_not_broken_mid_sentence(trained_run, tmp_path, capsys):
 
 
 def test_filter_watch_speaks_once_after_three_costly_steps_in_a_row():
-    from relayrl.rollout.driver import FilterWatch
+    from relayrl.rollout.filter_watch import FilterWatch
 
     w = FilterWatch(batch=16, cap_factor=4)
     # the cap (64), or 3x the groups trained (48); a cheap step in between starts the count again

@@ -511,7 +511,8 @@ def _stand_in_for_build(cfg, state, ckpt, data, log):
     """Replaces pipeline.build: no fuzz case may get as far as loading a model. It first runs the
     check pipeline.build is to run after loading the tokenizer (prompts longer than the model's
     context), which is what catches the huge rows."""
-    from relayrl.models import check_prompt_lengths, load_tokenizer, model_context, resolve_model_path
+    from relayrl.models import load_tokenizer, resolve_model_path
+    from relayrl.prompt_tokens import check_prompt_lengths, model_context
 
     path = resolve_model_path(cfg.model.path)
     tok = _TOKENIZERS.get(path) or _TOKENIZERS.setdefault(path, load_tokenizer(path, cfg.data.prompt_format))

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relayrl.data.datasets import PromptSampler
-from relayrl.rollout.driver import EpisodeRollout, oldest_version
+from relayrl.rollout.driver import EpisodeRollout
+from relayrl.rollout.groups import oldest_version
 from relayrl.rollout.runner import EpisodeRunner
 from relayrl.records import (Completion, FinishReason, Group, Prompt, SamplingParams, Trajectory, group_from_dict,
                              group_to_dict)

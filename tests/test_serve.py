@@ -18,7 +18,7 @@ from relayrl.algos.estimators import ESTIMATORS, Knobs, over_episodes
 from relayrl.config import AlgoCfg
 from relayrl.envs.base import ToolEnv
 from relayrl.envs.chat import render_ids
-from relayrl.rollout.driver import expand_branches
+from relayrl.rollout.groups import expand_branches
 from relayrl.rollout.runner import EpisodeLimits, EpisodeRunner
 from relayrl.records import Group, SamplingParams, Trajectory
 from relayrl.rollout.groups import training_batch

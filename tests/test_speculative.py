@@ -193,3 +193,91 @@ def test_drafts_come_from_siblings_earlier_responses_and_the_prompt():
         DraftStore(sources=("siblings", "model"))
     assert [next_draft_length(4, 4, 4, 8), next_draft_length(4, 4, 1, 8), next_draft_length(8, 8, 8, 8),
             next_draft_length(4, 0, 0, 8)] == [8, 2, 8, 4]
+
+
+def _requests(tok, n, budget, seed0=None, temp=1.0, top_p=1.0):
+    from relayrl.records import GenRequest, SamplingParams
+
+    ids = tok.apply_chat_template([{"role": "user", "content": "Sum mod 10: a=3 b=4"}], add_generation_prompt=True)
+    ids = list(ids["input_ids"])
+    return [GenRequest(f"r{i}", ids, SamplingParams(budget, temp, top_p, seed=None if seed0 is None else seed0 + i))
+            for i in range(n)]
+
+
+def test_the_engine_emits_what_plain_decoding_does_with_the_policy_s_log_probs(tiny):
+    """A seeded request draws the same number at the same position with or without a draft, so the engine with
+    speculation returns plain decoding's tokens; each log-prob is the model's own. The same prompts again:
+    the earlier responses are drafts accepted whole, several tokens per forward; finish reasons and budgets
+    as without."""
+    from relayrl.engine.hf import HFEngine
+    from relayrl.engine.speculative import Speculator, metrics
+    from relayrl.models import token_logprobs
+
+    model, tok = tiny
+    plain = HFEngine(model, tok, fast_decode=True)
+    spec = Speculator(max_draft=8)
+    fast = HFEngine(model, tok, fast_decode=True, speculator=spec)
+    try:
+        for temp, top_p in ((1.0, 1.0), (0.7, 0.9)):
+            want = plain.generate(_requests(tok, 6, 40, seed0=100, temp=temp, top_p=top_p))
+            for again in (False, True):  # the second time, history has every response
+                got = fast.generate(_requests(tok, 6, 40, seed0=100, temp=temp, top_p=top_p))
+                for w, g in zip(want, got):
+                    assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+                    assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4)
+                m = metrics(spec.take())
+            # (a row's draft is the earlier response, or a sibling ahead, that matches its last tokens longest)
+            assert m["spec/accepted"] > 0.6 * m["spec/drafted"] > 0, m
+            assert m["spec/tokens_per_forward"] > 2, m
+        # the log-probs are the model's own, from a full forward
+        r = _requests(tok, 1, 24, seed0=7)[0]
+        c = fast.generate([r])[0]
+        ids = torch.tensor([r.prompt_ids + c.token_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[:, len(r.prompt_ids) - 1 : -1]
+        assert torch.allclose(token_logprobs(logits, ids[:, len(r.prompt_ids):])[0], torch.tensor(c.logprobs),
+                              atol=1e-4)
+    finally:
+        plain.close()
+        fast.close()
+
+
+def test_the_model_s_own_forward_turns_speculation_off_with_a_warning(tiny):
+    from relayrl.engine.hf import HFEngine
+    from relayrl.engine.speculative import Speculator
+
+    model, tok = tiny
+    with pytest.warns(UserWarning, match="rollout.speculative: off"):
+        eng = HFEngine(model, tok, fast_decode=False, speculator=Speculator())
+    try:
+        assert eng._spec is None and len(eng.generate(_requests(tok, 2, 8))) == 2
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_run_with_speculation_reports_its_drafts_and_keeps_the_alarm_quiet(tmp_path, mode):
+    """The demo model (a random one's samples are noise: drafts seldom match) on two prompts, so every step
+    meets earlier responses (history); async runs the engine in its own process, whose counts come back. The
+    engine's log-probs stay the trainer's (the sampling alarm on)."""
+    import json
+
+    from relayrl.config import load_config
+    from relayrl.demo.model import demo_model_path
+    from relayrl.run.loop import train
+
+    demo = str(demo_model_path(log=lambda *a: None))
+
+    data = tmp_path / "two.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Sum mod 10: a={i} b=4", "answer": str(i + 4)}) + "\n"
+                            for i in range(2)))
+    cfg = load_config(None, [f"model.path={demo}", f"run.output_dir={tmp_path}", f"data.path={data}",
+                             "data.eval_path=null", "rollout.speculative=on", f"run.mode={mode}", "run.steps=4",
+                             "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=24",
+                             "rollout.budget=fixed", "rollout.dynamic_sampling=false", "run.progress=false"])
+    train(cfg)
+    m = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all("spec/drafted" in x for x in m)
+    assert sum(x["spec/accepted"] for x in m) > 0 and max(x.get("spec/tokens_per_forward", 1) for x in m) > 1.5
+    mismatch = [x["logprob_mismatch_mean"] for x in m if x.get("logprob_mismatch_mean") is not None]
+    assert mismatch and max(mismatch) < 1e-3

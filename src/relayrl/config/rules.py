@@ -190,6 +190,7 @@ _VLLM = (lambda c: c.rollout.engine == "vllm", "with rollout.engine=vllm", ("rol
 _RAY = (lambda c: c.run.backend == "ray", "with run.backend=ray", ("run.backend",))
 _PROJECT_TRACKERS = ("wandb", "mlflow", "trackio", "swanlab")
 _BUDGET = (lambda c: c.rollout.budget == "adaptive", "with rollout.budget=adaptive", ("rollout.budget",))
+_SPEC = (lambda c: c.rollout.speculative == "on", "with rollout.speculative=on", ("rollout.speculative",))
 _SELECT = (lambda c: c.data.selection != "uniform", "with data.selection=vade or cures", ("data.selection",))
 _CRITIC = (_critic, "with a critic (algo.advantage=gae or evpo)", ("algo.advantage",))
 _LORA = (lambda c: c.model.lora.r > 0, "with an adapter (model.lora.r > 0)", ("model.lora.r",))
@@ -225,6 +226,9 @@ APPLIES_ONLY: dict[str, tuple[Callable[[BaseModel], bool], str, tuple[str, ...]]
     "data.selection_key": _SELECT,
     "data.selection_prior": _SELECT,
     "rollout.fast_decode": (lambda c: c.rollout.engine == "hf", "with rollout.engine=hf", ("rollout.engine",)),
+    "rollout.speculative": (lambda c: c.rollout.engine == "hf", "with rollout.engine=hf", ("rollout.engine",)),
+    "rollout.speculative_sources": _SPEC,
+    "rollout.speculative_max_draft": _SPEC,
     "rollout.dtype": (lambda c: c.rollout.engine != "vllm", "with rollout.engine=hf or hf-cb (vLLM loads the "
                       "weights in model.dtype)", ("rollout.engine",)),
     "rollout.device": (lambda c: c.rollout.engine != "vllm", "with rollout.engine=hf or hf-cb (vLLM places "

@@ -314,6 +314,24 @@ class RolloutCfg(_Section):
         True, description="hf: decode Llama-family models (llama, mistral, qwen2, qwen3) through relayrl's own "
         "forward (fused projections, a KV cache written in place, a prompt's G copies prefilled once; checked "
         "against the model's forward when the engine starts). false, or any other model: the model's forward.")
+    speculative: Literal["off", "on"] = Field(
+        "off", description="hf with rollout.fast_decode: exact speculative decoding. A row's draft is what followed "
+        "its last tokens in a sibling response of the same prompt that ran ahead, in the prompt's earlier responses "
+        "(earlier epochs) or in its own context (prompt lookup); one forward verifies it, and each token is kept "
+        "only where it equals the token drawn from the policy at that position, so every token has the policy's "
+        "sampling distribution and log-prob (docs/concepts/speculative.md). Metrics spec/drafted, spec/accepted.")
+    speculative_sources: list[Literal["siblings", "history", "prompt"]] = Field(
+        ["siblings", "history", "prompt"], min_length=1,
+        description="Where drafts come from (rollout.speculative=on): siblings, history, prompt.")
+    speculative_max_draft: int = Field(
+        8, ge=1, le=64, description="Most draft tokens a row verifies in one forward (it starts at 4, doubles after "
+        "a draft accepted whole, and falls to one past what was accepted otherwise).")
+
+    @field_validator("speculative", mode="before")
+    @classmethod
+    def _on_off(cls, v):  # (YAML reads a bare on/off as a boolean)
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="hf/hf-cb: the dtype of the engine's copy of the policy ('auto': model.dtype). bfloat16 "
         "beside a float32 trainer halves the engine's weights and memory traffic; each weight update is cast as it is "

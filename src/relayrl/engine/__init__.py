@@ -12,9 +12,11 @@ def make_engine(r, model, tokenizer, version: int = 0, driven: bool = False, ada
     the adapter only."""
     if r.engine == "hf":
         from relayrl.engine.hf import HFEngine
+        from relayrl.engine.speculative import Speculator
 
+        spec = Speculator(r.speculative_sources, r.speculative_max_draft) if r.speculative == "on" else None
         return HFEngine(model, tokenizer, max_batch=r.max_batch, version=version, driven=driven,
-                        fast_decode=r.fast_decode, adapter=adapter)
+                        fast_decode=r.fast_decode, adapter=adapter, speculator=spec)
     if r.engine == "hf-cb":
         from relayrl.engine.hf_cb import HFContinuousEngine
         from relayrl.records import SamplingParams

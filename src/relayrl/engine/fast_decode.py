@@ -115,7 +115,8 @@ class KVCache:
 
 
 class FastDecoder:
-    """``prefill`` a left-padded batch, then ``decode`` one token per row at a time."""
+    """``prefill`` a left-padded batch, then ``decode`` one token per row at a time (or ``verify`` a draft
+    of several)."""
 
     def __init__(self, model):
         why = unsupported(model)
@@ -171,6 +172,24 @@ class FastDecoder:
         cache.mask[:, cache.n] = 0.0
         return self._forward(tokens[:, None], positions[:, None], cache)
 
+    @torch.inference_mode()
+    def verify(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+        """A row's last token and its draft (``tokens``, ``positions``: [rows, k+1]) in one forward; the
+        logits after each [rows, k+1, vocab] (speculative decoding). ``reject`` then masks the columns
+        of the draft tokens a row did not accept."""
+        cache.reserve(tokens.shape[1])
+        cache.mask[:, cache.n : cache.n + tokens.shape[1]] = 0.0
+        return self._forward(tokens, positions, cache, every=True)
+
+    @staticmethod
+    @torch.inference_mode()
+    def reject(cache: KVCache, accepted: Tensor, width: int) -> None:
+        """After ``verify`` of ``width`` columns: a row attends to its last token and the ``accepted`` draft
+        tokens after it, never again to the rest (their keys and values stay, masked: the rows' columns
+        are shared, so none is freed)."""
+        cols = torch.arange(width, device=accepted.device)
+        cache.mask[:, cache.n - width : cache.n].masked_fill_(cols[None, :] > accepted[:, None], cache.masked)
+
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """Attention of ``q`` [rows, heads, S, head dim] over the cache. One new token per row (S = 1,
         no grouped heads): two matrix products and a softmax, which on a CPU take about 10% less time
@@ -182,7 +201,7 @@ class FastDecoder:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
                                               enable_gqa=self.heads != self.kv_heads)
 
-    def _forward(self, ids: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+    def _forward(self, ids: Tensor, positions: Tensor, cache: KVCache, every: bool = False) -> Tensor:
         b, s = ids.shape
         n0, n1 = cache.n, cache.n + s
         x = F.embedding(ids, self.model.model.embed_tokens.weight)
@@ -210,7 +229,7 @@ class FastDecoder:
             gate, up = F.linear(self._norm(layer.post_attention_layernorm, x), gu_w, gu_b).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias)
         cache.n = n1
-        last = self._norm(self.model.model.norm, x[:, -1])
+        last = self._norm(self.model.model.norm, x if every else x[:, -1])
         return F.linear(last, self.model.lm_head.weight, getattr(self.model.lm_head, "bias", None))
 
 

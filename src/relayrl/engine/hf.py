@@ -11,7 +11,9 @@ abort) and stream out, and the loop passes a safe point where a pause holds it s
 be swapped: tokens after a swap carry the new version; the KV cache computed under the old
 weights is kept (as in AReaL's interruptible generation). Llama-family models decode through
 relayrl's own forward (``fast_decode.py``, ``rollout.fast_decode``); seeded requests
-(``SamplingParams.seed``) sample from their own numbers (``sampling.sample_tokens``).
+(``SamplingParams.seed``) sample from their own numbers (``sampling.sample_tokens``). With
+``rollout.speculative`` a step may verify a draft per row in one forward and emit several tokens
+(``speculative.py``: exact, the same tokens a seeded request gets without it).
 
 ``driven=True``: no background thread; whoever waits for generation decodes, on its own thread,
 through ``serve`` (token by token, so it can stop as soon as what it waits for is there). For a
@@ -26,6 +28,7 @@ import contextlib
 import queue
 import threading
 import time
+import warnings
 from collections import deque
 from typing import Callable, Iterable, Iterator
 
@@ -34,7 +37,8 @@ from transformers import DynamicCache
 
 from relayrl.engine.adapter import AdapterMerge
 from relayrl.engine.base import Engine, EngineError, check_new, copy_weights
-from relayrl.engine.fast_decode import fast_decoder
+from relayrl.engine.fast_decode import SUPPORTED, fast_decoder
+from relayrl.engine.speculative import Speculator, verify
 from relayrl.models import cache_kwarg
 from relayrl.records import Completion, FinishReason, GenRequest
 from relayrl.algos.token_sampling import sample_tokens, sampling_scores
@@ -69,11 +73,17 @@ def select_rows(cache, idx: torch.Tensor, rows: int) -> None:
 class HFEngine(Engine):
     def __init__(self, model, tokenizer, max_batch: int = 256, version: int = 0, batch_guard=None,
                  eos_token_ids: list[int] | None = None, driven: bool = False, fast_decode: bool = False,
-                 adapter: AdapterMerge | None = None):
+                 adapter: AdapterMerge | None = None, speculator: Speculator | None = None):
         self.model = model.eval()
         self._adapter = adapter  # model.lora: updates bring the adapter only, merged into the base it keeps
         self._cache_kw = cache_kwarg(model)  # (transformers renamed it)
         self._fast = fast_decoder(model) if fast_decode else None  # None: the model's own forward
+        if speculator is not None and self._fast is None:
+            warnings.warn("rollout.speculative: off, as speculative decoding runs in relayrl's decoding forward "
+                          f"(rollout.fast_decode: {', '.join(SUPPORTED)}), which this engine does not use",
+                          stacklevel=2)
+            speculator = None
+        self._spec = speculator  # rollout.speculative: drafts verified in one forward (``speculative.py``)
         self.device = next(model.parameters()).device  # rollout.device: where it decodes (the CPU, or a GPU)
         # entered around each generate call (the continuous-batching engine pauses its own loop with it)
         self._guard = batch_guard or contextlib.nullcontext
@@ -182,6 +192,10 @@ class HFEngine(Engine):
         self._version = version
         self._step_version = version
 
+    def take_spec(self) -> dict[str, int]:
+        """Speculative decoding's counts since the last call (``speculative.metrics``; empty when off)."""
+        return self._spec.take() if self._spec is not None else {}
+
     def num_pending(self) -> int:
         with self._cv:
             return len(self._pending)
@@ -265,6 +279,9 @@ class HFEngine(Engine):
 
     def _finish(self, row: _Row, reason: FinishReason) -> None:
         row.done = True
+        if self._spec is not None:
+            self._spec.finished(row.req.request_id, row.req.prompt_ids, list(row.req.response_so_far) + row.tokens,
+                                reason in (FinishReason.STOP, FinishReason.LENGTH))
         c = Completion(row.req.request_id, row.tokens, row.logprobs, row.versions, reason)
         self._out.put(c)
         if self._on_complete is not None:
@@ -325,21 +342,29 @@ class HFEngine(Engine):
                 self._at_safe_point = False
                 self._cv.notify_all()
 
-    def _record(self, rows: list[_Row], tokens: list[int], logprobs: list[float]) -> None:
-        """One new token per live row: record it, finish rows, then the safe point (lock held)."""
+    def _record(self, rows: list[_Row], tokens: list[list[int]], logprobs: list[list[float]]) -> None:
+        """The new tokens of each live row (one, or a verified draft's): record them, finish rows (a row
+        stops at its first EOS or at its budget, the tokens after dropped), then the safe point (lock held)."""
         version = self._step_version
-        for row, tok, lp in zip(rows, tokens, logprobs):
-            row.tokens.append(tok)
-            row.logprobs.append(lp)
-            row.versions.append(version)
-            if tok in self.eos_ids:
-                self._finish(row, FinishReason.STOP)
-            elif len(row.tokens) >= row.req.params.max_new_tokens:
-                self._finish(row, FinishReason.LENGTH)
-            elif row.req.request_id in self._aborted:
+        for row, toks, lps in zip(rows, tokens, logprobs):
+            start = len(row.tokens)
+            for tok, lp in zip(toks, lps):
+                row.tokens.append(tok)
+                row.logprobs.append(lp)
+                row.versions.append(version)
+                if tok in self.eos_ids:
+                    self._finish(row, FinishReason.STOP)
+                elif len(row.tokens) >= row.req.params.max_new_tokens:
+                    self._finish(row, FinishReason.LENGTH)
+                if row.done:
+                    break
+            if row.done:
+                continue
+            if row.req.request_id in self._aborted:
                 self._finish(row, FinishReason.ABORTED)
             elif row.req.stream:
-                self._out.put(Completion(row.req.request_id, [tok], [lp], [version], None))
+                self._out.put(Completion(row.req.request_id, row.tokens[start:], row.logprobs[start:],
+                                         row.versions[start:], None))
         if self._safe_point():  # aborts issued during a pause land here, before another token
             for row in rows:
                 if not row.done and row.req.request_id in self._aborted:
@@ -378,17 +403,23 @@ class HFEngine(Engine):
         seeds = torch.tensor([-1 if r.req.params.seed is None else r.req.params.seed for r in live],
                              device=self.device) if seeded else None
         at = torch.tensor([len(c) for c in ctx], device=self.device)  # where in its context a row samples next
+        drawn = None  # the tokens a verified draft emitted (speculative decoding), in place of sampling
         while True:
-            # (float32 scores whatever the engine's dtype, rollout.dtype: the log-probs are float32 values, from
-            # its bfloat16 logits upcast, as the trainer takes its own from float32 logits)
-            scores = sampling_scores(logits, p.temperature, p.top_k, p.top_p)  # the trainer reproduces this
-            if p.temperature > 0:
-                tok = sample_tokens(scores, seeds, at)
-            else:
-                tok = scores.argmax(-1)
-            lps = torch.log_softmax(scores, dim=-1).gather(1, tok[:, None]).squeeze(1)
+            if drawn is None:
+                # (float32 scores whatever the engine's dtype, rollout.dtype: the log-probs are float32 values, from
+                # its bfloat16 logits upcast, as the trainer takes its own from float32 logits)
+                scores = sampling_scores(logits, p.temperature, p.top_k, p.top_p)  # the trainer reproduces this
+                tok = sample_tokens(scores, seeds, at) if p.temperature > 0 else scores.argmax(-1)
+                lps = torch.log_softmax(scores, dim=-1).gather(1, tok[:, None]).squeeze(1)
+                drawn = [[t] for t in tok.tolist()], [[lp] for lp in lps.tolist()]
+                if self._spec is not None:
+                    self._spec.forward(len(live), len(live))
+            else:  # the last token each row emitted is the one fed next
+                tok = torch.tensor([t[-1] for t in drawn[0]], device=self.device)
+            emitted = torch.tensor([len(t) for t in drawn[0]], device=self.device)
             with self._cv:
-                self._record(live, tok.tolist(), lps.tolist())
+                self._record(live, *drawn)
+            drawn = None
             keep = [i for i, r in enumerate(live) if not r.done]
             if not keep:
                 return
@@ -407,11 +438,38 @@ class HFEngine(Engine):
                     select_rows(cache, torch.tensor(keep, device=self.device), len(live))
                 idx = torch.tensor(keep, device=self.device)
                 live, tok, att, pos, at = [live[i] for i in keep], tok[idx], att[idx], pos[idx], at[keep]
+                emitted = emitted[idx]
                 seeds = seeds[keep] if seeds is not None else None
-            pos, at = pos + 1, at + 1
+            pos, at = pos + emitted, at + emitted  # (pos: the fed token's; at: the next one sampled)
+            if self._spec is not None:
+                drawn = self._speculate(live, tok, pos, at, seeds, cache, p)
+                if drawn is not None:
+                    continue
             if self._fast is not None:
                 logits = self._fast.decode(tok, pos, cache)
                 continue
             att = torch.cat([att, att.new_ones(len(live), 1)], dim=1)
             logits = self.model(input_ids=tok[:, None], attention_mask=att, position_ids=pos[:, None],
                                 **{self._cache_kw: cache}, use_cache=True).logits[:, -1, :]
+
+    def _speculate(self, live: list[_Row], tok, pos, at, seeds, cache, p) -> tuple[list, list] | None:
+        """Drafts for the live rows verified in one forward (``speculative.verify``, exact): the tokens and
+        log-probs each row emits; None when no row has a draft (a plain decoding step then)."""
+        rows = [(r.req.request_id, r.req.prompt_ids, list(r.req.response_so_far) + r.tokens,
+                 r.req.params.max_new_tokens - len(r.tokens)) for r in live]
+        drafts, lengths, sources = self._spec.drafts(rows, self.device)
+        if not drafts.shape[1]:
+            return None
+        width = drafts.shape[1] + 1
+        offsets = torch.arange(width, device=self.device)
+        logits = self._fast.verify(torch.cat([tok[:, None], drafts], 1), pos[:, None] + offsets, cache)
+        scores = sampling_scores(logits, p.temperature, p.top_k, p.top_p)
+
+        def draw(s, i):  # as plain decoding draws the token at that position (a seeded row: its own numbers)
+            return sample_tokens(s, seeds, at + i) if p.temperature > 0 else s.argmax(-1)
+
+        tokens, logprobs, accepted = verify(scores, drafts, lengths, draw)
+        self._fast.reject(cache, accepted, width)
+        self._spec.accepted([r[0] for r in rows], lengths, accepted, sources)
+        self._spec.forward(len(live), sum(map(len, tokens)))
+        return tokens, logprobs

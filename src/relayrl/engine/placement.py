@@ -127,3 +127,17 @@ def engine_counters(engine) -> dict:
     engines = getattr(engine, "engines", [engine])
     return {"engine_restarts_total": sum(getattr(e, "restarts", 0) for e in engines),
             "engine_requeued_total": sum(getattr(e, "requeued", 0) for e in engines)}
+
+
+def spec_metrics(engine, on: bool) -> dict:
+    """Speculative decoding's ``spec/...`` metrics since the last call, summed over a router's engines (none
+    with ``rollout.speculative=off``; zeros in a step whose engines drafted nothing)."""
+    from relayrl.engine.speculative import add_counts, metrics
+
+    if not on:
+        return {}
+    counts: dict[str, int] = {}
+    for e in getattr(engine, "engines", [engine]):
+        take = getattr(e, "take_spec", None)
+        add_counts(counts, take() if take is not None else {})
+    return metrics(counts)

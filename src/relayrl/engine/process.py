@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 
 from relayrl.engine.base import Engine, EngineError, check_new
 from relayrl.engine.spec import EngineSpec, build_local_engine
+from relayrl.engine.speculative import add_counts
 from relayrl.records import Completion, GenRequest
 
 
@@ -68,8 +69,9 @@ def _serve(spec: EngineSpec, parent: int, shared: dict, cmd, out, ack) -> None:
             except BaseException as e:  # noqa: BLE001
                 out.put(("error", repr(e)))
                 return
-            if done:
-                out.put(("done", done))
+            spec = engine.take_spec() if hasattr(engine, "take_spec") else {}
+            if done or spec:
+                out.put(("done", (done, spec)))
 
     fwd = threading.Thread(target=forward, daemon=True)
     fwd.start()
@@ -122,6 +124,7 @@ class ProcessEngine(Engine):
         self._version = spec.version
         self._pending: set[str] = set()
         self._lock = threading.Lock()
+        self._spec_counts: dict[str, int] = {}  # (speculative decoding in the child: take_spec)
         self._expect("ready", start_timeout)
 
     def _check_alive(self) -> None:
@@ -173,7 +176,9 @@ class ProcessEngine(Engine):
                 continue
             if kind == "error":
                 raise EngineError(f"engine process failed: {arg}")
-            items += arg
+            items += arg[0]
+            with self._lock:
+                add_counts(self._spec_counts, arg[1])
         with self._lock:
             for c in items:
                 if c.finish_reason is not None:  # (a streamed piece: the request goes on)
@@ -207,6 +212,12 @@ class ProcessEngine(Engine):
         self._cmd.put(("load", version))
         self._expect("loaded")
         self._version = version
+
+    def take_spec(self) -> dict[str, int]:
+        """The child engine's speculative-decoding counts received since the last call."""
+        with self._lock:
+            counts, self._spec_counts = self._spec_counts, {}
+        return counts
 
     def num_pending(self) -> int:
         with self._lock:

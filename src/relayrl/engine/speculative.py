@@ -28,6 +28,7 @@ records.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict, deque
 from typing import Callable, Sequence
 
@@ -127,3 +128,81 @@ def verify(scores: Tensor, drafts: Tensor, lengths: Tensor, draw: Callable[[Tens
         tokens.append(row[:a + 1])  # accepted draft tokens equal the drawn ones; then the first difference
         logprobs.append(lp[:a + 1])
     return tokens, logprobs, accepted
+
+
+class Speculator:
+    """The engine's drafts and their accounting: a draft per live row (``drafts``), its length adapted to
+    what the row accepted (``next_draft_length``), finished responses kept as history, and counts by source
+    since the last ``take``."""
+
+    def __init__(self, sources: Sequence[str] = SOURCES, max_draft: int = 8, keep: int = 4, prompts: int = 4096):
+        if max_draft < 1:
+            raise ValueError(f"rollout.speculative_max_draft must be at least 1, got {max_draft}")
+        self.store = DraftStore(sources, keep=keep, prompts=prompts)
+        self.max_draft = max_draft
+        self.k: dict[str, int] = {}  # request id -> its next draft length
+        self.counts: dict[str, int] = {}
+        self.lock = threading.Lock()  # (counted on the engine's thread, taken on the trainer's)
+
+    def drafts(self, rows: Sequence[tuple[str, Sequence[int], Sequence[int], int]], device=None
+               ) -> tuple[Tensor, Tensor, list[str | None]]:
+        """``rows``: (request id, prompt ids, response so far, tokens it may still emit). Returns the drafts
+        [rows, k] (padded with 0 past each row's length), their lengths, and their sources."""
+        by_prompt: dict[tuple, list[Sequence[int]]] = {}
+        for _, prompt, response, _ in rows:
+            by_prompt.setdefault(self.store.key(prompt), []).append(response)
+        out, sources = [], []
+        for rid, prompt, response, left in rows:
+            k = min(self.k.setdefault(rid, min(4, self.max_draft)), left - 1)  # (room for the token drawn after)
+            ahead = [s for s in by_prompt[self.store.key(prompt)] if len(s) > len(response)]
+            d, src = self.store.draft(prompt, response, k, ahead) if k > 0 else ([], None)
+            out.append(d)
+            sources.append(src)
+        width = max(map(len, out), default=0)
+        drafts = torch.tensor([d + [0] * (width - len(d)) for d in out], dtype=torch.long, device=device)
+        lengths = torch.tensor([len(d) for d in out], dtype=torch.long, device=device)
+        return drafts.view(len(out), width), lengths, sources
+
+    def accepted(self, request_ids: Sequence[str], lengths: Tensor, accepted: Tensor,
+                 sources: Sequence[str | None]) -> None:
+        """A verification's outcome: each row's next draft length and the counts."""
+        counts = {"drafted": int(lengths.sum()), "accepted": int(accepted.sum())}
+        for rid, n, a, src in zip(request_ids, lengths.tolist(), accepted.tolist(), sources):
+            self.k[rid] = next_draft_length(self.k.get(rid, 1), n, a, self.max_draft)
+            if src is not None:
+                add_counts(counts, {f"drafted_{src}": n, f"accepted_{src}": a})
+        with self.lock:
+            add_counts(self.counts, counts)
+
+    def forward(self, rows: int, emitted: int) -> None:
+        """A decoding forward over ``rows`` rows that emitted ``emitted`` tokens (a verification or not)."""
+        with self.lock:
+            add_counts(self.counts, {"row_forwards": rows, "emitted": emitted})
+
+    def finished(self, request_id: str, prompt_ids: Sequence[int], response: Sequence[int], complete: bool) -> None:
+        self.k.pop(request_id, None)
+        if complete:  # (a response cut by a weight update goes on later: its end is kept then)
+            self.store.finished(prompt_ids, response)
+
+    def take(self) -> dict[str, int]:
+        """The counts since the last call (``metrics`` makes them the step's ``spec/...`` numbers)."""
+        with self.lock:
+            c, self.counts = self.counts, {}
+        return c
+
+
+def add_counts(into: dict[str, int], counts: dict[str, int]) -> dict[str, int]:
+    for k, v in counts.items():
+        into[k] = into.get(k, 0) + v
+    return into
+
+
+def metrics(counts: dict[str, int]) -> dict[str, float]:
+    """A step's ``spec/...`` metrics from its counts: tokens drafted and accepted (and by source), and the tokens
+    a row emitted per decoding forward (1 without speculation)."""
+    out = {f"spec/{k}": float(v) for k, v in counts.items() if k not in ("row_forwards", "emitted")}
+    out.setdefault("spec/drafted", 0.0)
+    out.setdefault("spec/accepted", 0.0)
+    if counts.get("row_forwards"):
+        out["spec/tokens_per_forward"] = counts["emitted"] / counts["row_forwards"]
+    return out

@@ -60,7 +60,6 @@ holds across the resume; nothing is lost and nothing is trained twice.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 import threading
 from collections import deque
@@ -69,52 +68,10 @@ from typing import Callable
 from relayrl.data import selection
 from relayrl.engine.base import EngineError
 from relayrl.failures import UserCodeError, failed
-from relayrl.records import FinishReason, Group, SamplingParams, Trajectory
+from relayrl.records import Group, SamplingParams, Trajectory
+from relayrl.rollout.groups import carried_copy, expand_branches, length_class, no_variance, oldest_version
 from relayrl.rollout.staleness import StalenessManager
 from relayrl.tracking.timeline import Timeline
-
-
-def oldest_version(g: Group) -> int | None:
-    """The policy version of the group's oldest token (None before its first token)."""
-    return min((v for t in g.trajectories for v in t.versions), default=None)
-
-
-def versions_behind(g: Group, version: int) -> int:
-    o = oldest_version(g)
-    return 0 if o is None else version - o
-
-
-def flatten(groups: list[Group]) -> list[Trajectory]:
-    return [t for g in groups for t in g.trajectories]
-
-
-class FilterWatch:
-    """Says once when dynamic sampling has multiplied generation for ``steps`` steps in a row: each
-    filtered at least its cap, or at least 3 times the groups it trained (generation 4x what is
-    trained). A weak base model (or one that solves everything) makes most groups zero-variance, and
-    every step then silently generates up to 1 + rollout.dynamic_sampling_max times the groups it
-    trains. (The demo filters 1-2.5x its batch while it learns: that is the price of groups that
-    teach, not a surprise to warn about.)"""
-
-    def __init__(self, batch: int, cap_factor: int, steps: int = 3):
-        self.batch, self.cap_factor, self.steps = batch, cap_factor, steps
-        self.recent: deque[int] = deque(maxlen=steps)
-        self.said = False
-
-    def update(self, filtered: int) -> str | None:
-        """This step's filtered groups; the note, the first time the condition holds."""
-        cap = self.cap_factor * self.batch
-        self.recent.append(filtered if filtered >= min(cap, 3 * self.batch) else -1)
-        if self.said or len(self.recent) < self.steps or min(self.recent) < 0:
-            return None
-        self.said = True
-        made = sum(self.recent) + self.steps * self.batch
-        return (f"dynamic sampling filtered {', '.join(map(str, self.recent))} groups in the last {self.steps} steps "
-                f"(the cap is rollout.dynamic_sampling_max={self.cap_factor} × rollout.prompts_per_step={self.batch} "
-                f"= {cap} a step): their rewards had no variance (every response right, or every one wrong), so "
-                f"generation made {made / (self.steps * self.batch):.1f}× the groups trained. A model that solves "
-                "almost nothing (or everything) makes most groups so; rollout.dynamic_sampling=false trains on the "
-                "groups as they come, a lower rollout.dynamic_sampling_max bounds the extra generation")
 
 
 class EpisodeRollout:
@@ -188,7 +145,7 @@ class EpisodeRollout:
             for g in batch:
                 self.ready.remove(g)
                 for t in g.trajectories:
-                    self.trained[_length_class(t)] += 1
+                    self.trained[length_class(t)] += 1
         if self.park and self.running:
             self.runner.hold()  # sync: the step's barrier; the rest wait for the new weights
         return batch, self.runner.take_generated()
@@ -366,8 +323,8 @@ class EpisodeRollout:
         with self.cv:
             del self.running[id(g)]
             for t in g.trajectories:
-                self.finished[_length_class(t)] += 1
-            if self.filter and _no_variance(g):
+                self.finished[length_class(t)] += 1
+            if self.filter and no_variance(g):
                 if self.filtered_since_batch < self.filter_cap:
                     self._filtered(g)
                     return
@@ -411,7 +368,7 @@ class EpisodeRollout:
     async def _snapshot(self) -> list[Group]:
         with self.cv:
             order = sorted([*self.ready, *self.running.values()], key=lambda g: self.seq[id(g)])
-            out = [g if id(g) not in self.running else _carry(g) for g in order]
+            out = [g if id(g) not in self.running else carried_copy(g) for g in order]
         self.saved = (self.counters(), self.sampler_state() if self.sampler_state else None)
         return out + list(self.waiting)
 
@@ -424,44 +381,5 @@ class EpisodeRollout:
         self.admission.cancel()
 
 
-def expand_branches(g: Group) -> None:
-    """An agent episode's other branches (``info["branch_tokens"]``: requests that rewrote its history,
-    ``relayrl.serve.sessions``) join its group as trajectories trained with the episode's reward;
-    ``info["branch_of"]`` names the episode, whose advantage they share (``rollout.group_advantages``)."""
-    extra = []
-    for t in g.trajectories:
-        for d in t.info.pop("branch_tokens", []):
-            extra.append(Trajectory(t.prompt, t.group_id, t.sample_idx, d["prompt_ids"], d["response_ids"],
-                                    d["behav_logprobs"], d["versions"], FinishReason(d["finish_reason"]), d["mask"],
-                                    d["turns"], info={"branch_of": t.sample_idx}, text=t.text, reward=t.reward,
-                                    complete=True))
-    g.trajectories += extra
-
-
-def _no_variance(g: Group) -> bool:
-    """Every scored episode of ``g`` has the same reward (failed ones aside; a group with none
-    scored is left to the failure policy)."""
-    rewards = [t.reward for t in g.trajectories if not failed(t)]
-    return bool(rewards) and max(rewards) - min(rewards) < 1e-9
-
-
-def _length_class(t: Trajectory) -> str:
-    return "long" if t.info.get("turns", 1) > 1 else "short"
-
-
 async def _event() -> asyncio.Event:
     return asyncio.Event()  # made on the loop that waits on it
-
-
-def _carry(g: Group) -> Group:
-    """A copy of running group ``g`` to checkpoint: complete episodes as they are, episodes in
-    their first turn with their tokens so far, the others from their prompt."""
-    def one(t: Trajectory) -> Trajectory:
-        if t.complete:
-            return dataclasses.replace(t, info=dict(t.info))
-        if 0 in t.mask:  # past a tool call: the environment's state is not saved
-            return Trajectory(t.prompt, t.group_id, t.sample_idx, list(t.prompt_ids))
-        return dataclasses.replace(t, prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids),
-                                   behav_logprobs=list(t.behav_logprobs), versions=list(t.versions),
-                                   mask=list(t.mask), turns=list(t.turns), info={})
-    return Group(g.prompt, g.group_id, [one(t) for t in g.trajectories], g.window, g.sized)

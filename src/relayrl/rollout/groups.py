@@ -1,8 +1,11 @@
 """Groups of trajectories before and after their episodes: empty groups for prompts, failed
-responses dropped, and the training batch (token-level rewards, overlong handling, step credit).
-Pure helpers; the rollout driver and the loop call them."""
+responses dropped, the training batch (token-level rewards, overlong handling, step credit), and
+what the rollout driver asks of a group (its oldest token's version, whether its rewards vary, an
+agent's branches joined, the copy a checkpoint carries). Pure helpers; the driver and the loop call them."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -11,7 +14,7 @@ from relayrl.algos.agents import discounted_returns, gigpo, steps_to_tokens
 from relayrl.algos.shaping import overlong_penalty
 from relayrl.train.batch import TrainBatch, build_batch
 from relayrl.failures import failed
-from relayrl.models import encode_prompt
+from relayrl.prompt_tokens import encode_prompt
 from relayrl.records import FinishReason, Group, Prompt, Trajectory
 
 
@@ -125,3 +128,56 @@ def step_advantages(groups: list[Group], gamma: float, omega: float,
         out.append(steps_to_tokens(adv[first:first + n].float(), turns))
         first += n
     return out
+
+
+def oldest_version(g: Group) -> int | None:
+    """The policy version of the group's oldest token (None before its first token)."""
+    return min((v for t in g.trajectories for v in t.versions), default=None)
+
+
+def versions_behind(g: Group, version: int) -> int:
+    o = oldest_version(g)
+    return 0 if o is None else version - o
+
+
+def flatten(groups: list[Group]) -> list[Trajectory]:
+    return [t for g in groups for t in g.trajectories]
+
+
+def expand_branches(g: Group) -> None:
+    """An agent episode's other branches (``info["branch_tokens"]``: requests that rewrote its history,
+    ``relayrl.serve.sessions``) join its group as trajectories trained with the episode's reward;
+    ``info["branch_of"]`` names the episode, whose advantage they share (``rollout.group_advantages``)."""
+    extra = []
+    for t in g.trajectories:
+        for d in t.info.pop("branch_tokens", []):
+            extra.append(Trajectory(t.prompt, t.group_id, t.sample_idx, d["prompt_ids"], d["response_ids"],
+                                    d["behav_logprobs"], d["versions"], FinishReason(d["finish_reason"]), d["mask"],
+                                    d["turns"], info={"branch_of": t.sample_idx}, text=t.text, reward=t.reward,
+                                    complete=True))
+    g.trajectories += extra
+
+
+def no_variance(g: Group) -> bool:
+    """Every scored episode of ``g`` has the same reward (failed ones aside; a group with none
+    scored is left to the failure policy)."""
+    rewards = [t.reward for t in g.trajectories if not failed(t)]
+    return bool(rewards) and max(rewards) - min(rewards) < 1e-9
+
+
+def length_class(t: Trajectory) -> str:
+    return "long" if t.info.get("turns", 1) > 1 else "short"
+
+
+def carried_copy(g: Group) -> Group:
+    """A copy of running group ``g`` to checkpoint: complete episodes as they are, episodes in
+    their first turn with their tokens so far, the others from their prompt."""
+    def one(t: Trajectory) -> Trajectory:
+        if t.complete:
+            return dataclasses.replace(t, info=dict(t.info))
+        if 0 in t.mask:  # past a tool call: the environment's state is not saved
+            return Trajectory(t.prompt, t.group_id, t.sample_idx, list(t.prompt_ids))
+        return dataclasses.replace(t, prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids),
+                                   behav_logprobs=list(t.behav_logprobs), versions=list(t.versions),
+                                   mask=list(t.mask), turns=list(t.turns), info={})
+    return Group(g.prompt, g.group_id, [one(t) for t in g.trajectories], g.window, g.sized)

@@ -20,8 +20,8 @@ from relayrl.engine.placement import cores, open_engine, start_ray, threads
 from relayrl.engine.spec import engine_spec, eos_token_ids
 from relayrl.envs import python_tool
 from relayrl.envs.base import make_env_factory
-from relayrl.models import (check_prompt_lengths, load_policy, load_tokenizer, model_context, model_context_source,
-                            resolve_model_path)
+from relayrl.models import load_policy, load_tokenizer, resolve_model_path
+from relayrl.prompt_tokens import check_prompt_lengths, model_context, model_context_source
 from relayrl.failures import failed
 from relayrl.records import SamplingParams, group_from_dict
 from relayrl.rewards import RewardRunner

@@ -15,9 +15,10 @@ from relayrl import failures
 from relayrl.config import Config, dump_config, resolved_tree
 from relayrl.engine import EngineError
 from relayrl.engine.base import PolicyMismatch
-from relayrl.engine.placement import engine_counters
+from relayrl.engine.placement import engine_counters, spec_metrics
 from relayrl.records import Group, group_to_dict
-from relayrl.rollout.driver import FilterWatch, flatten, versions_behind
+from relayrl.rollout.filter_watch import FilterWatch
+from relayrl.rollout.groups import flatten, versions_behind
 from relayrl.rollout.groups import drop_failed, training_batch
 from relayrl.run import model_card
 from relayrl.run.build import Components, build, follower_trainer, load_data, make_rollout, response_budget
@@ -135,8 +136,9 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                     metrics.table(state.step, rollouts.write(state.step, batch_groups, groups, source.last_filtered,
                                                              trained_at=state.version - 1))
                 m = record_step(cfg, c, state, groups, generated, {**train_metrics, **idle, **source.metrics(), **dynamic,
-                                **c.sampler.metrics(),
-                                **engine_counters(c.engine), **failures.metrics(failed, state.failures),
+                                **c.sampler.metrics(), **engine_counters(c.engine),
+                                **spec_metrics(c.engine, cfg.rollout.speculative == "on"),
+                                **failures.metrics(failed, state.failures),
                                 **(c.runner.scoring.take_times() if c.runner.scoring else {})},
                                 timers.pop(), metrics, source)
                 trained_log.write({"step": state.step, "prompt_ids": [g.prompt.id for g in groups],

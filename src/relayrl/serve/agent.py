@@ -113,7 +113,7 @@ class AgentEpisodes:
 
     async def episode(self, runner, t: Trajectory, params: SamplingParams, train: bool) -> None:
         """Run the program for ``t`` from its prompt; ``t`` gets the latest reply's branch, the other
-        branches go in ``t.info["branches"]`` (``rollout.driver.expand_branches``)."""
+        branches go in ``t.info["branches"]`` (``rollout.groups.expand_branches``)."""
         lim = runner.limits
         source = f"agent program {self.name} (env.name={lim.env_name})"
         t.response_ids, t.behav_logprobs, t.versions, t.mask, t.turns = [], [], [], [], []
