@@ -3,11 +3,14 @@
 1. **Rollout tokens/s** of the ``hf`` engine (relayrl's decoding forward) over a set of ``--prompts`` prompts of
    the demo task × ``--group`` samples, generated ``--epochs`` times (the same prompts each epoch, as a
    GSM8K-sized set trained for several epochs), without speculation and with each draft source alone and all
-   together; one engine per setting, kept across epochs (its history), settings interleaved epoch by epoch.
+   together; one engine per setting (warmed up on other prompts), kept across epochs (its history), settings
+   interleaved epoch by epoch.
    Epoch 1 has no history; the later ones report the rate with it. For ``builtin:demo`` at its start and for
-   ``--trained`` (a checkpoint after RL, where responses are regular; default: ``runs/demo`` when it exists).
+   ``--trained`` (a checkpoint after RL, where responses are regular; default: ``runs/demo`` when it exists),
+   at several batch sizes: a verification forward of many rows costs about what its tokens cost on a CPU, of
+   few rows (an agent's turns, a rollout's long tail) about what one token does.
 2. **The verification forward at Qwen2.5-0.5B's shape** (random weights): one forward over k + 1 tokens
-   against k + 1 one-token decoding forwards, per batch size, with a 256-token context: the number that
+   against k + 1 one-token decoding forwards, per batch size, after a ``--context`` of 64 tokens: the number that
    decides the gain on real models (a draft of k accepted whole costs the first, plain decoding the second).
 
     python benchmarks/speculative.py                   # ~10 min on 2 quiet cores
@@ -40,7 +43,7 @@ def requests(tok, prompts, group: int, epoch: int, budget: int):
             for i, p in enumerate(prompts) for j in range(group)]
 
 
-def rollout_rates(path: str, a) -> list[list[str]]:
+def rollout_rates(path: str, n_prompts: int, a) -> list[list[str]]:
     from relayrl.data.datasets import load_prompts
     from relayrl.engine.hf import HFEngine
     from relayrl.engine.speculative import Speculator, metrics
@@ -48,9 +51,13 @@ def rollout_rates(path: str, a) -> list[list[str]]:
 
     path = resolve_model_path(path)
     tok, model = load_tokenizer(path), load_policy(path).eval()
-    prompts = load_prompts("builtin:demo", limit=a.prompts)
+    prompts = load_prompts("builtin:demo", limit=n_prompts)
     engines = {name: HFEngine(model, tok, fast_decode=True, max_batch=256,
-                              speculator=Speculator(src, a.max_draft) if src else None) for name, src in SETTINGS}
+                              speculator=Speculator(src, a.max_draft, a.batch_tokens) if src else None) for name, src in SETTINGS}
+    warm = load_prompts("builtin:demo", limit=2 * n_prompts)[n_prompts:]  # (other prompts: history stays empty)
+    for eng in engines.values():
+        eng.generate(requests(tok, warm, a.group, -1, a.max_new_tokens))
+        eng.take_spec()
     rates = {name: [] for name, _ in SETTINGS}
     counts = {name: {} for name, _ in SETTINGS}
     try:
@@ -62,7 +69,7 @@ def rollout_rates(path: str, a) -> list[list[str]]:
                 out = eng.generate(reqs)
                 rates[name].append(sum(len(c.token_ids) for c in out) / (time.perf_counter() - t0))
                 counts[name] = eng.take_spec()
-                print(f"  {path}: epoch {epoch + 1} {name}: {rates[name][-1]:.0f} tokens/s", flush=True)
+                print(f"  {path}, {len(reqs)} rows: epoch {epoch + 1} {name}: {rates[name][-1]:.0f} tokens/s", flush=True)
     finally:
         for eng in engines.values():
             eng.close()
@@ -71,7 +78,7 @@ def rollout_rates(path: str, a) -> list[list[str]]:
         first, later = rates[name][0], statistics.median(rates[name][1:]) if a.epochs > 1 else float("nan")
         m = metrics(counts[name]) if counts[name] else {}
         accepted = f"{m['spec/accepted'] / max(1.0, m['spec/drafted']):.0%}" if m.get("spec/drafted") else "-"
-        rows.append([Path(path).name if "/" in path else path, name, f"{first:.0f}", f"{first / rates['off'][0]:.2f}x",
+        rows.append([a.label, str(n_prompts * a.group), name, f"{first:.0f}", f"{first / rates['off'][0]:.2f}x",
                      f"{later:.0f}", f"{later / statistics.median(rates['off'][1:]):.2f}x" if a.epochs > 1 else "-",
                      f"{m.get('spec/tokens_per_forward', 1.0):.2f}", accepted])
     return rows
@@ -88,19 +95,20 @@ def verify_cost(a) -> list[list[str]]:
     dec = FastDecoder(model)
     rows = []
     for b in a.batches:
-        ids = torch.randint(10, shape["vocab_size"], (b, 256))
-        att, pos = torch.ones_like(ids), torch.arange(256).expand(b, 256)
+        ids = torch.randint(10, shape["vocab_size"], (b, a.context))
+        att, pos = torch.ones_like(ids), torch.arange(a.context).expand(b, a.context)
         for k in a.draft_lengths:
             plain, spec = [], []
             for _ in range(a.repeats + 1):  # (the first: warm-up)
-                _, cache = dec.prefill(ids, att, pos, 256 + 2 * (k + 1))
+                n = a.context
+                _, cache = dec.prefill(ids, att, pos, n + 2 * (k + 1))
                 t0 = time.perf_counter()
                 for j in range(k + 1):
-                    dec.decode(ids[:, j], torch.full((b,), 256 + j), cache)
+                    dec.decode(ids[:, j], torch.full((b,), n + j), cache)
                 plain.append(time.perf_counter() - t0)
-                _, cache = dec.prefill(ids, att, pos, 256 + 2 * (k + 1))
+                _, cache = dec.prefill(ids, att, pos, n + 2 * (k + 1))
                 t0 = time.perf_counter()
-                dec.verify(ids[:, : k + 1], 256 + torch.arange(k + 1).expand(b, k + 1), cache)
+                dec.verify(ids[:, : k + 1], n + torch.arange(k + 1).expand(b, k + 1), cache)
                 spec.append(time.perf_counter() - t0)
             p, s = statistics.median(plain[1:]), statistics.median(spec[1:])
             rows.append([str(b), str(k), f"{p * 1e3:.1f}", f"{s * 1e3:.1f}", f"{p / s:.2f}x"])
@@ -113,28 +121,36 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", choices=["full", "tiny"], default="full")
     ap.add_argument("--trained", default="runs/demo", help="a checkpoint after RL (skipped if missing)")
-    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompts", type=int, nargs="+", default=[1, 4, 32], help="prompts per batch (× --group rows)")
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-draft", type=int, default=8)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--batch-tokens", type=int, default=64, help="rollout.speculative_batch_tokens")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--context", type=int, default=64, help="tokens in the cache before the measured forwards")
     ap.add_argument("--draft-lengths", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--parts", nargs="+", choices=["rollout", "verify"], default=["rollout", "verify"])
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args()
     if a.scale == "tiny":
-        a.prompts, a.group, a.epochs, a.batches, a.draft_lengths, a.repeats = 4, 4, 2, [2], [4], 2
+        a.prompts, a.group, a.epochs, a.batches, a.draft_lengths, a.repeats = [1, 4], 4, 2, [2], [4], 2
     torch.set_num_threads(torch.get_num_threads())
     models = ["builtin:demo"] + ([a.trained] if a.trained and Path(a.trained).exists() else [])
-    rows = [r for m in models for r in rollout_rates(m, a)]
-    write_results(Path(a.out), "speculative_rollout",
-                  ["model", "drafts", "epoch 1 tokens/s", "vs off", "later epochs tokens/s", "vs off",
-                   "tokens per forward", "draft tokens accepted"], rows,
-                  {"machine": machine_info(), "args": vars(a)})
-    write_results(Path(a.out), "speculative_verify",
-                  ["batch", "k", "k+1 decoding forwards (ms)", "one verification forward (ms)", "ratio"],
-                  verify_cost(a), {"machine": machine_info(), "args": vars(a)})
+    if "rollout" in a.parts:
+        rows = []
+        for m in models:
+            a.label = "builtin:demo" if m == "builtin:demo" else f"{m} (after RL)"
+            rows += [r for n in a.prompts for r in rollout_rates(m, n, a)]
+        write_results(Path(a.out), "speculative_rollout",
+                      ["model", "rows", "drafts", "epoch 1 tokens/s", "vs off", "later epochs tokens/s", "vs off",
+                       "tokens per forward", "draft tokens accepted"], rows,
+                      {"machine": machine_info(), "args": vars(a)})
+    if "verify" in a.parts:
+        write_results(Path(a.out), "speculative_verify",
+                      ["batch", "k", "k+1 decoding forwards (ms)", "one verification forward (ms)", "ratio"],
+                      verify_cost(a), {"machine": machine_info(), "args": vars(a)})
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from relayrl.algos.token_sampling import sample_tokens, sampling_scores
-from relayrl.engine.speculative import DraftStore, find_draft, next_draft_length, verify
+from relayrl.engine.speculative import DraftStore, NgramIndex, Speculator, next_draft_length, verify
 
 V, L, STATES = 5, 3, 97
 
@@ -172,27 +172,38 @@ def test_greedy_accepts_exactly_the_argmax_and_seeded_rows_emit_what_plain_decod
 
 
 def test_drafts_come_from_siblings_earlier_responses_and_the_prompt():
-    assert find_draft([4, 5], [1, 4, 5, 6, 7, 4, 5, 8], 3, 1, 2) == [8]  # the most recent occurrence
-    assert find_draft([9, 4, 5], [1, 9, 4, 5, 6, 7, 4, 5, 8], 2, 1, 3) == [6, 7]  # the longest match wins
-    assert find_draft([3], [1, 2, 3], 2, 1, 2) == []  # nothing after it
+    ix = NgramIndex([1, 4, 5, 6, 7, 4, 5, 8], min_n=1, max_n=2)
+    assert ix.lookup([4, 5], 3) == (2, [8])  # the most recent occurrence
+    assert NgramIndex([1, 9, 4, 5, 6, 7, 4, 5, 8], 1, 3).lookup([9, 4, 5], 2) == (3, [6, 7])  # the longest match
+    assert NgramIndex([1, 2, 3], 1, 2).lookup([3], 2) == (0, [])  # nothing after it
+    ix.extend([9])
+    assert ix.lookup([5, 8], 2) == (2, [9])  # extended as the response grows
     store = DraftStore(keep=2, prompts=2, min_n=1, max_n=3)
     prompt = [10, 11, 12]
     # at a response's first token the prompt's end is the tail: an earlier response is the draft
-    store.finished(prompt, [20, 21, 22, 23])
-    assert store.draft(prompt, [], 3) == ([20, 21, 22], "history")
-    assert store.draft(prompt, [20, 21], 5) == ([22, 23], "history")
-    # a sibling that ran ahead, longer than history's
-    assert store.draft(prompt, [20, 21], 5, siblings=[[20, 21, 30, 31, 32, 33]]) == ([30, 31, 32, 33], "siblings")
-    # the row's own context (prompt lookup), its last token excluded as a match
-    assert store.draft([1, 2, 3, 4], [2, 3], 2) == ([4, 2], "prompt")  # (a repeat: 2 3 4 2 3 ...)
+    store.finished(prompt, store.index(prompt, [20, 21, 22, 23]))
+    assert store.draft(prompt, store.index(prompt), 3) == ([20, 21, 22], "history")
+    assert store.draft(prompt, store.index(prompt, [20, 21]), 5) == ([22, 23], "history")
+    # a sibling that ran ahead gives the longer draft
+    ahead = store.index(prompt, [20, 21, 30, 31, 32, 33])
+    assert store.draft(prompt, store.index(prompt, [20, 21]), 5, [ahead]) == ([30, 31, 32, 33], "siblings")
+    # the row's own context (prompt lookup)
+    assert store.draft([1, 2, 3, 4, 7], store.index([1, 2, 3, 4, 7], [2, 3]), 2) == ([4, 7], "prompt")
     # a capped, least-recently-used history
-    store.finished([1], [5, 6])
-    store.finished([2], [5, 7])
-    assert store.draft(prompt, [], 3) == ([], None)
+    store.finished([1], store.index([1], [5, 6]))
+    store.finished([2], store.index([2], [5, 7]))
+    assert store.draft(prompt, store.index(prompt), 3) == ([], None)
     with pytest.raises(ValueError, match="unknown draft sources"):
         DraftStore(sources=("siblings", "model"))
     assert [next_draft_length(4, 4, 4, 8), next_draft_length(4, 4, 1, 8), next_draft_length(8, 8, 8, 8),
             next_draft_length(4, 0, 0, 8)] == [8, 2, 8, 4]
+    # the engine's view: rows of one prompt, their indexes kept as they grow, a finished one in history
+    spec = Speculator(max_draft=4)
+    d, n, src = spec.drafts([("a", prompt, [20, 21, 22], 10), ("b", prompt, [20], 10)])
+    assert d[1].tolist()[:2] == [21, 22] and src[1] == "siblings" and n.tolist() == [0, 2]
+    spec.finished("a", prompt, [20, 21, 22, 23, 2], True)
+    d, n, src = spec.drafts([("b", prompt, [20, 21], 10)])
+    assert d[0].tolist() == [22, 23, 2] and src == ["history"]
 
 
 def _requests(tok, n, budget, seed0=None, temp=1.0, top_p=1.0):

@@ -229,6 +229,7 @@ APPLIES_ONLY: dict[str, tuple[Callable[[BaseModel], bool], str, tuple[str, ...]]
     "rollout.speculative": (lambda c: c.rollout.engine == "hf", "with rollout.engine=hf", ("rollout.engine",)),
     "rollout.speculative_sources": _SPEC,
     "rollout.speculative_max_draft": _SPEC,
+    "rollout.speculative_batch_tokens": _SPEC,
     "rollout.dtype": (lambda c: c.rollout.engine != "vllm", "with rollout.engine=hf or hf-cb (vLLM loads the "
                       "weights in model.dtype)", ("rollout.engine",)),
     "rollout.device": (lambda c: c.rollout.engine != "vllm", "with rollout.engine=hf or hf-cb (vLLM places "

@@ -321,11 +321,19 @@ class RolloutCfg(_Section):
         "only where it equals the token drawn from the policy at that position, so every token has the policy's "
         "sampling distribution and log-prob (docs/concepts/speculative.md). Metrics spec/drafted, spec/accepted.")
     speculative_sources: list[Literal["siblings", "history", "prompt"]] = Field(
-        ["siblings", "history", "prompt"], min_length=1,
-        description="Where drafts come from (rollout.speculative=on): siblings, history, prompt.")
+        ["siblings", "history"], min_length=1,
+        description="Where drafts come from (rollout.speculative=on): siblings, history, prompt. prompt (the row's "
+        "own context: prompt lookup) pays on text that copies its context (tool results, code edits); on the demo "
+        "14-37% of its drafts were kept and it cost 8-20% of the rollout's speed, so it is not in the default.")
     speculative_max_draft: int = Field(
         8, ge=1, le=64, description="Most draft tokens a row verifies in one forward (it starts at 4, doubles after "
         "a draft accepted whole, and falls to one past what was accepted otherwise).")
+    speculative_batch_tokens: int = Field(
+        64, ge=2, description="Most tokens one verification forward holds (live rows × (draft + 1)): fewer rows get "
+        "longer drafts, and with more than half this many rows decoding goes on without drafts. Past its knee a "
+        "forward costs what its tokens cost, so long drafts over many rows cost more than they save: on the demo "
+        "model on 2 CPU cores a forward of 9 tokens a row costs 1.3x one of 1 token at 1 row, 2.2x at 16 rows and "
+        "3.9x at 256 (docs/concepts/speculative.md); a GPU's knee is far higher: raise it there.")
 
     @field_validator("speculative", mode="before")
     @classmethod

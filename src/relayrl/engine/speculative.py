@@ -38,22 +38,38 @@ from torch import Tensor
 SOURCES = ("siblings", "history", "prompt")
 
 
-def find_draft(tail: Sequence[int], seq: Sequence[int], k: int, min_n: int, max_n: int,
-               end: int | None = None) -> list[int]:
-    """The up to ``k`` tokens that follow the most recent occurrence in ``seq[:end]`` of the longest of
-    ``tail``'s last ``max_n`` .. ``min_n`` tokens (an occurrence must have at least one token after it)."""
-    end = len(seq) if end is None else end
-    for n in range(min(max_n, len(tail)), min_n - 1, -1):
-        pat = list(tail[-n:])
-        first = pat[0]
-        for i in range(end - n - 1, -1, -1):  # the match seq[i:i+n] must leave a token after it
-            if seq[i] == first and list(seq[i:i + n]) == pat:
-                return list(seq[i + n:min(end, i + n + k)])
-    return []
+class NgramIndex:
+    """A token sequence and, for each of its n-grams (``min_n`` ≤ n ≤ ``max_n``) with a token after it, where
+    its most recent such occurrence ends: a draft is a dictionary lookup, not a scan. Extended as a response
+    grows."""
+
+    def __init__(self, tokens: Sequence[int] = (), min_n: int = 2, max_n: int = 8):
+        self.seq: list[int] = []
+        self.ends: dict[tuple[int, ...], int] = {}
+        self.min_n, self.max_n = min_n, max_n
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            p = len(self.seq)  # the n-grams ending at p - 1 now have a token after them: t
+            for n in range(self.min_n, min(self.max_n, p) + 1):
+                self.ends[tuple(self.seq[p - n:p])] = p
+            self.seq.append(t)
+
+    def lookup(self, tail: Sequence[int], k: int) -> tuple[int, list[int]]:
+        """(n, the up to ``k`` tokens after the most recent occurrence of ``tail``'s last n tokens), for the
+        longest n found; (0, []) if none."""
+        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
+            end = self.ends.get(tuple(tail[-n:]))
+            if end is not None:
+                return n, self.seq[end:end + k]
+        return 0, []
 
 
 class DraftStore:
-    """Responses by prompt, for drafts: the live rows' (siblings) and finished ones (history)."""
+    """Responses by prompt, for drafts: the live rows' (siblings, and each row's own context) and finished
+    ones (history); each an ``NgramIndex`` of the prompt's last ``max_n`` tokens and the response (a response's
+    first tokens follow the prompt's end)."""
 
     def __init__(self, sources: Sequence[str] = SOURCES, keep: int = 4, prompts: int = 4096,
                  min_n: int = 2, max_n: int = 8):
@@ -61,42 +77,52 @@ class DraftStore:
         if bad:
             raise ValueError(f"unknown draft sources {bad}; valid: {', '.join(SOURCES)}")
         self.sources, self.keep, self.prompts, self.min_n, self.max_n = tuple(sources), keep, prompts, min_n, max_n
-        self.history: OrderedDict[tuple, deque[tuple[int, ...]]] = OrderedDict()
+        self.history: OrderedDict[tuple, deque[NgramIndex]] = OrderedDict()
+        self.prompt_index: OrderedDict[tuple, NgramIndex] = OrderedDict()  # (the whole prompt: prompt lookup)
 
     @staticmethod
     def key(prompt_ids: Sequence[int]) -> tuple:
         return tuple(prompt_ids)
 
-    def finished(self, prompt_ids: Sequence[int], response: Sequence[int]) -> None:
-        """A response that ended (any reason): a draft for the prompt's later responses."""
-        if "history" not in self.sources or not response:
+    def index(self, prompt_ids: Sequence[int], response: Sequence[int] = ()) -> NgramIndex:
+        """A new row's (or a finished response's) index."""
+        return NgramIndex(list(prompt_ids[-self.max_n:]) + list(response), self.min_n, self.max_n)
+
+    def finished(self, prompt_ids: Sequence[int], index: NgramIndex) -> None:
+        """A response that ended (its ``index``): a draft for the prompt's later responses."""
+        if "history" not in self.sources:
             return
         key = self.key(prompt_ids)
         kept = self.history.pop(key, None) or deque(maxlen=self.keep)
-        kept.append(tuple(response))
+        kept.append(index)
         self.history[key] = kept
         while len(self.history) > self.prompts:
             self.history.popitem(last=False)
 
-    def draft(self, prompt_ids: Sequence[int], response: Sequence[int], k: int,
-              siblings: Sequence[Sequence[int]] = ()) -> tuple[list[int], str | None]:
-        """The draft of up to ``k`` tokens for a row (its prompt, its response so far) and its source."""
+    def _prompt(self, prompt_ids: Sequence[int]) -> NgramIndex:
+        key = self.key(prompt_ids)
+        found = self.prompt_index.pop(key, None) or NgramIndex(prompt_ids, self.min_n, self.max_n)
+        self.prompt_index[key] = found
+        while len(self.prompt_index) > self.prompts:
+            self.prompt_index.popitem(last=False)
+        return found
+
+    def draft(self, prompt_ids: Sequence[int], own: NgramIndex, k: int, siblings: Sequence[NgramIndex] = ()
+              ) -> tuple[list[int], str | None]:
+        """The draft of up to ``k`` tokens for a row (``own``: its index) and its source: the longest match of
+        its last tokens, then the longest continuation."""
         if k <= 0:
             return [], None
-        # the tail: the response's last tokens, or the prompt's end (the response's first tokens follow it)
-        head = list(prompt_ids[-self.max_n:])
-        tail = (head + list(response))[-self.max_n:]
-        found: list[tuple[list[int], str]] = []
+        tail = own.seq[-self.max_n:]
+        found: list[tuple[int, list[int], str]] = []
         if "siblings" in self.sources:
-            found += [(find_draft(tail, head + list(s), k, self.min_n, self.max_n), "siblings") for s in siblings]
+            found += [(*s.lookup(tail, k), "siblings") for s in siblings]
         if "history" in self.sources:
-            found += [(find_draft(tail, head + list(r), k, self.min_n, self.max_n), "history")
-                      for r in reversed(self.history.get(self.key(prompt_ids), ()))]
+            found += [(*h.lookup(tail, k), "history") for h in reversed(self.history.get(self.key(prompt_ids), ()))]
         if "prompt" in self.sources:
-            own = list(prompt_ids) + list(response)
-            found.append((find_draft(tail, own, k, self.min_n, self.max_n, end=len(own) - 1), "prompt"))
-        best = max(found, key=lambda f: len(f[0]), default=([], None))
-        return (best[0], best[1]) if best[0] else ([], None)
+            found += [(*own.lookup(tail, k), "prompt"), (*self._prompt(prompt_ids).lookup(tail, k), "prompt")]
+        n, d, src = max(found, key=lambda f: (f[0], len(f[1])), default=(0, [], None))
+        return (d, src) if d else ([], None)
 
 
 def next_draft_length(k: int, drafted: int, accepted: int, k_max: int) -> int:
@@ -135,27 +161,41 @@ class Speculator:
     what the row accepted (``next_draft_length``), finished responses kept as history, and counts by source
     since the last ``take``."""
 
-    def __init__(self, sources: Sequence[str] = SOURCES, max_draft: int = 8, keep: int = 4, prompts: int = 4096):
+    def __init__(self, sources: Sequence[str] = SOURCES, max_draft: int = 8, batch_tokens: int = 64, keep: int = 4,
+                 prompts: int = 4096):
         if max_draft < 1:
             raise ValueError(f"rollout.speculative_max_draft must be at least 1, got {max_draft}")
         self.store = DraftStore(sources, keep=keep, prompts=prompts)
-        self.max_draft = max_draft
+        self.max_draft, self.batch_tokens = max_draft, batch_tokens
         self.k: dict[str, int] = {}  # request id -> its next draft length
+        self.rows: dict[str, NgramIndex] = {}  # request id -> its prompt's end and response so far
         self.counts: dict[str, int] = {}
         self.lock = threading.Lock()  # (counted on the engine's thread, taken on the trainer's)
 
     def drafts(self, rows: Sequence[tuple[str, Sequence[int], Sequence[int], int]], device=None
                ) -> tuple[Tensor, Tensor, list[str | None]]:
         """``rows``: (request id, prompt ids, response so far, tokens it may still emit). Returns the drafts
-        [rows, k] (padded with 0 past each row's length), their lengths, and their sources."""
-        by_prompt: dict[tuple, list[Sequence[int]]] = {}
-        for _, prompt, response, _ in rows:
-            by_prompt.setdefault(self.store.key(prompt), []).append(response)
+        [rows, k] (padded with 0 past each row's length), their lengths, and their sources. A verification
+        forward holds at most ``batch_tokens`` tokens (rows × (k + 1)): past that the forward costs about what
+        its tokens cost, and drafts that are often rejected would cost more than they save."""
+        cap = self.batch_tokens // max(1, len(rows)) - 1
+        if cap < 1:
+            return torch.zeros(len(rows), 0, dtype=torch.long, device=device), torch.zeros(
+                len(rows), dtype=torch.long, device=device), [None] * len(rows)
+        indexes, by_prompt = [], {}
+        for rid, prompt, response, _ in rows:
+            own = self.rows.get(rid)
+            if own is None:
+                own = self.rows[rid] = self.store.index(prompt, response)
+            else:
+                own.extend(response[len(own.seq) - min(len(prompt), self.store.max_n):])
+            indexes.append(own)
+            by_prompt.setdefault(self.store.key(prompt), []).append(own)
         out, sources = [], []
-        for rid, prompt, response, left in rows:
-            k = min(self.k.setdefault(rid, min(4, self.max_draft)), left - 1)  # (room for the token drawn after)
-            ahead = [s for s in by_prompt[self.store.key(prompt)] if len(s) > len(response)]
-            d, src = self.store.draft(prompt, response, k, ahead) if k > 0 else ([], None)
+        for (rid, prompt, _, left), own in zip(rows, indexes):
+            k = min(self.k.setdefault(rid, min(4, self.max_draft)), left - 1, cap)  # (room for the token drawn after)
+            ahead = [s for s in by_prompt[self.store.key(prompt)] if len(s.seq) > len(own.seq)]
+            d, src = self.store.draft(prompt, own, k, ahead) if k > 0 else ([], None)
             out.append(d)
             sources.append(src)
         width = max(map(len, out), default=0)
@@ -181,8 +221,13 @@ class Speculator:
 
     def finished(self, request_id: str, prompt_ids: Sequence[int], response: Sequence[int], complete: bool) -> None:
         self.k.pop(request_id, None)
+        own = self.rows.pop(request_id, None)
         if complete:  # (a response cut by a weight update goes on later: its end is kept then)
-            self.store.finished(prompt_ids, response)
+            if own is None:
+                own = self.store.index(prompt_ids, response)
+            else:
+                own.extend(response[len(own.seq) - min(len(prompt_ids), self.store.max_n):])
+            self.store.finished(prompt_ids, own)
 
     def take(self) -> dict[str, int]:
         """The counts since the last call (``metrics`` makes them the step's ``spec/...`` numbers)."""
