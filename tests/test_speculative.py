@@ -178,7 +178,7 @@ def test_drafts_come_from_siblings_earlier_responses_and_the_prompt():
     assert NgramIndex([1, 2, 3], 1, 2).lookup([3], 2) == (0, [])  # nothing after it
     ix.extend([9])
     assert ix.lookup([5, 8], 2) == (2, [9])  # extended as the response grows
-    store = DraftStore(keep=2, prompts=2, min_n=1, max_n=3)
+    store = DraftStore(keep=2, max_tokens=12, min_n=1, max_n=3)
     prompt = [10, 11, 12]
     # at a response's first token the prompt's end is the tail: an earlier response is the draft
     store.finished(prompt, store.index(prompt, [20, 21, 22, 23]))
@@ -189,10 +189,12 @@ def test_drafts_come_from_siblings_earlier_responses_and_the_prompt():
     assert store.draft(prompt, store.index(prompt, [20, 21]), 5, [ahead]) == ([30, 31, 32, 33], "siblings")
     # the row's own context (prompt lookup)
     assert store.draft([1, 2, 3, 4, 7], store.index([1, 2, 3, 4, 7], [2, 3]), 2) == ([4, 7], "prompt")
-    # a capped, least-recently-used history
-    store.finished([1], store.index([1], [5, 6]))
-    store.finished([2], store.index([2], [5, 7]))
-    assert store.draft(prompt, store.index(prompt), 3) == ([], None)
+    # a capped, least-recently-used history: the last 2 responses of a prompt, 12 tokens in all
+    store.finished(prompt, store.index(prompt, [24, 25]))
+    store.finished(prompt, store.index(prompt, [26, 27]))
+    assert store.draft(prompt, store.index(prompt), 3)[0] == [26, 27] and store.tokens == 10
+    store.finished([1], store.index([1], [5, 6]))  # 13 tokens: the least recently used prompt goes
+    assert store.draft(prompt, store.index(prompt), 3) == ([], None) and store.tokens == 3
     with pytest.raises(ValueError, match="unknown draft sources"):
         DraftStore(sources=("siblings", "model"))
     assert [next_draft_length(4, 4, 4, 8), next_draft_length(4, 4, 1, 8), next_draft_length(8, 8, 8, 8),

@@ -6,8 +6,8 @@ Drafts. A row's draft is what followed, elsewhere, the last tokens it has: the l
 (``DraftStore``), all keyed by the row's prompt, none a model:
 
     siblings  the other responses of the same prompt in the engine now (Seer's grouped drafts);
-    history   the prompt's earlier responses (SPEC-RL's previous epoch), the last ``keep`` of each
-              of at most ``prompts`` prompts, the least recently used prompt forgotten first;
+    history   the prompt's earlier responses (SPEC-RL's previous epoch), the last ``keep`` of each,
+              ``max_tokens`` in all, the least recently used prompt forgotten first;
     prompt    the row's own context: its prompt and what it generated (prompt lookup).
 
 Verification, sample and compare: one forward over the row's last token and its draft x_1..x_k gives
@@ -71,14 +71,18 @@ class DraftStore:
     ones (history); each an ``NgramIndex`` of the prompt's last ``max_n`` tokens and the response (a response's
     first tokens follow the prompt's end)."""
 
-    def __init__(self, sources: Sequence[str] = SOURCES, keep: int = 4, prompts: int = 4096,
-                 min_n: int = 2, max_n: int = 8):
+    def __init__(self, sources: Sequence[str] = SOURCES, keep: int = 4, max_tokens: int = 200_000,
+                 min_n: int = 2, max_n: int = 8, prompts: int = 256):
         bad = [s for s in sources if s not in SOURCES]
         if bad:
             raise ValueError(f"unknown draft sources {bad}; valid: {', '.join(SOURCES)}")
-        self.sources, self.keep, self.prompts, self.min_n, self.max_n = tuple(sources), keep, prompts, min_n, max_n
+        self.sources, self.keep, self.min_n, self.max_n = tuple(sources), keep, min_n, max_n
+        # history: the last ``keep`` responses of each prompt, ``max_tokens`` in all (an index holds ~1 KB a token:
+        # its n-grams), the least recently used prompt forgotten first
+        self.max_tokens, self.tokens = max_tokens, 0
         self.history: OrderedDict[tuple, deque[NgramIndex]] = OrderedDict()
-        self.prompt_index: OrderedDict[tuple, NgramIndex] = OrderedDict()  # (the whole prompt: prompt lookup)
+        self.prompts = prompts  # whole prompts indexed for prompt lookup, the least recently used forgotten first
+        self.prompt_index: OrderedDict[tuple, NgramIndex] = OrderedDict()
 
     @staticmethod
     def key(prompt_ids: Sequence[int]) -> tuple:
@@ -93,11 +97,14 @@ class DraftStore:
         if "history" not in self.sources:
             return
         key = self.key(prompt_ids)
-        kept = self.history.pop(key, None) or deque(maxlen=self.keep)
+        kept = self.history.pop(key, None) or deque()
         kept.append(index)
+        self.tokens += len(index.seq)
+        if len(kept) > self.keep:
+            self.tokens -= len(kept.popleft().seq)
         self.history[key] = kept
-        while len(self.history) > self.prompts:
-            self.history.popitem(last=False)
+        while self.tokens > self.max_tokens and self.history:
+            self.tokens -= sum(len(i.seq) for i in self.history.popitem(last=False)[1])
 
     def _prompt(self, prompt_ids: Sequence[int]) -> NgramIndex:
         key = self.key(prompt_ids)
@@ -162,10 +169,10 @@ class Speculator:
     since the last ``take``."""
 
     def __init__(self, sources: Sequence[str] = SOURCES, max_draft: int = 8, batch_tokens: int = 64, keep: int = 4,
-                 prompts: int = 4096):
+                 max_tokens: int = 200_000):
         if max_draft < 1:
             raise ValueError(f"rollout.speculative_max_draft must be at least 1, got {max_draft}")
-        self.store = DraftStore(sources, keep=keep, prompts=prompts)
+        self.store = DraftStore(sources, keep=keep, max_tokens=max_tokens)
         self.max_draft, self.batch_tokens = max_draft, batch_tokens
         self.k: dict[str, int] = {}  # request id -> its next draft length
         self.rows: dict[str, NgramIndex] = {}  # request id -> its prompt's end and response so far
