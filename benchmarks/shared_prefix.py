@@ -34,7 +34,7 @@ def rollouts(model, tok, seed: int, filler: list[int]):
     """8 groups of G responses to demo prompts (``filler`` tokens before each prompt), scored."""
     from relayrl.data.datasets import load_prompts
     from relayrl.engine.hf import HFEngine
-    from relayrl.prompt_tokens import encode_prompt
+    from relayrl.models.prompts import encode_prompt
     from relayrl.records import FinishReason, GenRequest, Group, SamplingParams, Trajectory
     from relayrl.rewards.verifiers import math_reward
 

@@ -36,7 +36,7 @@ SETTINGS = [("off", None), ("prompt", ["prompt"]), ("history", ["history"]), ("s
 
 
 def requests(tok, prompts, group: int, epoch: int, budget: int):
-    from relayrl.prompt_tokens import encode_prompt
+    from relayrl.models.prompts import encode_prompt
     from relayrl.records import GenRequest, SamplingParams
 
     return [GenRequest(f"e{epoch}.{i}.{j}", encode_prompt(tok, p.messages), SamplingParams(budget))

@@ -21,7 +21,7 @@ PAGE = "reference/config.md"
 
 HEADER = """# Configuration reference
 
-Generated from the schema (`relayrl.config.Config`, fields in `src/relayrl/config/sections.py` and `training.py`, rules in
+Generated from the schema (`relayrl.config.Config`, fields in `src/relayrl/config/sections.py`, `training.py` and `teachers.py`, rules in
 `src/relayrl/config/rules.py`) each time the site is built: it lists every field there is.
 
 One typed, validated config, two levels deep (`section.key`; a section's own section, `model.lora`, three). Load order: defaults < a YAML file <

@@ -100,7 +100,7 @@ def test_an_unanswering_judge_url_is_one_line_before_any_work(tmp_path):
 
 def test_relayrl_s_own_engine_judges_greedily(tiny_path):
     from relayrl.models import load_policy, load_tokenizer
-    from relayrl.prompt_tokens import encode_prompt
+    from relayrl.models.prompts import encode_prompt
 
     judge = LocalJudge(tiny_path, "cpu", 6)
     try:

@@ -116,7 +116,7 @@ def tiny_qwen(tmp_path_factory) -> tuple[str, object]:
 
 def test_tokenizer_loads_as_qwen2_and_round_trips(tiny_qwen):
     from relayrl.models import load_tokenizer
-    from relayrl.prompt_tokens import encode_prompt
+    from relayrl.models.prompts import encode_prompt
 
     path, bpe = tiny_qwen
     assert json.loads((Path(path) / "tokenizer_config.json").read_text())["tokenizer_class"] == "Qwen2Tokenizer"

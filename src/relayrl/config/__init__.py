@@ -7,7 +7,8 @@ from relayrl.config.load import (  # noqa: F401
 from relayrl.config.rules import APPLIES_ONLY, budget_bounds, inapplicable_set  # noqa: F401
 from relayrl.config.schema import Config  # noqa: F401
 from relayrl.config.sections import (  # noqa: F401
-    ConfigError, DataCfg, JudgeCfg, EnvCfg, EvalCfg, LoraCfg, ModelCfg, RayCfg, RewardCfg, RolloutCfg, RunCfg, ServeCfg, SftCfg, TeacherCfg,
+    ConfigError, DataCfg, JudgeCfg, EnvCfg, EvalCfg, LoraCfg, ModelCfg, RayCfg, RewardCfg, RolloutCfg, RunCfg, ServeCfg,
 )
+from relayrl.config.teachers import SftCfg, TeacherCfg  # noqa: F401
 from relayrl.config.training import AlgoCfg, CriticCfg, TrainerCfg  # noqa: F401
 from relayrl.failures import one_line  # noqa: F401

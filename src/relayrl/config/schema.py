@@ -1,6 +1,6 @@
 """The one typed, validated configuration. Two levels: ``section.field``.
 
-Each field is documented where it is defined (``config.sections``); ``relayrl train --help`` prints
+Each field is documented where it is defined (``config.sections``, ``training``, ``teachers``); ``relayrl train --help`` prints
 these docs. Load order (``config.load``): defaults < YAML file < dotted command-line overrides
 (``trainer.lr=1e-5``). Unknown keys, wrong types, out-of-range values and settings the chosen mode
 ignores (``config.rules``) fail before any work starts, naming the key.
@@ -14,9 +14,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from relayrl.config.rules import check
-from relayrl.config.sections import (
-    DataCfg, EnvCfg, EvalCfg, ModelCfg, RayCfg, RewardCfg, RolloutCfg, RunCfg, ServeCfg, SftCfg, TeacherCfg,
-)
+from relayrl.config.sections import DataCfg, EnvCfg, EvalCfg, ModelCfg, RayCfg, RewardCfg, RolloutCfg, RunCfg, ServeCfg
+from relayrl.config.teachers import SftCfg, TeacherCfg
 from relayrl.config.training import AlgoCfg, CriticCfg, TrainerCfg
 
 

@@ -189,7 +189,7 @@ def _record_examples(records, tokenizer, min_reward: float | None, prompt_format
     """Examples from episodes' records (a run's rollout records, ``relayrl eval``'s eval_samples.jsonl): those
     not failed, with a reward of at least ``min_reward``, their own token ids; duplicates (same prompt, same
     response tokens) once."""
-    from relayrl.prompt_tokens import encode_prompt
+    from relayrl.models.prompts import encode_prompt
 
     out, seen = [], set()
     counts = {"records": 0, "failed": 0, "below_min_reward": 0, "duplicates": 0}

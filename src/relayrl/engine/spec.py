@@ -44,7 +44,7 @@ def engine_spec(rollout: RolloutCfg, dtype: str, weights: str, tokenizer_path: s
                 engine_threads: int, lora: LoraSpec | None = None) -> EngineSpec:
     """The spec of the run's engines (``rollout``: the config's rollout section, ``dtype``: model.dtype; ``lora``:
     the adapter's shape with model.lora, ``weights`` then being the base model's)."""
-    from relayrl.prompt_tokens import model_context
+    from relayrl.models.prompts import model_context
 
     return EngineSpec(rollout, weights, tokenizer_path, dtype, version, engine_threads, seed,
                       rollout.vllm_max_model_len or model_context(weights) or 2048, lora)
@@ -83,7 +83,7 @@ def build_local_engine(spec: EngineSpec, driven: bool = False, model=None, token
                           version=spec.version, max_model_len=spec.max_model_len, seed=spec.seed,
                           gpu_memory_utilization=r.vllm_gpu_memory_utilization, max_num_seqs=r.max_batch,
                           sleep=r.vllm_sleep, lora=spec.lora, lora_versions=lora_versions(r))
-    from relayrl.devices import resolve_device
+    from relayrl.models.devices import resolve_device
 
     adapter = None
     if spec.lora is not None:

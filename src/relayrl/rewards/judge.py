@@ -118,7 +118,7 @@ class LocalJudge:
     def __init__(self, path: str, device: str, max_new_tokens: int):
         from relayrl.engine.hf import HFEngine
         from relayrl.models import load_tokenizer, resolve_model_path
-        from relayrl.devices import resolve_device
+        from relayrl.models.devices import resolve_device
         from relayrl.train.lora import load_model
 
         self.name = f"reward.judge.path={path}"
@@ -131,7 +131,7 @@ class LocalJudge:
         self._n = 0
 
     def complete(self, texts: list[str], timeout_s: float) -> list[str]:
-        from relayrl.prompt_tokens import encode_prompt
+        from relayrl.models.prompts import encode_prompt
         from relayrl.records import GenRequest, SamplingParams
 
         params = SamplingParams(self.max_new_tokens, temperature=0.0)

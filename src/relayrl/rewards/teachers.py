@@ -41,7 +41,7 @@ class TeacherError(RuntimeError):
 class LocalTeacher:
     def __init__(self, path: str, field: str, device: str = "auto", dtype: str = "float32",
                  batch_tokens: int = 8192, chunk: int = 1024):
-        from relayrl.devices import resolve_device
+        from relayrl.models.devices import resolve_device
         from relayrl.train.lora import load_model
         from relayrl.train.logprobs import Readout, check_head, install_head
 

@@ -14,7 +14,7 @@ from relayrl.algos.agents import discounted_returns, gigpo, steps_to_tokens
 from relayrl.algos.shaping import overlong_penalty
 from relayrl.train.batch import TrainBatch, build_batch
 from relayrl.failures import failed
-from relayrl.prompt_tokens import encode_prompt
+from relayrl.models.prompts import encode_prompt
 from relayrl.records import FinishReason, Group, Prompt, Trajectory
 
 

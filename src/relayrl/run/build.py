@@ -21,7 +21,7 @@ from relayrl.engine.spec import engine_spec, eos_token_ids
 from relayrl.envs import python_tool
 from relayrl.envs.base import make_env_factory
 from relayrl.models import load_policy, load_tokenizer, resolve_model_path
-from relayrl.prompt_tokens import check_prompt_lengths, model_context, model_context_source
+from relayrl.models.prompts import check_prompt_lengths, model_context, model_context_source
 from relayrl.failures import failed
 from relayrl.records import SamplingParams, group_from_dict
 from relayrl.rewards import RewardRunner

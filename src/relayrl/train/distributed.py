@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from relayrl.devices import resolve_device  # noqa: F401 (the trainer's device, as the engine's)
+from relayrl.models.devices import resolve_device  # noqa: F401 (the trainer's device, as the engine's)
 
 LAUNCH = "torchrun --nproc-per-node N -m relayrl.cli train ... trainer.fsdp=true"
 

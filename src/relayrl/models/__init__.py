@@ -1,5 +1,5 @@
 """Loading policies and tokenizers (``from_pretrained``) and token log-probs. (A prompt as tokens and its
-length against the context: ``prompt_tokens``; the device: ``devices``; LoRA's arithmetic, shared by the
+length against the context: ``models.prompts``; the device: ``models.devices``; LoRA's arithmetic, shared by the
 trainer and the engines: ``lora_weights``.)
 
 A model or tokenizer that cannot be loaded raises ``ModelError`` naming the config field, the
