@@ -191,11 +191,7 @@ class Speculator:
                 len(rows), dtype=torch.long, device=device), [None] * len(rows)
         indexes, by_prompt = [], {}
         for rid, prompt, response, _ in rows:
-            own = self.rows.get(rid)
-            if own is None:
-                own = self.rows[rid] = self.store.index(prompt, response)
-            else:
-                own.extend(response[len(own.seq) - min(len(prompt), self.store.max_n):])
+            own = self.rows[rid] = self._index(self.rows.get(rid), prompt, response)
             indexes.append(own)
             by_prompt.setdefault(self.store.key(prompt), []).append(own)
         out, sources = [], []
@@ -230,11 +226,14 @@ class Speculator:
         self.k.pop(request_id, None)
         own = self.rows.pop(request_id, None)
         if complete:  # (a response cut by a weight update goes on later: its end is kept then)
-            if own is None:
-                own = self.store.index(prompt_ids, response)
-            else:
-                own.extend(response[len(own.seq) - min(len(prompt_ids), self.store.max_n):])
-            self.store.finished(prompt_ids, own)
+            self.store.finished(prompt_ids, self._index(own, prompt_ids, response))
+
+    def _index(self, own: NgramIndex | None, prompt: Sequence[int], response: Sequence[int]) -> NgramIndex:
+        """A row's index (``own``, or a new one) brought up to its whole ``response``."""
+        if own is None:
+            return self.store.index(prompt, response)
+        own.extend(response[len(own.seq) - min(len(prompt), self.store.max_n):])
+        return own
 
     def take(self) -> dict[str, int]:
         """The counts since the last call (``metrics`` makes them the step's ``spec/...`` numbers)."""
