@@ -7,6 +7,7 @@ updates, so a response may mix versions, and the losses correct for it.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import enum
 from dataclasses import dataclass, field
@@ -69,6 +70,9 @@ class Completion:
     logprobs: list[float]
     versions: list[int]
     finish_reason: FinishReason | None
+    # a mixture-of-experts policy's routes over the whole context it fed forward (``models.moe``; the final
+    # completion only), None where the engine records none
+    routes: Any = None
 
 
 @dataclass
@@ -96,6 +100,9 @@ class Trajectory:
     # on-policy distillation: log π_teacher of each response token (0 where mask is 0); empty without a teacher
     teacher_logprobs: list[float] = field(default_factory=list)
     complete: bool = False  # the episode ran to its end (and was scored); else it is run (on) again
+    # a mixture-of-experts policy's routes ([tokens, moe layers, top_k] uint8 tensor, ``models.moe``): the experts
+    # the engine chose for each token it fed forward, replayed by the trainer (algo.routing_replay); None: none
+    routes: Any = None
 
     @property
     def request_id(self) -> str:
@@ -130,10 +137,27 @@ def group_to_dict(g: Group) -> dict:
         "window": g.window,
         "sized": g.sized,
         "trajectories": [
-            {k: (v.value if isinstance(v, FinishReason) else v) for k, v in dataclasses.asdict(t).items() if k != "prompt"}
-            for t in g.trajectories
+            {k: _to_json(v) for k, v in dataclasses.asdict(t).items() if k != "prompt"} for t in g.trajectories
         ],
     }
+
+
+def _to_json(v):
+    if isinstance(v, FinishReason):
+        return v.value
+    if hasattr(v, "numpy"):  # routes: a uint8 tensor, as its shape and its bytes in base64
+        return {"shape": list(v.shape), "uint8_b64": base64.b64encode(v.numpy().tobytes()).decode()}
+    return v
+
+
+def _routes_from_json(d):
+    if d is None:
+        return None
+    import numpy as np
+    import torch
+
+    raw = np.frombuffer(base64.b64decode(d["uint8_b64"]), dtype=np.uint8).reshape(d["shape"])
+    return torch.from_numpy(raw.copy())
 
 
 def group_from_dict(d: dict) -> Group:
@@ -143,5 +167,6 @@ def group_from_dict(d: dict) -> Group:
         t = dict(t)
         t.pop("reward_failed", None)  # (checkpoints before the failure policy)
         t["finish_reason"] = FinishReason(t["finish_reason"]) if t["finish_reason"] is not None else None
+        t["routes"] = _routes_from_json(t.get("routes"))
         trajs.append(Trajectory(prompt=prompt, **t))
     return Group(prompt, d["group_id"], trajs, d.get("window"), d.get("sized", True))

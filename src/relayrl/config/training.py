@@ -32,6 +32,12 @@ class AlgoCfg(_Section):
         None, ge=0, le=10, description="ε_high: ratio ceiling 1+ε_high (clip-higher), at most 10 (null: the loss's "
         "own: ppo_clip 0.28, gspo/gspo_token 4e-4, cispo 0.28).")
     dual_clip: float | None = Field(3.0, description="ppo_clip: dual-clip constant c > 1 for A < 0 (null: off).")
+    routing_replay: Literal["off", "r3"] = Field(
+        "off", description="Mixture-of-experts policies: r3 (rollout routing replay, arXiv 2510.11370): the trainer's "
+        "forwards (π_old, the policy's, the KL reference's) send each token to the experts the engine chose for it "
+        "(recorded by the hf engine), the gate weights recomputed from the live router so it still learns; off: "
+        "routed live. Either way moe/routing_diff reports the share of tokens whose experts differ between engine "
+        "and trainer. No effect on a dense model.")
     reward_coef: float = Field(
         1.0, ge=0, description="Weight of the advantage from the reward (verifier, judge, environment) in the loss; "
         "with a teacher (teacher.path/.url) its per-token term is added beside it. 0: pure on-policy distillation "

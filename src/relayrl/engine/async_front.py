@@ -74,7 +74,7 @@ class AsyncEngine:
                     continue
                 finished = True
                 yield Completion(c.request_id, c.token_ids[sent:], c.logprobs[sent:], c.versions[sent:],
-                                 c.finish_reason)
+                                 c.finish_reason, c.routes)
                 return
         finally:
             if not finished:

@@ -39,16 +39,17 @@ from relayrl.engine.adapter import AdapterMerge
 from relayrl.engine.base import Engine, EngineError, check_new, copy_weights
 from relayrl.engine.fast_decode import SUPPORTED, fast_decoder
 from relayrl.engine.speculative import Speculator, verify
-from relayrl.models import cache_kwarg
+from relayrl.models import cache_kwarg, moe
 from relayrl.records import Completion, FinishReason, GenRequest
 from relayrl.algos.token_sampling import sample_tokens, sampling_scores
 
 
 class _Row:
-    __slots__ = ("done", "logprobs", "req", "tokens", "versions")
+    __slots__ = ("done", "logprobs", "req", "routes", "tokens", "versions")
 
     def __init__(self, req: GenRequest):
         self.req, self.tokens, self.logprobs, self.versions, self.done = req, [], [], [], False
+        self.routes: list[torch.Tensor] = []  # a mixture of experts': the routes of the tokens it fed forward
 
     @property
     def context(self) -> list[int]:
@@ -84,6 +85,8 @@ class HFEngine(Engine):
                           stacklevel=2)
             speculator = None
         self._spec = speculator  # rollout.speculative: drafts verified in one forward (``speculative.py``)
+        # a mixture of experts: the experts each token fed forward was routed to, on its completion (``models.moe``)
+        self._routes = moe.Recorder(model) if moe.replayable(model) else None
         self.device = next(model.parameters()).device  # rollout.device: where it decodes (the CPU, or a GPU)
         # entered around each generate call (the continuous-batching engine pauses its own loop with it)
         self._guard = batch_guard or contextlib.nullcontext
@@ -282,7 +285,8 @@ class HFEngine(Engine):
         if self._spec is not None:
             self._spec.finished(row.req.request_id, row.req.prompt_ids, list(row.req.response_so_far) + row.tokens,
                                 reason in (FinishReason.STOP, FinishReason.LENGTH))
-        c = Completion(row.req.request_id, row.tokens, row.logprobs, row.versions, reason)
+        routes = torch.cat(row.routes) if row.routes else None
+        c = Completion(row.req.request_id, row.tokens, row.logprobs, row.versions, reason, routes)
         self._out.put(c)
         if self._on_complete is not None:
             self._on_complete(c)
@@ -396,8 +400,9 @@ class HFEngine(Engine):
             logits, cache = self._fast.prefill(ids, att, pos, n + min(budget, 256))
         else:
             cache = DynamicCache(config=self.model.config)
-            logits = self.model(input_ids=ids, attention_mask=att, position_ids=pos, **{self._cache_kw: cache},
-                                use_cache=True).logits[:, -1, :]
+            with self._recording(live, [len(c) for c in ctx]):
+                logits = self.model(input_ids=ids, attention_mask=att, position_ids=pos, **{self._cache_kw: cache},
+                                    use_cache=True).logits[:, -1, :]
         pos = pos[:, -1]
         seeded = any(r.req.params.seed is not None for r in live)  # (-1: a row on the engine's stream)
         seeds = torch.tensor([-1 if r.req.params.seed is None else r.req.params.seed for r in live],
@@ -449,8 +454,23 @@ class HFEngine(Engine):
                 logits = self._fast.decode(tok, pos, cache)
                 continue
             att = torch.cat([att, att.new_ones(len(live), 1)], dim=1)
-            logits = self.model(input_ids=tok[:, None], attention_mask=att, position_ids=pos[:, None],
-                                **{self._cache_kw: cache}, use_cache=True).logits[:, -1, :]
+            with self._recording(live, [1] * len(live)):
+                logits = self.model(input_ids=tok[:, None], attention_mask=att, position_ids=pos[:, None],
+                                    **{self._cache_kw: cache}, use_cache=True).logits[:, -1, :]
+
+    @contextlib.contextmanager
+    def _recording(self, live: list[_Row], real: list[int]):
+        """A forward of ``live``'s rows, left-padded, ``real[i]`` real tokens at the end of row i: with a mixture of
+        experts, each row's real tokens' routes appended to the row's."""
+        if self._routes is None:
+            yield
+            return
+        with self._routes.capture():
+            yield
+        got = self._routes.routes()
+        got = got.view(len(live), -1, *got.shape[1:])
+        for row, n, r in zip(live, real, got):
+            row.routes.append(r[r.shape[0] - n:])
 
     def _speculate(self, live: list[_Row], tok, pos, at, seeds, cache, p) -> tuple[list, list] | None:
         """Drafts for the live rows verified in one forward (``speculative.verify``, exact): the tokens and

@@ -146,6 +146,7 @@ async def _run_env_episode(runner: EpisodeHost, env, t: Trajectory, params: Samp
     if not carried:  # a fresh episode, or one whose environment no longer renders its prompt
         t.prompt_ids, t.finish_reason = prompt_ids, None
         t.response_ids, t.behav_logprobs, t.versions, t.mask, t.turns = [], [], [], [], []
+        t.routes = None
     counts: Counter = Counter()
     step_rewards, anchors = [], [anchor(messages)]
     final: float | None = None

@@ -54,6 +54,7 @@ from relayrl.envs.base import Env
 from relayrl.envs.chat import TemplateMismatch
 from relayrl.failures import UserCodeError, fail
 from relayrl.fault_injection import fault_point
+from relayrl.models import moe
 from relayrl.records import Completion, FinishReason, GenRequest, Group, SamplingParams, Trajectory
 from relayrl.rollout.episode import EpisodeFailed, EpisodeLimits, describe_error, env_episode, trajectory_seed
 from relayrl.rollout.scheduling import LengthModel, Pending, order
@@ -381,6 +382,7 @@ class EpisodeRunner:
         if not len(c.token_ids) == len(c.logprobs) == len(c.versions):
             raise EngineError(f"the engine returned a ragged completion for {c.request_id}")
         self.append(t, c.token_ids, c.logprobs, c.versions, 1, turn)
+        t.routes = moe.extend(t.routes, c.routes)  # (a mixture of experts': routing replay)
         if train:
             with self._lock:
                 self.generated += len(c.token_ids)

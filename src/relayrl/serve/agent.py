@@ -117,6 +117,7 @@ class AgentEpisodes:
         lim = runner.limits
         source = f"agent program {self.name} (env.name={lim.env_name})"
         t.response_ids, t.behav_logprobs, t.versions, t.mask, t.turns = [], [], [], [], []
+        t.routes = None
         t.finish_reason, t.info = None, {}
         s = self.table.new(runner, t, params, train, lim.max_turns, lim.max_tokens, self.context)
         client, http = self.client(s)

@@ -289,6 +289,8 @@ class Session:
 def _truncate(t: Trajectory, n: int) -> None:
     for name in ("response_ids", "behav_logprobs", "versions", "mask", "turns"):
         del getattr(t, name)[n:]
+    if t.routes is not None:  # (a mixture of experts': the routes of the tokens kept)
+        t.routes = t.routes[: len(t.prompt_ids) + n]
 
 
 def _tokens_to_cover(tok, ids: list[int], chars: int) -> int:

@@ -7,9 +7,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from relayrl.models import moe
 from relayrl.records import Trajectory
 
-_SEQ = ("input_ids", "attention_mask")  # [N, L]
+_SEQ = ("input_ids", "attention_mask", "routes")  # [N, L, ...]
 _ROW = ("group",)  # [N]
 
 
@@ -39,6 +40,8 @@ class TrainBatch:
     owner: torch.Tensor | None = None
     # [N, L-1]: a teacher's log-probs of the trained tokens (on-policy distillation; 0 elsewhere), None without one
     teacher_logp: torch.Tensor | None = None
+    # [N, L, moe layers, top_k] uint8: a mixture of experts' recorded routes per token (``models.moe``), None without
+    routes: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -104,8 +107,10 @@ def build_batch(trajs: list[Trajectory], advantages: torch.Tensor | list, pad_id
     tok_rewards = None if tok_rewards is None else tok_rewards * mask
     if keep_rows is not None:
         mask = mask * keep_rows.to(mask.dtype).unsqueeze(-1)
+    routed = next((t.routes for t in trajs if t.routes is not None and len(t.routes)), None)
+    routes = None if routed is None else moe.routes_tensor(trajs, n, *routed.shape[1:])
     return TrainBatch(ids, att, mask, behav, vers, adv * mask, tok_rewards, group, owner=owner,
-                      teacher_logp=None if teacher is None else teacher * mask)
+                      teacher_logp=None if teacher is None else teacher * mask, routes=routes)
 
 
 def micro_batches(batch: TrainBatch, token_budget: int, packed: bool = False) -> list[list[int]]:

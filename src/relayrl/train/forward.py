@@ -15,6 +15,7 @@ import warnings
 import torch
 
 from relayrl.config import TrainerCfg
+from relayrl.models import moe
 from relayrl.train import checkpointing, distributed
 from relayrl.train.batch import TrainBatch, micro_batches
 from relayrl.train.logprobs import Readout, check_head, install_head
@@ -52,12 +53,60 @@ def prepare(model, ref, tcfg: TrainerCfg, readout: Readout, device: torch.device
 class PolicyForward:
     """The forward passes of the policy (``model``) and of other models of its shape (the KL reference)."""
 
-    def __init__(self, model, tcfg: TrainerCfg, readout: Readout, device: torch.device, dp=None):
+    def __init__(self, model, tcfg: TrainerCfg, readout: Readout, device: torch.device, dp=None,
+                 routing_replay: str = "off"):
         self.model, self.tcfg, self.readout, self.device, self.dp = model, tcfg, readout, device, dp
+        # a mixture of experts: each forward's routers compared with (algo.routing_replay=r3: replaced by) the
+        # routes the engine recorded (``models.moe.Replayer``), one per model forwarded (the policy, the reference)
+        self.moe = moe.replayable(model)
+        if routing_replay != "off" and moe.is_moe(model):
+            moe.routers(model)  # (raises, naming the router, where relayrl has no recipe for it)
+        self.routing_replay, self._replayers = routing_replay, {}
         # (FSDP: every rank runs its share of the micro-batches in step with the others: the plain forward;
-        # config refuses trainer.share_prefix set with trainer.fsdp)
-        self.sharing = PrefixSharing(tcfg.share_prefix and dp is None, tcfg.micro_batch_tokens,
+        # config refuses trainer.share_prefix set with trainer.fsdp; a mixture of experts' routes are replayed per
+        # row, not through a shared prefix's cache)
+        self.sharing = PrefixSharing(tcfg.share_prefix and dp is None and not self.moe, tcfg.micro_batch_tokens,
                                      log=lambda m: warnings.warn(m, stacklevel=3))
+
+    def route_stats(self, batch: TrainBatch, rows: int = 16) -> dict[str, float]:
+        """The policy's routing against the engine's, by a forward of ``rows`` rows of ``batch`` routed live (the
+        step's own forwards, under r3, follow the recorded routes: a live choice there is made on replayed hidden
+        states): ``moe/routing_diff``, the share of tokens with a recorded route whose live expert set differs from
+        it in some layer, and ``moe/load_max_over_mean``. Called before the update (under the weights that
+        sampled, in a synchronous run)."""
+        if not self.moe or batch.routes is None:
+            return {}
+        self._routes(self.model, None, None)  # (the policy's replayer, made where it was not yet)
+        r = self._replayers[id(self.model)][1]
+        replace, r.replace, r.measuring = r.replace, False, True
+        try:
+            with torch.no_grad():
+                self.logits(self.model, batch.select(list(range(min(rows, batch.size)))).to(self.device))
+        finally:
+            r.replace, r.measuring = replace, False
+        return r.stats.take()
+
+    def routes_done(self) -> None:
+        """The micro-batch's forward and backward are over: forwards from here route live until routes are given
+        again (a forward with other inputs, such as a check's, must not meet this one's routes)."""
+        for _, r in self._replayers.values():
+            r.use(None)
+
+    def close(self) -> None:
+        for _, r in self._replayers.values():
+            r.close()
+        self._replayers = {}
+
+    def _routes(self, model, routes: torch.Tensor | None, params: dict | None) -> None:
+        """The routes (``[T, layers, k]``, flattened as the forward's tokens) of ``model``'s next forward (counted
+        in ``route_stats`` under its own weights only)."""
+        if not self.moe:
+            return
+        if id(model) not in self._replayers:  # (the model kept with it: its id stays its own)
+            moe.no_jitter(model)
+            self._replayers[id(model)] = (model, moe.Replayer(model, self.routing_replay == "r3"))
+        r = self._replayers[id(model)][1]
+        r.use(routes, count=r.measuring and params is None)
 
     def micro_batches(self, batch: TrainBatch) -> list[list[int] | None]:
         """This rank's micro-batches of ``batch`` (None: a pass with no rows, to keep in step)."""
@@ -71,12 +120,18 @@ class PolicyForward:
         targets, trained = pad(mb.input_ids[:, 1:]), pad(mb.loss_mask.bool())
         call = self.caller(model, params)
         if not self.tcfg.pack:
+            self._routes(model, None if mb.routes is None else mb.routes.flatten(0, 1), params)
             with self.readout.context(model, targets, trained, entropy):
-                return call(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1]
-        p = Packed(mb.attention_mask)
-        with self.readout.context(model, p.flat(targets), p.flat(trained), entropy):
-            out = call(input_ids=p.flat(mb.input_ids), position_ids=p.position_ids, use_cache=False).logits
-        return p.unflat(out)[:, :-1]
+                out = call(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1]
+        else:
+            p = Packed(mb.attention_mask)
+            self._routes(model, None if mb.routes is None else p.flat(mb.routes)[0], params)
+            with self.readout.context(model, p.flat(targets), p.flat(trained), entropy):
+                out = p.unflat(call(input_ids=p.flat(mb.input_ids), position_ids=p.position_ids, use_cache=False).logits)
+            out = out[:, :-1]
+        if not torch.is_grad_enabled():  # (no backward to come: nothing to recompute)
+            self.routes_done()
+        return out
 
     @staticmethod
     def caller(model, params: dict | None):

@@ -92,7 +92,7 @@ class Trainer:
         self.dp = prepare(model, self.ref, tcfg, self.readout, self.device)  # None: this process trains alone
         # (FSDP: every rank runs its share of the micro-batches in step with the others: the plain forward;
         # config refuses trainer.share_prefix set with trainer.fsdp)
-        self.fwd = PolicyForward(model, tcfg, self.readout, self.device, self.dp)
+        self.fwd = PolicyForward(model, tcfg, self.readout, self.device, self.dp, acfg.routing_replay)
         self.params = [p for p in model.parameters() if p.requires_grad]  # (with an adapter: its tensors only)
         self.opt = torch.optim.AdamW(  # after sharding: it holds this rank's shards
             self.params, lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay
@@ -176,6 +176,7 @@ class Trainer:
             if a.entropy_coef:
                 loss = loss - a.entropy_coef * agg(entropy)
             loss.backward()
+            self.fwd.routes_done()  # (after the backward: a checkpointed layer's recompute replays them too)
             share = mb.loss_mask.sum().item() / max(num_tokens, 1.0)
             sums["loss"] += loss.item()
             sums["entropy_sum"] += (entropy.detach() * mb.loss_mask).sum().item()  # (reported: the token mean)
@@ -259,6 +260,7 @@ class Trainer:
             # (once; in eval mode, where dropout cannot tell them apart; chunked: log-probs, not logits)
             self.sharing.verify(self.model, batch, lambda mb: self.fwd.logits(self.model, mb),
                                 call=self.fwd.prefix_call(self.model))
+        routing = self.fwd.route_stats(batch)  # (a mixture of experts: engine and trainer routing apart, before the update)
         self.model.train()
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.tcfg.bf16):
             totals, mismatch, est_metrics, batch = self._update(batch, version)
@@ -271,7 +273,7 @@ class Trainer:
         n = sum(x[2] for x in mismatch)
         return {"logprob_mismatch_mean": sum(x[0] for x in mismatch) / n if n else None,  # None: nothing checkable
                 "logprob_mismatch_max": max(x[1] for x in mismatch) if n else None,
-                "logprob_mismatch_tokens": int(n), **est_metrics, **totals}
+                "logprob_mismatch_tokens": int(n), **est_metrics, **totals, **routing}
 
     def _update(self, batch: TrainBatch, version: int | None):
         """``step``'s policy part: (metrics, mismatch sums, the estimator's metrics, the batch with advantages)."""
@@ -432,6 +434,7 @@ class Trainer:
             self.critic.load_state_dict(sd["critic"])
 
     def close(self) -> None:
-        """(FSDP, rank 0) The other ranks stop following."""
+        """(FSDP, rank 0) The other ranks stop following. A mixture of experts' routers lose the replay's hooks."""
+        self.fwd.close()
         if self._leads:
             self.dp.send("stop")
