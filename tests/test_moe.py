@@ -158,3 +158,62 @@ def test_a_router_relayrl_has_no_recipe_for_is_named(tok):
     assert moe.is_moe(model) and not moe.replayable(model)
     with pytest.raises(moe.MoEError, match="OddTopKRouter .*layers.0.mlp.gate.* no recipe"):
         Trainer(model, TrainerCfg(), AlgoCfg(routing_replay="r3", kl_coef=0), 1.0, 10, 16)
+
+
+def test_vllm_on_this_cpu_cannot_return_routes_and_says_what_to_use(tmp_path):
+    """vLLM 0.32 returns routed experts from its Model Runner V2 only, which needs Triton on a GPU (found here:
+    its CPU build loads qwen3_moe and samples it, but refuses enable_return_routed_experts)."""
+    pytest.importorskip("vllm")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU: vLLM can return routes here")
+    from relayrl.engine.base import EngineError
+    from relayrl.engine.vllm import VLLMEngine
+
+    with pytest.raises(EngineError, match="routing_replay=r3 with rollout.engine=vllm.*rollout.engine=hf"):
+        VLLMEngine(str(tmp_path), [1], routes=True)
+
+
+def test_a_lora_adapter_on_a_mixture_of_experts_adapts_attention_and_the_replay_reaches_its_routers(tok):
+    """model.lora.targets=all-linear on qwen3_moe: the attention's projections (the experts are fused 3-D tensors
+    and the routers plain weights, not linear layers: both stay the base's); the trainer replays the routes through
+    PEFT's wrapper, and the adapter gets a gradient."""
+    from relayrl.config.sections import LoraCfg
+    from relayrl.train import lora
+
+    model = _moe("qwen3_moe", tok)
+    trajs = _sampled(model, tok, rows=4)
+    wrapped, spec = lora.wrap(model, LoraCfg(r=4))
+    assert set(spec.targets) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    batch = build_batch(trajs, torch.ones(len(trajs)), tok.pad_token_id)
+    tr = Trainer(wrapped, TrainerCfg(), AlgoCfg(routing_replay="r3", kl_coef=0), 1.0, 10, 16)
+    m = tr.step(batch)
+    assert "moe/routing_diff" in m and m["grad_norm"] > 0
+    assert all(p.grad is None or not p.requires_grad for n, p in wrapped.named_parameters() if "lora" not in n)
+    tr.close()
+
+
+def test_the_load_balancing_loss_by_hand():
+    """E · Σ_e f_e · P_e: two tokens, two experts, top-1. Router probabilities (0.75, 0.25) for both; both sent to
+    expert 0: f = (1, 0), P = (0.75, 0.25): 2 · 0.75 = 1.5. One to each: f = (0.5, 0.5): 2 · 0.5 = 1.0."""
+    logits = torch.tensor([[torch.log(torch.tensor(3.0)), 0.0]] * 2)
+    assert moe.aux_loss({0: (logits, torch.tensor([[0], [0]]))}).item() == pytest.approx(1.5)
+    assert moe.aux_loss({0: (logits, torch.tensor([[0], [1]]))}).item() == pytest.approx(1.0)
+    # two layers: their mean
+    both = {0: (logits, torch.tensor([[0], [0]])), 1: (logits, torch.tensor([[0], [1]]))}
+    assert moe.aux_loss(both).item() == pytest.approx(1.25)
+
+
+def test_the_routers_aux_loss_when_asked_moves_the_routers(tok):
+    """algo.router_aux_coef > 0: the step reports moe/aux_loss and the routers get its gradient (off, the default:
+    no such term)."""
+    model = _moe("qwen3_moe", tok)
+    trajs = _sampled(model, tok, rows=4)
+    batch = build_batch(trajs, torch.zeros(len(trajs)), tok.pad_token_id)  # (zero advantages: no policy gradient)
+    for coef in (0.0, 0.5):
+        m = copy.deepcopy(model)
+        tr = Trainer(m, TrainerCfg(), AlgoCfg(routing_replay="r3", kl_coef=0, router_aux_coef=coef), 1.0, 10, 16)
+        out = tr.step(batch)
+        moved = any(not torch.equal(a, b) for (n, a), b in zip(m.named_parameters(), model.parameters())
+                    if n.endswith("gate.weight"))
+        assert ("moe/aux_loss" in out) == bool(coef) and moved == bool(coef), (coef, out.get("moe/aux_loss"))
+        tr.close()

@@ -38,6 +38,10 @@ class AlgoCfg(_Section):
         "(recorded by the hf engine), the gate weights recomputed from the live router so it still learns; off: "
         "routed live. Either way moe/routing_diff reports the share of tokens whose experts differ between engine "
         "and trainer. No effect on a dense model.")
+    router_aux_coef: float = Field(
+        0.0, ge=0, description="Mixture-of-experts policies: weight of the routers' load-balancing loss (Switch "
+        "Transformer's, per layer) in the policy loss. 0 (off), as RL peers keep it: it pulls the routers toward an "
+        "even load whatever the reward says, which moves routing away from what the engine sampled with.")
     reward_coef: float = Field(
         1.0, ge=0, description="Weight of the advantage from the reward (verifier, judge, environment) in the loss; "
         "with a teacher (teacher.path/.url) its per-token term is added beside it. 0: pure on-policy distillation "

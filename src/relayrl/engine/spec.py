@@ -28,6 +28,7 @@ class EngineSpec:
     max_model_len: int = 2048  # vLLM's context
     # model.lora: the engine keeps its base weights and load_weights receives adapters only (lora_weights.LoraSpec)
     lora: LoraSpec | None = None
+    routes: bool = False  # vLLM: return each fed token's experts (algo.routing_replay=r3 on a mixture of experts)
 
     @property
     def engine_dtype(self) -> str:
@@ -41,13 +42,13 @@ class EngineSpec:
 
 
 def engine_spec(rollout: RolloutCfg, dtype: str, weights: str, tokenizer_path: str, version: int, seed: int,
-                engine_threads: int, lora: LoraSpec | None = None) -> EngineSpec:
+                engine_threads: int, lora: LoraSpec | None = None, routes: bool = False) -> EngineSpec:
     """The spec of the run's engines (``rollout``: the config's rollout section, ``dtype``: model.dtype; ``lora``:
     the adapter's shape with model.lora, ``weights`` then being the base model's)."""
     from relayrl.models.prompts import model_context
 
     return EngineSpec(rollout, weights, tokenizer_path, dtype, version, engine_threads, seed,
-                      rollout.vllm_max_model_len or model_context(weights) or 2048, lora)
+                      rollout.vllm_max_model_len or model_context(weights) or 2048, lora, routes)
 
 
 def eos_token_ids(weights: str, tokenizer) -> list[int]:
@@ -82,7 +83,7 @@ def build_local_engine(spec: EngineSpec, driven: bool = False, model=None, token
         return VLLMEngine(spec.weights, eos_token_ids(spec.weights, tokenizer), dtype=spec.dtype,
                           version=spec.version, max_model_len=spec.max_model_len, seed=spec.seed,
                           gpu_memory_utilization=r.vllm_gpu_memory_utilization, max_num_seqs=r.max_batch,
-                          sleep=r.vllm_sleep, lora=spec.lora, lora_versions=lora_versions(r))
+                          sleep=r.vllm_sleep, lora=spec.lora, lora_versions=lora_versions(r), routes=spec.routes)
     from relayrl.models.devices import resolve_device
 
     adapter = None

@@ -87,7 +87,7 @@ class VLLMEngine(Engine):
     def __init__(self, model: str, eos_token_ids: list[int], dtype: str = "float32", version: int = 0,
                  max_model_len: int = 2048, seed: int = 0, gpu_memory_utilization: float = 0.5,
                  max_num_seqs: int = 256, enforce_eager: bool | None = None, sleep: bool = False,
-                 lora: LoraSpec | None = None, lora_versions: int = 2):
+                 lora: LoraSpec | None = None, lora_versions: int = 2, routes: bool = False):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU build only; vLLM's default takes a lot
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # (per-update warnings would bury the run's own lines)
         try:
@@ -96,6 +96,12 @@ class VLLMEngine(Engine):
             raise EngineError("rollout.engine=vllm: vLLM is not installed: run scripts/install-vllm (the README's "
                               "'vLLM, many engines, Ray, GPUs' gives the pip command per machine) "
                               f"({_reason(e)})") from None
+        if routes and not torch.cuda.is_available():
+            raise EngineError("algo.routing_replay=r3 with rollout.engine=vllm: vLLM returns each token's experts "
+                              "(enable_return_routed_experts) from its Model Runner V2 only, which needs Triton on a "
+                              "GPU; on this machine use rollout.engine=hf, whose engine records them")
+        if routes:
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
         if sleep and not torch.cuda.is_available():
             raise EngineError("rollout.vllm_sleep=true: vLLM's sleep mode frees GPU memory for a trainer on the same "
                               "GPU, and this machine has no CUDA GPU; leave rollout.vllm_sleep=false")
@@ -131,6 +137,8 @@ class VLLMEngine(Engine):
                                # steps kills the engine ("CPU Generator does not use offset": vLLM rewinds the
                                # request's generator, which torch's CPU generator cannot); prefills stay whole
                                enable_chunked_prefill=None if torch.cuda.is_available() else False,
+                               # a mixture of experts: each fed token's experts on the final output (R3's routes)
+                               **({"enable_return_routed_experts": True} if routes else {}),
                                **lora_args)
         try:
             self._llm = self._call(self._start(args), timeout=900)
@@ -172,7 +180,7 @@ class VLLMEngine(Engine):
         sp = SamplingParams(max_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                             logprobs=0, stop_token_ids=self._eos, detokenize=False, seed=p.seed,
                             output_kind=RequestOutputKind.DELTA)
-        tokens, logprobs, versions, reason = [], [], [], FinishReason.ABORTED
+        tokens, logprobs, versions, reason, routes = [], [], [], FinishReason.ABORTED, None
         gen = adapter = fixed = None
         try:
             await self._running.wait()  # (submitted while paused: starts at the resume, under its version)
@@ -196,6 +204,8 @@ class VLLMEngine(Engine):
                     versions += ver
                     if o.finish_reason is not None:
                         reason = _FINISH.get(o.finish_reason, FinishReason.STOP)
+                        if getattr(o, "routed_experts", None) is not None:  # [context - 1, moe layers, top_k]
+                            routes = torch.from_numpy(o.routed_experts.astype("uint8"))
                     elif r.stream and new:
                         self._out.put(Completion(r.request_id, new, lps, ver, None))
         except Exception as e:  # noqa: BLE001 - a dead engine fails every request; get() raises it
@@ -210,7 +220,7 @@ class VLLMEngine(Engine):
                     await self._lora.release(adapter)
         if len(tokens) > p.max_new_tokens:  # (never seen; the contract says at most max_new_tokens)
             tokens, logprobs, versions = tokens[:p.max_new_tokens], logprobs[:p.max_new_tokens], versions[:p.max_new_tokens]
-        self._out.put(Completion(r.request_id, tokens, logprobs, versions, reason))
+        self._out.put(Completion(r.request_id, tokens, logprobs, versions, reason, routes))
 
     def get(self, timeout: float | None = None) -> list[Completion]:
         items = take(self._out, timeout, self.num_pending, self._raise_if_failed)

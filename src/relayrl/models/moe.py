@@ -171,6 +171,8 @@ class Replayer:
         self._routers = routers(model)
         self.replace, self.stats = replace, RouteStats()
         self.measuring = False  # (a forward routed live to measure, where the others replay: ``PolicyForward``)
+        self.keep_logits = False  # algo.router_aux_coef: each router's logits and choice kept for ``aux_loss``
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.routes: torch.Tensor | None = None
         self._counted: set[int] = set()
         self._differ: torch.Tensor | None = None
@@ -181,7 +183,7 @@ class Replayer:
         if routes is not None and routes.shape[1] != len(self._routers):
             raise MoEError(f"routing replay: routes for {routes.shape[1]} MoE layers, the model has "
                            f"{len(self._routers)}")
-        self.routes, self._differ = routes, None
+        self.routes, self._differ, self.kept = routes, None, {}
         self._counted = set() if count else set(range(len(self._routers)))
 
     def close(self) -> None:
@@ -190,9 +192,11 @@ class Replayer:
 
     def _hook(self, i: int, fam: Family):
         def swap(module, args, out):
-            if self.routes is None:
-                return None
             logits, weights, live = (out[j] for j in fam.order)
+            if self.routes is None:
+                if self.keep_logits and torch.is_grad_enabled():
+                    self.kept[i] = (logits, live)
+                return None
             if live.shape[0] != self.routes.shape[0]:
                 raise MoEError(f"routing replay: {live.shape[0]} tokens in the forward, {self.routes.shape[0]} routes")
             rec = self.routes[:, i].to(device=live.device, dtype=torch.long)
@@ -200,6 +204,8 @@ class Replayer:
             used = torch.where(has[:, None], rec, live) if self.replace else live
             if i not in self._counted:  # (once per forward: not again in a checkpointed layer's recompute)
                 self._count(i, live, rec, has, used, logits.shape[-1])
+            if self.keep_logits and torch.is_grad_enabled():
+                self.kept[i] = (logits, used)
             if not self.replace:
                 return None
             parts = [None, None, None]
@@ -220,6 +226,20 @@ class Replayer:
             if len(self._counted) == len(self._routers):
                 s.tokens += int(has.sum())
                 s.differ += int(self._differ.sum())
+
+
+def aux_loss(kept: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The load-balancing loss (Switch Transformer's, as transformers' MoE models compute it) of the routers' logits
+    [T, E] and the experts each token used [T, k], per layer, averaged over the layers: E · Σ_e f_e · P_e, with f_e
+    the share of tokens sent to expert e (summed over the k slots) and P_e the mean router probability of e. k when
+    the load is even; it grows as the routers favour some experts."""
+    losses = []
+    for logits, used in kept.values():
+        E = logits.shape[-1]
+        f = torch.nn.functional.one_hot(used.long(), E).sum(1).float().mean(0)  # [E]
+        p = torch.softmax(logits.float(), dim=-1).mean(0)  # [E]
+        losses.append(E * (f * p).sum())
+    return torch.stack(losses).mean()
 
 
 def routes_tensor(trajs, n: int, layers: int, k: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from relayrl.engine.placement import cores, open_engine, start_ray, threads
 from relayrl.engine.spec import engine_spec, eos_token_ids
 from relayrl.envs import python_tool
 from relayrl.envs.base import make_env_factory
-from relayrl.models import load_policy, load_tokenizer, resolve_model_path
+from relayrl.models import load_policy, load_tokenizer, moe, resolve_model_path
 from relayrl.models.prompts import check_prompt_lengths, model_context, model_context_source
 from relayrl.failures import failed
 from relayrl.records import SamplingParams, group_from_dict
@@ -223,7 +223,8 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         # seeded per resume point, so a resumed run does not repeat its samples; in-process, one thread
         # decodes and trains (HFEngine's driven): it decodes while it waits for episodes
         spec = engine_spec(cfg.rollout, cfg.model.dtype, weights, tok_path, state.version,
-                           cfg.run.seed * 1_000_003 + state.step, engine_threads, lora_spec)
+                           cfg.run.seed * 1_000_003 + state.step, engine_threads, lora_spec,
+                           routes=cfg.algo.routing_replay == "r3" and moe.is_moe(policy))
         first = lora.adapter_state(policy) if adapter else policy.state_dict()
         engine = open_engine(spec, cfg.run, cfg.ray, first, tokenizer)
         undo.callback(engine.close)

@@ -54,14 +54,14 @@ class PolicyForward:
     """The forward passes of the policy (``model``) and of other models of its shape (the KL reference)."""
 
     def __init__(self, model, tcfg: TrainerCfg, readout: Readout, device: torch.device, dp=None,
-                 routing_replay: str = "off"):
+                 routing_replay: str = "off", router_aux: bool = False):
         self.model, self.tcfg, self.readout, self.device, self.dp = model, tcfg, readout, device, dp
         # a mixture of experts: each forward's routers compared with (algo.routing_replay=r3: replaced by) the
         # routes the engine recorded (``models.moe.Replayer``), one per model forwarded (the policy, the reference)
         self.moe = moe.replayable(model)
         if routing_replay != "off" and moe.is_moe(model):
             moe.routers(model)  # (raises, naming the router, where relayrl has no recipe for it)
-        self.routing_replay, self._replayers = routing_replay, {}
+        self.routing_replay, self.router_aux, self._replayers = routing_replay, router_aux, {}
         # (FSDP: every rank runs its share of the micro-batches in step with the others: the plain forward;
         # config refuses trainer.share_prefix set with trainer.fsdp; a mixture of experts' routes are replayed per
         # row, not through a shared prefix's cache)
@@ -86,6 +86,11 @@ class PolicyForward:
             r.replace, r.measuring = replace, False
         return r.stats.take()
 
+    def aux_loss(self) -> torch.Tensor | None:
+        """algo.router_aux_coef: the policy's last forward's load-balancing loss (``moe.aux_loss``)."""
+        r = self._replayers.get(id(self.model))
+        return moe.aux_loss(r[1].kept) if r is not None and r[1].kept else None
+
     def routes_done(self) -> None:
         """The micro-batch's forward and backward are over: forwards from here route live until routes are given
         again (a forward with other inputs, such as a check's, must not meet this one's routes)."""
@@ -105,6 +110,7 @@ class PolicyForward:
         if id(model) not in self._replayers:  # (the model kept with it: its id stays its own)
             moe.no_jitter(model)
             self._replayers[id(model)] = (model, moe.Replayer(model, self.routing_replay == "r3"))
+            self._replayers[id(model)][1].keep_logits = self.router_aux and model is self.model
         r = self._replayers[id(model)][1]
         r.use(routes, count=r.measuring and params is None)
 

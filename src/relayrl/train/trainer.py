@@ -92,7 +92,8 @@ class Trainer:
         self.dp = prepare(model, self.ref, tcfg, self.readout, self.device)  # None: this process trains alone
         # (FSDP: every rank runs its share of the micro-batches in step with the others: the plain forward;
         # config refuses trainer.share_prefix set with trainer.fsdp)
-        self.fwd = PolicyForward(model, tcfg, self.readout, self.device, self.dp, acfg.routing_replay)
+        self.fwd = PolicyForward(model, tcfg, self.readout, self.device, self.dp, acfg.routing_replay,
+                                 router_aux=acfg.router_aux_coef > 0)
         self.params = [p for p in model.parameters() if p.requires_grad]  # (with an adapter: its tensors only)
         self.opt = torch.optim.AdamW(  # after sharding: it holds this rank's shards
             self.params, lr=tcfg.lr, betas=tcfg.betas, weight_decay=tcfg.weight_decay
@@ -139,7 +140,8 @@ class Trainer:
         ``ref_logp``: the reference's log-probs for the KL loss term (None: no KL term)."""
         sums = {"loss": 0.0, **{k: 0.0 for k in LOSS_METRICS}, "kl": 0.0, "entropy_sum": 0.0, "entropy_tokens": 0.0,
                 "teacher_rkl_sum": 0.0, "mismatch_sum": 0.0,
-                "mismatch_max": 0.0, "mismatch_tokens": 0.0, "seq_log_w": torch.zeros(batch.size)}
+                "mismatch_max": 0.0, "mismatch_tokens": 0.0, "seq_log_w": torch.zeros(batch.size),
+                **({"moe/aux_loss": 0.0} if self.acfg.router_aux_coef and self.fwd.moe else {})}
         a = self.acfg
         dev = self.device
         groups, prefixes, outputs_of = self.fwd.passes(self.model, batch, True, entropy=True)
@@ -175,6 +177,11 @@ class Trainer:
                 sums["kl"] += kl.item()
             if a.entropy_coef:
                 loss = loss - a.entropy_coef * agg(entropy)
+            aux = self.fwd.aux_loss() if a.router_aux_coef else None
+            if aux is not None:  # (a mixture of experts' load balance, weighted by the micro-batch's share of tokens)
+                part = mb.loss_mask.sum().item() / max(num_tokens, 1.0)
+                loss = loss + a.router_aux_coef * aux * part
+                sums["moe/aux_loss"] += aux.item() * part
             loss.backward()
             self.fwd.routes_done()  # (after the backward: a checkpointed layer's recompute replays them too)
             share = mb.loss_mask.sum().item() / max(num_tokens, 1.0)
@@ -195,7 +202,7 @@ class Trainer:
     def _gather_sums(self, sums: dict) -> dict:
         """(FSDP) Every rank's share of the sums, added up (the largest mismatch: the largest)."""
         keys = ["loss", *LOSS_METRICS, "kl", "entropy_sum", "entropy_tokens", "teacher_rkl_sum", "mismatch_sum",
-                "mismatch_tokens"]
+                "mismatch_tokens", *(["moe/aux_loss"] if "moe/aux_loss" in sums else [])]
         total = self.dp.reduce(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
         out = {k: v.item() for k, v in zip(keys, total)}
         out["mismatch_max"] = self.dp.reduce(torch.tensor(sums["mismatch_max"]), "max").item()
