@@ -26,6 +26,13 @@ from common import machine_info, write_results  # noqa: E402
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
                   tie_word_embeddings=True, rms_norm_eps=1e-6)
+# Qwen3-30B-A3B's per-layer shape (hidden 2048, 128 experts of FFN 768, 8 per token, 32 query / 4 KV heads of 128,
+# vocab 151,936, untied), with only as many layers as fit a 24 GiB machine: trainer_memory.py's MoE rows
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_experts=128, num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
+                     tie_word_embeddings=False, rms_norm_eps=1e-6, norm_topk_prob=True, decoder_sparse_step=1,
+                     mlp_only_layers=[])
 SMALL = dict(QWEN25_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=1000)
 

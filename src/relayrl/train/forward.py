@@ -63,9 +63,10 @@ class PolicyForward:
             moe.routers(model)  # (raises, naming the router, where relayrl has no recipe for it)
         self.routing_replay, self.router_aux, self._replayers = routing_replay, router_aux, {}
         # (FSDP: every rank runs its share of the micro-batches in step with the others: the plain forward;
-        # config refuses trainer.share_prefix set with trainer.fsdp; a mixture of experts' routes are replayed per
-        # row, not through a shared prefix's cache)
-        self.sharing = PrefixSharing(tcfg.share_prefix and dp is None and not self.moe, tcfg.micro_batch_tokens,
+        # config refuses trainer.share_prefix set with trainer.fsdp; a mixture of experts' routes, under r3, are
+        # replayed per row, not through a shared prefix's cache)
+        replayed = self.moe and routing_replay == "r3"
+        self.sharing = PrefixSharing(tcfg.share_prefix and dp is None and not replayed, tcfg.micro_batch_tokens,
                                      log=lambda m: warnings.warn(m, stacklevel=3))
 
     def route_stats(self, batch: TrainBatch, rows: int = 16) -> dict[str, float]:
