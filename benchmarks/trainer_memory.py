@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine_info, write_results  # noqa: E402
 from trainer_scale import QWEN3_30B_A3B, QWEN25_05B, SMALL  # noqa: E402
 
-SCALES = {"0.5b": QWEN25_05B, "tiny": SMALL, **{f"30b-a3b-{n}l": dict(QWEN3_30B_A3B, num_hidden_layers=n) for n in (1, 2, 4)},
+SCALES = {"0.5b": QWEN25_05B, "tiny": SMALL, **{f"30b-a3b-{n}l": dict(QWEN3_30B_A3B, num_hidden_layers=n) for n in (1, 2, 4, 8)},
           "tiny-moe": dict(QWEN3_30B_A3B, hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000,
                            num_hidden_layers=2)}
