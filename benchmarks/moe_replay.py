@@ -58,6 +58,7 @@ def build(shape: dict, dense: bool, seed: int = 0):
 def sample(model, vocab: int, device: str, rows: int, prompt: int, new: int):
     """Trajectories a bfloat16 hf engine samples from ``model`` (T=1, each row seeded), with their routes."""
     from relayrl.engine.hf import HFEngine
+    from relayrl.models import moe
     from relayrl.records import GenRequest, Prompt, SamplingParams, Trajectory
 
     tok = SimpleNamespace(pad_token_id=0, eos_token_id=1)
@@ -72,7 +73,7 @@ def sample(model, vocab: int, device: str, rows: int, prompt: int, new: int):
         engine.close()
     took = time.perf_counter() - t
     trajs = [Trajectory(Prompt(f"p{i}", []), "g", 0, r.prompt_ids, list(c.token_ids), list(c.logprobs),
-                        list(c.versions), c.finish_reason, routes=c.routes) for i, (r, c) in enumerate(zip(reqs, done))]
+                        list(c.versions), c.finish_reason, routes=moe.extend(None, c.routes)) for i, (r, c) in enumerate(zip(reqs, done))]
     return trajs, took
 
 

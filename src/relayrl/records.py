@@ -71,7 +71,7 @@ class Completion:
     versions: list[int]
     finish_reason: FinishReason | None
     # a mixture-of-experts policy's routes over the whole context it fed forward (``models.moe``; the final
-    # completion only), None where the engine records none
+    # completion only; a uint8 numpy array), None where the engine records none
     routes: Any = None
 
 
@@ -145,8 +145,9 @@ def group_to_dict(g: Group) -> dict:
 def _to_json(v):
     if isinstance(v, FinishReason):
         return v.value
-    if hasattr(v, "numpy"):  # routes: a uint8 tensor, as its shape and its bytes in base64
-        return {"shape": list(v.shape), "uint8_b64": base64.b64encode(v.numpy().tobytes()).decode()}
+    if hasattr(v, "shape") and hasattr(v, "dtype"):  # routes: a uint8 tensor (or array), as its shape and bytes
+        raw = v.numpy() if hasattr(v, "numpy") else v
+        return {"shape": list(v.shape), "uint8_b64": base64.b64encode(raw.astype("uint8").tobytes()).decode()}
     return v
 
 

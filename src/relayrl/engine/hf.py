@@ -285,7 +285,7 @@ class HFEngine(Engine):
         if self._spec is not None:
             self._spec.finished(row.req.request_id, row.req.prompt_ids, list(row.req.response_so_far) + row.tokens,
                                 reason in (FinishReason.STOP, FinishReason.LENGTH))
-        routes = torch.cat(row.routes) if row.routes else None
+        routes = torch.cat(row.routes).numpy() if row.routes else None  # (numpy: pickled as bytes to another process)
         c = Completion(row.req.request_id, row.tokens, row.logprobs, row.versions, reason, routes)
         self._out.put(c)
         if self._on_complete is not None:

@@ -264,6 +264,7 @@ def extend(old, new):
     from the completion's (``new`` covers its whole context: the prompt, the response so far, its new tokens)."""
     if new is None:
         return old
+    new = torch.as_tensor(new)  # (an engine's: a numpy array, which crosses processes as bytes)
     if old is None or not len(old):
         return new
-    return torch.cat([torch.as_tensor(old), torch.as_tensor(new)[len(old):]])
+    return torch.cat([torch.as_tensor(old), new[len(old):]])

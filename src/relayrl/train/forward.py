@@ -69,14 +69,21 @@ class PolicyForward:
         self.sharing = PrefixSharing(tcfg.share_prefix and dp is None and not replayed, tcfg.micro_batch_tokens,
                                      log=lambda m: warnings.warn(m, stacklevel=3))
 
-    def route_stats(self, batch: TrainBatch, rows: int = 16) -> dict[str, float]:
+    def route_stats(self, batch: TrainBatch, version: int | None = None, rows: int = 16) -> dict[str, float]:
         """The policy's routing against the engine's, by a forward of ``rows`` rows of ``batch`` routed live (the
         step's own forwards, under r3, follow the recorded routes: a live choice there is made on replayed hidden
         states): ``moe/routing_diff``, the share of tokens with a recorded route whose live expert set differs from
-        it in some layer, and ``moe/load_max_over_mean``. Called before the update (under the weights that
-        sampled, in a synchronous run)."""
+        it in some layer, and ``moe/load_max_over_mean``. Called before the update, on rows sampled wholly by
+        ``version`` (the weights the trainer holds; None: every row): an older version's routes differ by the
+        policy's own drift, which is no engine mismatch. Nothing (no metric) when no row is that fresh."""
         if not self.moe or batch.routes is None:
             return {}
+        if version is not None:
+            trained = batch.loss_mask.bool()
+            fresh = ((batch.versions == version) | ~trained).all(1) & trained.any(1)
+            batch = batch.select(torch.nonzero(fresh).flatten().tolist()) if fresh.any() else None
+            if batch is None:
+                return {}
         self._routes(self.model, None, None)  # (the policy's replayer, made where it was not yet)
         r = self._replayers[id(self.model)][1]
         replace, r.replace, r.measuring = r.replace, False, True

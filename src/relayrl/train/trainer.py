@@ -267,7 +267,7 @@ class Trainer:
             # (once; in eval mode, where dropout cannot tell them apart; chunked: log-probs, not logits)
             self.sharing.verify(self.model, batch, lambda mb: self.fwd.logits(self.model, mb),
                                 call=self.fwd.prefix_call(self.model))
-        routing = self.fwd.route_stats(batch)  # (a mixture of experts: engine and trainer routing apart, before the update)
+        routing = self.fwd.route_stats(batch, version)  # (a mixture of experts: engine and trainer routing apart, before the update)
         self.model.train()
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.tcfg.bf16):
             totals, mismatch, est_metrics, batch = self._update(batch, version)
