@@ -438,7 +438,14 @@ class EnvCfg(_Section):
         "float | None, client an openai.AsyncOpenAI on the episode's session of the endpoint: relayrl.serve), or an "
         "ecosystem environment: 'textarena:GAME-v0', 'skyrl:NAME' (relayrl.envs.adapters).")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the environment's constructor.")
-    max_turns: int = Field(4, ge=1, description="Most assistant turns in one episode (an agent program: requests).")
+    roles: list[str] = Field(
+        default_factory=list, description="A multi-agent environment (relayrl.envs.multi): the roles the policy plays "
+        "in training, one trajectory each per match (empty: every role, self-play); its scripted player plays the others.")
+    eval_roles: list[str] = Field(
+        default_factory=list, description="A multi-agent environment: the roles the policy plays in evaluation, each "
+        "match one of them against the environment's scripted player (empty: every role in turn); eval/win_rate.")
+    max_turns: int = Field(4, ge=1, description="Most assistant turns in one episode (an agent program: requests; a "
+                           "multi-agent match: each role's turns).")
     max_tokens: int = Field(
         256, ge=1, description="Token budget of one episode after its prompt: the policy's turns and the tool "
         "results and template tokens between them (rollout.max_new_tokens bounds each turn; an agent program: "

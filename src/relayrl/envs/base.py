@@ -133,6 +133,7 @@ BUILTIN = {
     "single_turn": "relayrl.envs.base:Env",
     "calculator": "relayrl.envs.builtin:CalculatorEnv",
     "python": "relayrl.envs.builtin:PythonEnv",
+    "nim": "relayrl.envs.games:Nim",  # a two-player game (relayrl.envs.multi): self-play
 }
 
 

@@ -63,9 +63,17 @@ def training_batch(groups: list[Group], algo, budget: int, pad_id: int) -> tuple
     if algo.advantage in STEP_ADVANTAGES:
         adv = step_advantages(groups, algo.discount(), algo.gigpo_omega, bonus)
         return build_batch(trajs, adv, pad_id, keep_rows=keep), metrics
-    gid = torch.tensor([i for i, g in enumerate(groups) for _ in g.trajectories], dtype=torch.long)
+    gid = torch.tensor(baseline_groups(groups), dtype=torch.long)
     rewards = [token_rewards(t, b) for t, b in zip(trajs, bonus)]
     return build_batch(trajs, torch.zeros(len(trajs)), pad_id, rewards, gid, keep, owners(groups)), metrics
+
+
+def baseline_groups(groups: list[Group]) -> list[int]:
+    """Each trajectory's baseline group: its group's, and within it its role's (a multi-agent match's
+    ``info["role"]``: a role is compared with the same prompt's episodes of that role)."""
+    keys = [(i, t.info.get("role")) for i, g in enumerate(groups) for t in g.trajectories]
+    index = {k: n for n, k in enumerate(dict.fromkeys(keys))}
+    return [index[k] for k in keys]
 
 
 def owners(groups: list[Group]) -> torch.Tensor | None:

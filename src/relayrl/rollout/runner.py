@@ -52,10 +52,12 @@ from relayrl.engine.async_front import AsyncEngine
 from relayrl.engine.base import Engine, EngineError
 from relayrl.envs.base import Env
 from relayrl.envs.chat import TemplateMismatch
+from relayrl.envs.multi import Players
 from relayrl.failures import UserCodeError, fail
 from relayrl.fault_injection import fault_point
 from relayrl.models import moe
 from relayrl.records import Completion, FinishReason, GenRequest, Group, SamplingParams, Trajectory
+from relayrl.rollout.match import match_episode
 from relayrl.rollout.episode import EpisodeFailed, EpisodeLimits, describe_error, env_episode, trajectory_seed
 from relayrl.rollout.scheduling import LengthModel, Pending, order
 from relayrl.rollout.scoring import EpisodeScoring
@@ -285,7 +287,11 @@ class EpisodeRunner:
     async def group(self, g: Group, params: SamplingParams, train: bool = True) -> Group:
         """Every episode of ``g`` not yet complete, at once (``train=False``: evaluation, which
         runs on while training episodes are held)."""
-        await asyncio.gather(*(self.episode(t, params, train) for t in g.trajectories if not t.complete))
+        if isinstance(self.make_env, Players):  # a multi-agent environment: matches, one trajectory per role
+            await asyncio.gather(*(self.match(m, params, train) for m in self.make_env.matches(g.trajectories, train)
+                                   if not all(t.complete for t in m.values())))
+        else:
+            await asyncio.gather(*(self.episode(t, params, train) for t in g.trajectories if not t.complete))
         if self.scoring is not None:
             await self.scoring.group(g, train)  # (a ranking judge: the group's episodes, together)
         self.lengths.forget_group(g.group_id)
@@ -326,6 +332,40 @@ class EpisodeRunner:
             if len(self.errors) < 5:
                 self.errors.append(f"{t.failure['source']}: {t.failure['error']}")
         t.complete = True
+
+    async def match(self, trajs: dict[str, Trajectory], params: SamplingParams, train: bool = True) -> None:
+        """One match of a multi-agent environment (``rollout.match``), ``trajs`` its policy roles' trajectories,
+        run afresh. Its failure (user code, or the engine on one of its turns) is each of its trajectories'."""
+        every = list(trajs.values())
+        for t in every:
+            t.failure, t.teacher_logprobs, t.info = None, [], {}
+        try:
+            await match_episode(self, self.make_env, trajs, params, train)
+            if self.scoring is not None:
+                for t in every:
+                    await self.scoring.episode(t, train)
+        except (EngineError, UserCodeError, asyncio.CancelledError):
+            raise
+        except TemplateMismatch as e:
+            raise UserCodeError(f"the chat template of the tokenizer cannot extend a match's conversation "
+                                f"token-in-token-out: {e}") from None
+        except EpisodeFailed as e:
+            for t in every:
+                fail(t, e.kind, e.source, e.error)
+        except Exception as e:  # noqa: BLE001 - rendering the environment's messages
+            for t in every:
+                fail(t, "env", f"env.name={self.limits.env_name}", describe_error(e))
+        broken = next((t for t in every if t.failure is not None or t.finish_reason == FinishReason.FAILED), None)
+        if broken is not None:
+            why = broken.failure or {"kind": "engine", "source": "the engine", "error": "failed on a turn"}
+            for t in every:
+                if t.failure is None:
+                    fail(t, why["kind"], why["source"], f"{why['error']} (role {broken.info.get('role', '?')})")
+            self.error_count += 1
+            if len(self.errors) < 5:
+                self.errors.append(f"{why['source']}: {why['error']}")
+        for t in every:
+            t.complete = True
 
     async def _single(self, t: Trajectory, params: SamplingParams, train: bool) -> None:
         await self.turn(t, 0, 0, params.max_new_tokens, params, train)

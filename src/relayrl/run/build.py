@@ -19,7 +19,8 @@ from relayrl.data.datasets import PromptSampler, load_prompts
 from relayrl.engine.placement import cores, open_engine, start_ray, threads
 from relayrl.engine.spec import engine_spec, eos_token_ids
 from relayrl.envs import python_tool
-from relayrl.envs.base import make_env_factory
+from relayrl.envs.base import ADAPTERS, load_env_class, make_env_factory
+from relayrl.envs.multi import Players, is_multi_agent
 from relayrl.models import load_policy, load_tokenizer, moe, resolve_model_path
 from relayrl.models.prompts import check_prompt_lengths, model_context, model_context_source
 from relayrl.failures import failed
@@ -96,15 +97,23 @@ def make_rollout(cfg: Config, c: Components, state: RunState, tl: Timeline) -> E
         sampler_state=c.sampler.snapshot)
 
 
-def env_factory(env: EnvCfg):
+def env_factory(env: EnvCfg, group_size: int = 1):
     """What makes an episode's environment (``env.name``): None (single-turn), a function making one
-    environment per episode, or an ``AgentProgram`` (``env.name=agent:...``: sessions of the endpoint)."""
+    environment per episode, ``Players`` (a multi-agent environment: one per match, and who plays each
+    role) or an ``AgentProgram`` (``env.name=agent:...``: sessions of the endpoint)."""
     if not env.name:
         return None
     kind, _, name = env.name.partition(":")
     if kind == "agent":
         return AgentProgram.load(env.name, name, env.args)
-    return make_env_factory(env.name, env.args)
+    make = make_env_factory(env.name, env.args)
+    cls = None if kind in ADAPTERS and name else load_env_class(env.name)
+    if cls is not None and is_multi_agent(cls):
+        return Players.of(make, cls, env.name, env.roles, env.eval_roles, group_size)
+    if env.roles or env.eval_roles:
+        raise ValueError(f"env.roles/env.eval_roles: env.name={env.name} is not a multi-agent environment (no roles "
+                         "list and turn(): relayrl.envs.multi.MultiAgentEnv)")
+    return make
 
 
 def make_reward_runner(cfg: Config) -> RewardRunner:
@@ -203,7 +212,7 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         reward = make_reward_runner(cfg)  # first: a bad reward.fn fails before the model loads
         undo.callback(reward.close)
         reward.stats.failures, reward.stats.timeouts = state.reward_failures, state.reward_timeouts
-        make_env = env_factory(cfg.env)
+        make_env = env_factory(cfg.env, cfg.rollout.group_size)
         if cfg.run.backend == "ray":  # the python tool's worker pool in a Ray actor too (at its first call)
             from relayrl.run.ray_pools import RayPythonTool
 

@@ -22,6 +22,13 @@ def episode_stats(trajs: list) -> dict:
     served = {f"serve/{k}": sum(i.get(k, 0) for i in info) for k in ("branches", "sampling_overrides",
                                                                       "merged_turns", "new_branch_tools_changed")} \
         if any("sampling_overrides" in i for i in info) else {}
+    played = [i for i in info if "outcome" in i]  # matches of a multi-agent environment (envs.multi)
+    if played:
+        served["win_rate"] = sum(i["outcome"] == "win" for i in played) / len(played)
+        for role in sorted({i["role"] for i in played}):
+            mine = [i for i in played if i["role"] == role]
+            served[f"win_rate/{role}"] = sum(i["outcome"] == "win" for i in mine) / len(mine)
+        served["unfinished_frac"] = sum(i.get("unfinished", 0) for i in played) / len(played)
     return {**served,
         "tool_call_rate": sum(i.get("tool_calls", 0) > 0 for i in info) / n,  # episodes with at least one call
         "tool_calls_mean": sum(i.get("tool_calls", 0) for i in info) / n,
@@ -109,6 +116,8 @@ def evaluate(runner, tokenizer, prompts: list[Prompt], s: EvalSettings, when: st
             out.update(stats or {}, response_len_mean=sum(len(t.response_ids) for t in trajs) / max(1, len(trajs)))
         elif stats:
             out["tool_call_rate_greedy"] = stats["tool_call_rate"]
+            if "win_rate" in stats:
+                out["win_rate_greedy"] = stats["win_rate"]
     return out
 
 

@@ -262,6 +262,9 @@ def finish(cfg: Config, c: Components, state: RunState, log, startup: float | No
     if c.agents:
         summary.update({f"eval_{k}_{when}": e.get(k) if e else None for k in ("tool_call_rate", "tool_call_rate_greedy")
                         for when, e in (("before", before), ("after", after))})
+    if "win_rate" in (after or before or {}):  # a multi-agent environment: against its scripted player
+        summary.update({f"eval_{k}_{when}": e.get(k) if e else None for k in ("win_rate", "win_rate_greedy")
+                        for when, e in (("before", before), ("after", after))})
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     model_card.finalize(cfg.run_dir, resolved_tree(cfg), state, after)  # the last checkpoint's card: accuracy after
     log(f"[bold]done[/bold]: {state.step} steps, {state.samples} samples, {state.wall_seconds:.0f}s")

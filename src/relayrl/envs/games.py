@@ -1,0 +1,103 @@
+"""Two-player games for self-play (``relayrl.envs.multi``): small enough for the demo model to learn.
+
+``Nim``: a pile of stones (the prompt's first number); the players take 1, 2 or 3 in turn and whoever
+takes the last stone wins. A move is the number alone; anything else, or more than is left, loses at
+once. The first player wins from every pile that is not a multiple of 4, by leaving one; against the
+scripted player, who moves at random (a fixed function of the game so far: the same game, the same
+move), a player who knows the rule wins most matches, one who moves at random about half.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from relayrl.envs.multi import MultiAgentEnv, MultiStep
+from relayrl.records import Prompt
+
+
+def legal(pile: int) -> list[int]:
+    return [k for k in (1, 2, 3) if k <= pile]
+
+
+def best(pile: int) -> int | None:
+    """The winning move (leave a multiple of 4), None where every move loses."""
+    return pile % 4 or None
+
+
+def opening(pile: int, first: bool) -> str:
+    return f"Nim: {pile} stones. Take 1, 2 or 3; who takes the last wins. You are {'first' if first else 'second'}."
+
+
+def after(taken: int, pile: int) -> str:
+    """What a player reads after the other's move."""
+    return f"They took {taken}. {pile} left."
+
+
+def parse_move(text: str) -> int | None:
+    m = re.fullmatch(r"\s*([0-9]+)\s*\.?\s*", text)
+    return int(m.group(1)) if m else None
+
+
+class Nim(MultiAgentEnv):
+    """``skill``: the scripted player's chance of the winning move where there is one (0: random legal
+    moves); ``seed``: its stream."""
+
+    roles = ["first", "second"]
+
+    def __init__(self, skill: float = 0.0, seed: int = 0):
+        super().__init__()
+        if not 0.0 <= skill <= 1.0:
+            raise ValueError(f"skill={skill}: a probability in [0, 1]")
+        self.skill, self.seed = skill, seed
+        self.pile, self.start, self.history = 0, 0, []
+
+    async def reset(self, prompt: Prompt) -> dict[str, list[dict]]:
+        text = prompt.messages[-1]["content"] if prompt.messages else ""
+        m = re.search(r"[0-9]+", text)
+        if m is None or int(m.group()) < 1:
+            raise ValueError(f"prompt {prompt.id!r}: no pile size (a positive number) in {text!r}")
+        self.pile = self.start = int(m.group())
+        return {r: [{"role": "user", "content": opening(self.pile, r == "first")}] for r in self.roles}
+
+    def scripted(self, role: str) -> str:
+        rng = random.Random(f"{self.seed}/{self.start}/{self.history}")
+        win = best(self.pile)
+        if win is not None and rng.random() < self.skill:
+            return str(win)
+        return str(rng.choice(legal(self.pile)))
+
+    async def step(self, role: str, text: str) -> MultiStep:
+        other = self.roles[1 - self.roles.index(role)]
+        k = parse_move(text)
+        self.moves += 1
+        if k is None or k not in legal(self.pile):  # an illegal move loses
+            return MultiStep(rewards={role: 0.0, other: 1.0}, done=True, outcome={role: "loss", other: "win"},
+                             info={"illegal_moves": 1})
+        self.pile -= k
+        self.history.append(k)
+        if self.pile == 0:
+            return MultiStep(rewards={role: 1.0, other: 0.0}, done=True, outcome={role: "win", other: "loss"})
+        return MultiStep(messages={other: [{"role": "user", "content": after(k, self.pile)}]})
+
+
+def transcripts(piles: list[int], skill: float, seed: int) -> list[dict]:
+    """Conversations (``messages``) of the scripted player against itself, one per role and game, from
+    that role's point of view: ``relayrl sft`` data for a warm start (``examples/self_play_data.py``)."""
+    rows = []
+    for i, pile in enumerate(piles):
+        game = Nim(skill, seed + i)
+        game.pile = game.start = pile
+        views = {r: [{"role": "user", "content": opening(pile, r == "first")}] for r in game.roles}
+        while game.pile:
+            role = game.turn()
+            other = game.roles[1 - game.roles.index(role)]
+            move = game.scripted(role)
+            views[role].append({"role": "assistant", "content": move})
+            game.pile -= int(move)
+            game.history.append(int(move))
+            game.moves += 1
+            if game.pile:
+                views[other].append({"role": "user", "content": after(int(move), game.pile)})
+        rows += [{"id": f"nim-{i}-{r}", "messages": views[r]} for r in game.roles if len(views[r]) > 1]
+    return rows

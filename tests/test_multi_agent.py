@@ -1,0 +1,147 @@
+"""Several agents in one episode: matches of a multi-agent environment, one trajectory per role
+token-in-token-out, rewards and outcomes per role, the scripted opponent, baselines per role, and
+user code that fails a match."""
+
+import pytest
+
+from relayrl.envs import games
+from relayrl.envs.chat import render_ids
+from relayrl.envs.multi import MultiAgentEnv, MultiStep, Players
+from relayrl.failures import failed
+from relayrl.records import Group, Prompt, SamplingParams, Trajectory
+from relayrl.rollout.groups import baseline_groups
+from relayrl.rollout.runner import EpisodeLimits, EpisodeRunner
+from tests.test_chat_template import chatml_tokenizer  # noqa: F401 - a fixture
+from tests.test_episodes import ScriptedEngine, _score
+
+
+def optimal(context: str) -> str:
+    """A player that knows Nim's rule: leave a multiple of 4 (1 where it cannot)."""
+    tail = context.rsplit("<|im_start|>user\n", 1)[-1]
+    pile = int(tail.split(" left")[0].split()[-1]) if " left" in tail else int(tail.split("Nim: ")[1].split()[0])
+    return str(games.best(pile) or 1)
+
+
+def runner_for(tok, players, reply=optimal, limits=EpisodeLimits(8, 400)):
+    return EpisodeRunner(ScriptedEngine(tok, reply), tok, players, limits, _score)
+
+
+def play(runner, pile, n, train=True):
+    p = Prompt(f"pile{pile}", [{"role": "user", "content": str(pile)}])
+    g = Group(p, "g0", [Trajectory(p, "g0", i, []) for i in range(n)])
+    runner.run(runner.group(g, SamplingParams(8, 1.0), train))
+    return g
+
+
+def nim_players(train=(), eval_roles=(), group_size=2, skill=0.0):
+    return Players.of(lambda: games.Nim(skill), games.Nim, "nim", list(train), list(eval_roles), group_size)
+
+
+def test_self_play_records_each_role_token_in_token_out_with_its_reward(chatml_tokenizer):
+    tok = chatml_tokenizer
+    runner = runner_for(tok, nim_players())
+    try:
+        g = play(runner, 10, 2)  # first wins: 2 (8 left), then answers 4 - k each time
+    finally:
+        runner.close()
+    first, second = g.trajectories
+    assert (first.info["role"], second.info["role"]) == ("first", "second")
+    assert (first.reward, second.reward) == (1.0, 0.0)
+    assert (first.info["outcome"], second.info["outcome"]) == ("win", "loss")
+    # each trajectory is its role's conversation as the template renders it: its moves trained (mask 1), the
+    # other's moves observations (mask 0)
+    for t, role in ((first, "first"), (second, "second")):
+        opening = [{"role": "user", "content": games.opening(10, role == "first")}]
+        if role == "second":  # the second's first prompt has the first's move in it
+            opening.append({"role": "user", "content": games.after(2, 8)})
+        assert t.prompt_ids == render_ids(tok, opening, add_generation_prompt=True)
+        trained = tok.decode([x for x, m in zip(t.response_ids, t.mask) if m]).replace("<|im_end|>", "")
+        assert trained == {"first": "233", "second": "11"}[role]
+        assert 0 in t.mask and t.turns[-1] == t.info["turns"] - 1
+    assert "They took 1. 7 left." in tok.decode(first.response_ids)
+    assert first.info["turns"] == 3 and second.info["turns"] == 2
+
+
+def test_evaluation_plays_each_role_against_the_scripted_player(chatml_tokenizer):
+    tok = chatml_tokenizer
+    runner = runner_for(tok, nim_players(eval_roles=["first", "second"]))
+    try:
+        g = play(runner, 9, 4, train=False)
+    finally:
+        runner.close()
+    roles = [t.info["role"] for t in g.trajectories]
+    assert roles == ["first", "second", "first", "second"]
+    # from 9 the first player wins with optimal play; as second the optimal player wins once the random
+    # opponent leaves a pile that is not a multiple of 4
+    assert all(t.info["outcome"] == "win" for t in g.trajectories if t.info["role"] == "first")
+    assert all(not failed(t) and t.info["outcome"] in ("win", "loss") for t in g.trajectories)
+
+
+def test_a_random_player_loses_to_the_rule(chatml_tokenizer):
+    """The scripted player is a fixed function of the game: a policy that always takes 1 wins less."""
+    tok = chatml_tokenizer
+    wins = {}
+    for name, reply in (("rule", optimal), ("ones", lambda c: "1")):
+        runner = runner_for(tok, nim_players(eval_roles=["first"]), reply=reply)
+        try:
+            wins[name] = sum(play(runner, p, 1, train=False).trajectories[0].info["outcome"] == "win"
+                             for p in range(5, 16) if p % 4)
+        finally:
+            runner.close()
+    assert wins["rule"] == 9 > wins["ones"]
+
+
+def test_a_role_against_the_scripted_player_in_training(chatml_tokenizer):
+    runner = runner_for(chatml_tokenizer, nim_players(train=["second"], group_size=3))
+    try:
+        g = play(runner, 8, 3)  # second wins from 8 with the rule
+    finally:
+        runner.close()
+    assert [t.info["role"] for t in g.trajectories] == ["second"] * 3
+    assert all(t.reward == 1.0 for t in g.trajectories)
+
+
+def test_baselines_are_per_prompt_and_role():
+    p = Prompt("p", [])
+    def t(i, role):
+        return Trajectory(p, "g", i, [], info={"role": role} if role else {})
+    groups = [Group(p, "a", [t(0, "first"), t(1, "second"), t(2, "first")]), Group(p, "b", [t(0, None), t(1, None)])]
+    assert baseline_groups(groups) == [0, 1, 0, 2, 2]
+
+
+def test_config_errors_name_the_field_and_the_roles():
+    with pytest.raises(ValueError, match=r"env.roles: 'judge' is not a role of Nim \(its roles: first, second\)"):
+        nim_players(train=["judge"])
+    with pytest.raises(ValueError, match=r"rollout.group_size=3 is not a multiple of the 2 roles"):
+        nim_players(group_size=3)
+
+    class NoScript(MultiAgentEnv):
+        async def step(self, role, text):
+            return MultiStep(done=True)
+    with pytest.raises(ValueError, match="has no scripted player"):
+        Players.of(NoScript, NoScript, "x", ["first"], [], 2)
+
+
+class Cheater(games.Nim):
+    """Pays a role the game does not have."""
+
+    async def step(self, role, text):
+        return MultiStep(rewards={"referee": 1.0}, done=True)
+
+
+class Broken(games.Nim):
+    def scripted(self, role):
+        raise RuntimeError("opponent crashed")
+
+
+@pytest.mark.parametrize("cls, message", [(Cheater, "named role 'referee', which the game does not have"),
+                                          (Broken, "RuntimeError: opponent crashed")])
+def test_a_failing_match_is_each_of_its_trajectories_counted_failure(chatml_tokenizer, cls, message):
+    players = Players.of(lambda: cls(), cls, "bad", [], ["first"], 2)
+    runner = runner_for(chatml_tokenizer, players)
+    try:
+        g = play(runner, 6, 2, train=cls is Cheater)  # (Broken: its scripted player is in evaluation)
+    finally:
+        runner.close()
+    assert all(failed(t) and message in t.failure["error"] for t in g.trajectories)
+    assert runner.error_count >= 1 and message in runner.errors[0]
