@@ -145,3 +145,33 @@ def test_a_failing_match_is_each_of_its_trajectories_counted_failure(chatml_toke
         runner.close()
     assert all(failed(t) and message in t.failure["error"] for t in g.trajectories)
     assert runner.error_count >= 1 and message in runner.errors[0]
+
+
+def test_the_self_play_example_runs_and_reports_win_rates(tmp_path):
+    """examples/self_play.yaml end to end (from the agent demo's model, no warm start: 2 steps, async):
+    both sides trained, the win rates in metrics and summary.json."""
+    import json
+    from pathlib import Path
+
+    from relayrl.config import load_config
+    from relayrl.run.loop import train
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "self_play.yaml"
+    cfg = load_config(str(example), [f"run.output_dir={tmp_path}", "run.steps=2", "model.path=builtin:agent-demo",
+                                     "rollout.prompts_per_step=2", "rollout.group_size=4", "eval.samples=2",
+                                     "run.mode=async", "run.name=sp"])
+    s = train(cfg)
+    assert s["eval_win_rate_before"] is not None and s["eval_win_rate_after"] is not None
+    assert s["eval_after"]["win_rate/first"] is not None and s["eval_after"]["prompts"] == 11
+    m = [json.loads(x) for x in (tmp_path / "sp" / "metrics.jsonl").read_text().splitlines()]
+    assert len(m) == 2 and all("win_rate/first" in x and "win_rate/second" in x for x in m)
+    assert all(x["responses_per_group"] == 4 for x in m)
+
+
+def test_roles_on_an_environment_with_none_are_refused():
+    from relayrl.config.sections import EnvCfg
+    from relayrl.run.build import env_factory
+
+    with pytest.raises(ValueError, match="env.name=calculator is not a multi-agent environment"):
+        env_factory(EnvCfg(name="calculator", roles=["first"]))
+    assert isinstance(env_factory(EnvCfg(name="nim", eval_roles=["second"]), 4), Players)

@@ -101,3 +101,17 @@ def transcripts(piles: list[int], skill: float, seed: int) -> list[dict]:
                 views[other].append({"role": "user", "content": after(int(move), game.pile)})
         rows += [{"id": f"nim-{i}-{r}", "messages": views[r]} for r in game.roles if len(views[r]) > 1]
     return rows
+
+
+PILES = range(5, 16)  # the demo's starting piles (a match lasts at most 8 turns of a role)
+
+
+def rows(which: str) -> list[dict]:
+    """The self-play demo's built-in data: ``nim`` (4,000 prompts) and ``nim-eval`` (each pile once) name a
+    starting pile; ``nim-sft`` is 2,000 games of the random scripted player against itself (``transcripts``)."""
+    rng = random.Random(which)
+    if which == "nim-sft":
+        return transcripts([rng.choice(PILES) for _ in range(2000)], skill=0.0, seed=7)
+    piles = [rng.choice(PILES) for _ in range(4000)] if which == "nim" else list(PILES)
+    return [{"id": f"{which}-{i}", "prompt": f"{p} stones", "answer": "first" if p % 4 else "second"}
+            for i, p in enumerate(piles)]

@@ -82,8 +82,8 @@ class Players:
         return self.make()
 
     @classmethod
-    def of(cls, make: Callable, env_cls, name: str, train: list[str], eval_roles: list[str], group_size: int
-           ) -> "Players":
+    def of(cls, make: Callable, env_cls, name: str, train: list[str], eval_roles: list[str],
+           group_size: int | None = None) -> "Players":
         """Checked against the environment's roles: a one-line error naming the field otherwise."""
         roles = tuple(env_cls.roles)
         if not roles or len(set(roles)) != len(roles) or not all(isinstance(r, str) and r for r in roles):
@@ -100,7 +100,7 @@ class Players:
         if scripted and getattr(env_cls, "scripted", MultiAgentEnv.scripted) is MultiAgentEnv.scripted:
             raise ValueError(f"env.name={name}: {env_cls.__name__} has no scripted player (def scripted(self, role)) "
                              f"for the roles the policy does not play ({', '.join(sorted(scripted))})")
-        if group_size % len(train_t):
+        if group_size is not None and group_size % len(train_t):  # (None: evaluation only)
             raise ValueError(f"rollout.group_size={group_size} is not a multiple of the {len(train_t)} roles the policy "
                              f"plays (env.roles: {', '.join(train_t)}): each match fills one trajectory per role")
         return cls(make, roles, train_t, eval_t)

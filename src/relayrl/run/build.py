@@ -97,7 +97,7 @@ def make_rollout(cfg: Config, c: Components, state: RunState, tl: Timeline) -> E
         sampler_state=c.sampler.snapshot)
 
 
-def env_factory(env: EnvCfg, group_size: int = 1):
+def env_factory(env: EnvCfg, group_size: int | None = None):
     """What makes an episode's environment (``env.name``): None (single-turn), a function making one
     environment per episode, ``Players`` (a multi-agent environment: one per match, and who plays each
     role) or an ``AgentProgram`` (``env.name=agent:...``: sessions of the endpoint)."""

@@ -236,6 +236,8 @@ def reached(cfg: Config, m: dict, log) -> bool:
 
 
 def fmt_eval(e: dict) -> str:
+    if "win_rate" in e:  # a multi-agent environment's matches against its scripted player
+        return f"win rate {e['win_rate']:.1%} (sampled, T={e['temperature']}), greedy {e['win_rate_greedy']:.1%}"
     return f"accuracy {e['accuracy']:.1%} (sampled, T={e['temperature']}), greedy {e['accuracy_greedy']:.1%}"
 
 
@@ -268,10 +270,13 @@ def finish(cfg: Config, c: Components, state: RunState, log, startup: float | No
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     model_card.finalize(cfg.run_dir, resolved_tree(cfg), state, after)  # the last checkpoint's card: accuracy after
     log(f"[bold]done[/bold]: {state.step} steps, {state.samples} samples, {state.wall_seconds:.0f}s")
-    if before and after:
+    if before and after and "win_rate" not in after:
         log(f"held-out accuracy: {before['accuracy']:.1%} → {after['accuracy']:.1%} "
             f"(greedy {before['accuracy_greedy']:.1%} → {after['accuracy_greedy']:.1%})")
-    if c.agents and before and after:
+    if before and after and "win_rate" in after:
+        log(f"win rate against the scripted player: {before['win_rate']:.1%} → {after['win_rate']:.1%} (greedy "
+            f"{before['win_rate_greedy']:.1%} → {after['win_rate_greedy']:.1%})")
+    elif c.agents and before and after:
         log(f"tool-call rate: {before['tool_call_rate']:.1%} → {after['tool_call_rate']:.1%} (greedy "
             f"{before['tool_call_rate_greedy']:.1%} → {after['tool_call_rate_greedy']:.1%}), tool errors "
             f"{after['tool_errors']} and timeouts {after['tool_timeouts']} in the last evaluation")
