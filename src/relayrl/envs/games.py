@@ -41,16 +41,24 @@ def parse_move(text: str) -> int | None:
 
 class Nim(MultiAgentEnv):
     """``skill``: the scripted player's chance of the winning move where there is one (0: random legal
-    moves); ``seed``: its stream."""
+    moves); ``seed``: its stream. ``opponent``: a checkpoint plays the scripted roles instead
+    (``envs.players.ModelPlayer``: the policy's own earlier one, say), sampled at ``opponent_temperature``."""
 
     roles = ["first", "second"]
 
-    def __init__(self, skill: float = 0.0, seed: int = 0):
+    def __init__(self, skill: float = 0.0, seed: int = 0, opponent: str | None = None,
+                 opponent_temperature: float = 1.0):
         super().__init__()
         if not 0.0 <= skill <= 1.0:
             raise ValueError(f"skill={skill}: a probability in [0, 1]")
         self.skill, self.seed = skill, seed
+        self.opponent = None
+        if opponent is not None:
+            from relayrl.envs.players import ModelPlayer
+
+            self.opponent = ModelPlayer(opponent, opponent_temperature, max_new_tokens=4, seed=seed)
         self.pile, self.start, self.history = 0, 0, []
+        self.views: dict[str, list[dict]] = {}  # each role's conversation (what a model player reads)
 
     async def reset(self, prompt: Prompt) -> dict[str, list[dict]]:
         text = prompt.messages[-1]["content"] if prompt.messages else ""
@@ -58,9 +66,15 @@ class Nim(MultiAgentEnv):
         if m is None or int(m.group()) < 1:
             raise ValueError(f"prompt {prompt.id!r}: no pile size (a positive number) in {text!r}")
         self.pile = self.start = int(m.group())
-        return {r: [{"role": "user", "content": opening(self.pile, r == "first")}] for r in self.roles}
+        self.views = {r: [{"role": "user", "content": opening(self.pile, r == "first")}] for r in self.roles}
+        return {r: list(v) for r, v in self.views.items()}
 
-    def scripted(self, role: str) -> str:
+    async def scripted(self, role: str) -> str:
+        if self.opponent is not None:
+            return await self.opponent.move(self.views[role])
+        return self.random_move()
+
+    def random_move(self) -> str:
         rng = random.Random(f"{self.seed}/{self.start}/{self.history}")
         win = best(self.pile)
         if win is not None and rng.random() < self.skill:
@@ -71,6 +85,7 @@ class Nim(MultiAgentEnv):
         other = self.roles[1 - self.roles.index(role)]
         k = parse_move(text)
         self.moves += 1
+        self.views.setdefault(role, []).append({"role": "assistant", "content": text})
         if k is None or k not in legal(self.pile):  # an illegal move loses
             return MultiStep(rewards={role: 0.0, other: 1.0}, done=True, outcome={role: "loss", other: "win"},
                              info={"illegal_moves": 1})
@@ -78,7 +93,9 @@ class Nim(MultiAgentEnv):
         self.history.append(k)
         if self.pile == 0:
             return MultiStep(rewards={role: 1.0, other: 0.0}, done=True, outcome={role: "win", other: "loss"})
-        return MultiStep(messages={other: [{"role": "user", "content": after(k, self.pile)}]})
+        seen = [{"role": "user", "content": after(k, self.pile)}]
+        self.views.setdefault(other, []).extend(seen)
+        return MultiStep(messages={other: seen})
 
 
 def transcripts(piles: list[int], skill: float, seed: int) -> list[dict]:
@@ -92,7 +109,7 @@ def transcripts(piles: list[int], skill: float, seed: int) -> list[dict]:
         while game.pile:
             role = game.turn()
             other = game.roles[1 - game.roles.index(role)]
-            move = game.scripted(role)
+            move = game.random_move()
             views[role].append({"role": "assistant", "content": move})
             game.pile -= int(move)
             game.history.append(int(move))

@@ -33,11 +33,14 @@ def make_groups(prompts: list[Prompt], tokenizer, group_size: int, tag: str, pro
 def drop_failed(groups: list[Group]) -> tuple[list[Group], int]:
     """Episodes that failed (the engine, or user code: ``relayrl.failures``) are not trained: not the
     policy's answer, or not scored. A group keeps its other members, its advantages computed over
-    them; a group left with none is dropped. Returns (groups, episodes dropped)."""
+    them; a group left with none is dropped. A match's role that never moved is left out too (not a
+    failure: nothing of its to train). Returns (groups, episodes dropped)."""
     out, dropped = [], 0
     for g in groups:
-        ok = [t for t in g.trajectories if not failed(t)]
-        dropped += len(g.trajectories) - len(ok)
+        # (a match's role that never moved, the other having won or forfeited first: nothing of its to train)
+        played = [t for t in g.trajectories if not ("role" in t.info and not t.response_ids)]
+        ok = [t for t in played if not failed(t)]
+        dropped += len(played) - len(ok)
         if ok:
             out.append(g if len(ok) == len(g.trajectories) else Group(g.prompt, g.group_id, ok))
     return out, dropped

@@ -110,9 +110,11 @@ async def _run_match(runner: EpisodeHost, players: Players, env, trajs: dict[str
         if outcome not in OUTCOMES:
             raise _bad(env, "step", name, f"gave role {role!r} the outcome {outcome!r}, not one of {OUTCOMES}")
         v = views[role]
+        if v.turns == 0:  # it never moved (the other won or forfeited first): its prompt as it stood, no tokens
+            t.prompt_ids = render_ids(runner.tokenizer, v.messages + v.pending, add_generation_prompt=True)
         t.reward = float(rewards.get(role, 0.0))
         t.text = next((m["content"] for m in reversed(v.messages) if m.get("role") == "assistant"), "")
-        t.info = {"role": role, "outcome": outcome, "turns": max(v.turns, 1),
+        t.info = {"role": role, "outcome": outcome, "turns": v.turns,
                   "unfinished": int(not done), **{k: int(n) for k, n in counts.items()}}
         if t.finish_reason is None:
             t.finish_reason = FinishReason.STOP

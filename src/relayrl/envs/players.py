@@ -1,0 +1,61 @@
+"""A frozen policy as a player of a multi-agent environment's other roles (``envs.multi``): an opponent
+that is a checkpoint (the policy's own earlier one, a warm start, any ``from_pretrained`` folder).
+
+``ModelPlayer(path)`` loads the model once per process (on the CPU, or ``device``) and answers a role's
+conversation with one turn sampled by ``transformers``' ``generate``, off the episodes' loop (a thread,
+one move at a time). Its sampling is seeded by the conversation: the same game so far, the same move, so
+an evaluation against it compares policies, not luck. An environment uses it in its ``scripted``
+(``envs.games.Nim(opponent=PATH)``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import threading
+
+_LOADED: dict[tuple[str, str], tuple] = {}  # (path, device) -> (model, tokenizer)
+_LOCK = threading.Lock()
+
+
+class ModelPlayer:
+    def __init__(self, path: str, temperature: float = 1.0, max_new_tokens: int = 8, seed: int = 0,
+                 device: str = "cpu"):
+        from relayrl.models import resolve_model_path
+
+        if temperature < 0 or max_new_tokens < 1:
+            raise ValueError(f"opponent {path}: temperature ≥ 0 and max_new_tokens ≥ 1, got {temperature}, "
+                             f"{max_new_tokens}")
+        self.path = resolve_model_path(path, log=lambda *a, **k: None, field="env.args.opponent")
+        self.temperature, self.max_new_tokens, self.seed, self.device = temperature, max_new_tokens, seed, device
+
+    def _loaded(self):
+        key = (self.path, self.device)
+        if key not in _LOADED:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(self.path)
+            model = AutoModelForCausalLM.from_pretrained(self.path).to(self.device).eval()
+            _LOADED[key] = (model, tok)
+        return _LOADED[key]
+
+    def move_now(self, messages: list[dict]) -> str:
+        """One turn's text for ``messages`` (blocking)."""
+        import torch
+
+        with _LOCK:
+            model, tok = self._loaded()
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
+                                          return_tensors="pt")["input_ids"].to(self.device)
+            key = json.dumps([self.seed, messages], sort_keys=True).encode()
+            torch.manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little"))
+            sample = self.temperature > 0
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.max_new_tokens,
+                                     do_sample=sample, temperature=self.temperature if sample else None,
+                                     top_p=None, top_k=None, pad_token_id=tok.pad_token_id or tok.eos_token_id)
+            return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+    async def move(self, messages: list[dict]) -> str:
+        return await asyncio.to_thread(self.move_now, messages)
