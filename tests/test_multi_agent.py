@@ -208,3 +208,32 @@ def test_a_role_that_never_moved_is_left_out_of_training():
     idle = Trajectory(p, "g", 1, [1], [], info={"role": "second", "turns": 0})
     kept, dropped = drop_failed([Group(p, "g", [moved, idle])])
     assert kept[0].trajectories == [moved] and dropped == 0
+
+
+def test_rae_by_hand():
+    """SPIRAL's role-conditioned advantage: b ← α·b + (1 − α)·R per key in batch order, A = R − b."""
+    import torch
+
+    from relayrl.algos.agents import rae
+
+    baselines = {}
+    a = rae(torch.tensor([1.0, 0.0, 1.0]), ["g/first", "g/first", "g/second"], baselines, alpha=0.5)
+    assert a.tolist() == [0.5, -0.25, 0.5] and baselines == {"g/first": 0.25, "g/second": 0.5}
+    a = rae(torch.tensor([1.0]), ["g/first"], baselines, alpha=0.5)  # the baseline carries over steps
+    assert a.tolist() == [1.0 - 0.625] and baselines["g/first"] == 0.625
+
+
+def test_rae_in_the_training_batch_keys_by_role_and_updates_the_runs_baselines():
+    from types import SimpleNamespace
+
+    from relayrl.rollout.groups import training_batch
+
+    p = Prompt("p", [])
+    trajs = [Trajectory(p, "g", i, [1], [2, 3], [0.0, 0.0], [0, 0], reward=r, info={"role": role})
+             for i, (r, role) in enumerate([(1.0, "first"), (0.0, "second")])]
+    algo = SimpleNamespace(advantage="rae", rae_alpha=0.5, overlong="none")
+    baselines = {"/first": 0.0}
+    batch, metrics = training_batch([Group(p, "g", trajs)], algo, 16, 0, baselines)
+    assert baselines == {"/first": 0.5, "/second": 0.0}
+    assert metrics == {"rae/baseline/first": 0.5, "rae/baseline/second": 0.0}
+    assert batch.advantages[0].max() == 0.5 and batch.advantages[1].abs().sum() == 0

@@ -79,6 +79,22 @@ def steps_to_tokens(step_adv: Tensor, token_step: Tensor) -> Tensor:
     return padded[token_step]
 
 
+def rae(rewards: Tensor, keys: list[str], baselines: dict[str, float], alpha: float = 0.95) -> Tensor:
+    """SPIRAL's role-conditioned advantage estimation (Liu et al. 2025, "SPIRAL: Self-Play on Zero-Sum Games
+    Incentivizes Reasoning", RAE): one baseline per game and role, the exponential moving average of that
+    role's rewards over the run, ``b ← α·b + (1 − α)·R`` with each episode in batch order (a new key starts
+    at 0), then ``A = R − b``. No group, no normalisation: in a zero-sum game both roles' group means sit
+    near the same value and the baseline must remember which side is favoured. ``baselines`` (the run's,
+    checkpointed) is updated in place.
+
+    ``rewards``: float [N]; ``keys``: N baseline keys (``game/role``). Returns float64 [N]."""
+    out = torch.empty(len(keys), dtype=torch.float64)
+    for i, (r, k) in enumerate(zip(rewards.double().tolist(), keys)):
+        baselines[k] = alpha * baselines.get(k, 0.0) + (1 - alpha) * r
+        out[i] = r - baselines[k]
+    return out
+
+
 # Step-level estimators (token-level advantages from the turns of episodes), by name, beside the
-# episode-level ones in ``advantages.ADVANTAGES``.
-STEP_ADVANTAGES = {"gigpo": gigpo}
+# episode-level ones in ``advantages.ADVANTAGES``; both are computed when the batch is built.
+STEP_ADVANTAGES = {"gigpo": gigpo, "rae": rae}

@@ -144,8 +144,8 @@ def _check_algo(c: BaseModel) -> None:
                          "reward, and no group variance for rollout.dynamic_sampling or rollout.budget to read): set "
                          "rollout.group_size ≥ 2, or a baseline that needs no group, algo.advantage=reinforce_pp or "
                          "gae")
-    if a.advantage == "gigpo" and a.kl_mode == "reward" and a.kl_coef > 0:
-        raise ValueError("algo.kl_mode='reward' does not combine with algo.advantage='gigpo': GiGPO's step credit "
+    if a.advantage in ("gigpo", "rae") and a.kl_mode == "reward" and a.kl_coef > 0:
+        raise ValueError(f"algo.kl_mode='reward' does not combine with algo.advantage={a.advantage!r}: its credit "
                          "is computed from the episodes' step rewards when the batch is built, before any KL is "
                          "known; use algo.kl_mode=loss")
     if a.advantage == "evpo" and a.evpo_level == "group" and r.group_size == 1:
@@ -273,6 +273,7 @@ APPLIES_ONLY: dict[str, tuple[Callable[[BaseModel], bool], str, tuple[str, ...]]
     "algo.overlong_buffer": (lambda c: c.algo.overlong == "punish", "with algo.overlong=punish", ("algo.overlong",)),
     **{f"critic.{k}": _CRITIC for k in CriticCfg.model_fields},
     "algo.gigpo_omega": (lambda c: c.algo.advantage == "gigpo", "with algo.advantage=gigpo", ("algo.advantage",)),
+    "algo.rae_alpha": (lambda c: c.algo.advantage == "rae", "with algo.advantage=rae", ("algo.advantage",)),
     "rollout.over_provision": (lambda c: c.rollout.partial and c.run.mode != "async",
                                "with rollout.partial=true in run.mode=sync or periodic (async over-provisions "
                                "by its staleness bound)", ("rollout.partial", "run.mode")),

@@ -18,7 +18,8 @@ class AlgoCfg(_Section):
         "grpo", description="Advantage estimator: grpo, dr_grpo, rloo (group baselines), reinforce_pp (whitened "
         "token returns), reinforce_pp_baseline (group mean subtracted, then whitened), gae (PPO: a learned critic, "
         "see the critic section), evpo (the critic when its explained variance on the batch is > 0, else the "
-        "batch-mean baseline), gigpo (agents: step-level credit).")
+        "batch-mean baseline), gigpo (agents: step-level credit), rae (multi-agent: SPIRAL's running baseline per game "
+        "and role).")
     loss: str = Field(
         "ppo_clip", description="Policy loss: ppo_clip, gspo (sequence-level ratio), gspo_token (GSPO's ratio, "
         "per-token advantages), cispo (clipped, detached importance weight times log π: MiniMax-M1).")
@@ -86,6 +87,8 @@ class AlgoCfg(_Section):
         "batch", description="advantage=evpo: the explained variance decides once per batch, or per group (its "
         "tokens; the baseline is then the group's mean).")
     gigpo_omega: float = Field(1.0, ge=0, description="advantage=gigpo: weight ω of the step-level advantage.")
+    rae_alpha: float = Field(0.95, ge=0, lt=1, description="advantage=rae: decay α of each game and role's running "
+                             "baseline, b ← α·b + (1 − α)·R (SPIRAL's 0.95).")
 
     @model_validator(mode="after")
     def _names(self) -> "AlgoCfg":

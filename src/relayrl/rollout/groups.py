@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from relayrl.algos import STEP_ADVANTAGES
-from relayrl.algos.agents import discounted_returns, gigpo, steps_to_tokens
+from relayrl.algos.agents import discounted_returns, gigpo, rae, steps_to_tokens
 from relayrl.algos.shaping import overlong_penalty
 from relayrl.train.batch import TrainBatch, build_batch
 from relayrl.failures import failed
@@ -46,11 +46,13 @@ def drop_failed(groups: list[Group]) -> tuple[list[Group], int]:
     return out, dropped
 
 
-def training_batch(groups: list[Group], algo, budget: int, pad_id: int) -> tuple[TrainBatch, dict]:
+def training_batch(groups: list[Group], algo, budget: int, pad_id: int, baselines: dict | None = None
+                   ) -> tuple[TrainBatch, dict]:
     """The batch of ``[t for g in groups for t in g.trajectories]`` and its shaping metrics. Token-level
     rewards (``token_rewards``) and group ids go with it, for the estimator the trainer runs at
     training time; GiGPO's step credit (``algo.advantage=gigpo``) is computed here from the episodes'
-    turns. ``algo.overlong``: 'punish' adds DAPO's soft penalty (over the last ``algo.overlong_buffer``
+    turns, SPIRAL's (``algo.advantage=rae``) from ``baselines``, the run's running baselines per game and role.
+    ``algo.overlong``: 'punish' adds DAPO's soft penalty (over the last ``algo.overlong_buffer``
     of ``budget`` tokens) to each reward, 'filter' takes truncated responses out of the loss."""
     trajs = [t for g in groups for t in g.trajectories]
     bonus = [0.0] * len(trajs)
@@ -63,6 +65,12 @@ def training_batch(groups: list[Group], algo, budget: int, pad_id: int) -> tuple
     if algo.overlong == "filter":
         keep = torch.tensor([t.finish_reason != FinishReason.LENGTH for t in trajs], dtype=torch.float)
         metrics["overlong/filtered_frac"] = 1 - keep.mean().item()
+    if algo.advantage == "rae":  # (``baselines``: the run's running baselines, updated here)
+        keys = [f"{t.prompt.metadata.get('game', '')}/{t.info.get('role', '')}" for t in trajs]
+        a = rae(torch.tensor([t.reward + b for t, b in zip(trajs, bonus)]), keys,
+                baselines if baselines is not None else {}, algo.rae_alpha)
+        metrics.update({f"rae/baseline{k}": baselines[k] for k in sorted(set(keys))} if baselines is not None else {})
+        return build_batch(trajs, a.float(), pad_id, keep_rows=keep), metrics
     if algo.advantage in STEP_ADVANTAGES:
         adv = step_advantages(groups, algo.discount(), algo.gigpo_omega, bonus)
         return build_batch(trajs, adv, pad_id, keep_rows=keep), metrics
