@@ -237,3 +237,16 @@ def test_rae_in_the_training_batch_keys_by_role_and_updates_the_runs_baselines()
     assert baselines == {"/first": 0.5, "/second": 0.0}
     assert metrics == {"rae/baseline/first": 0.5, "rae/baseline/second": 0.0}
     assert batch.advantages[0].max() == 0.5 and batch.advantages[1].abs().sum() == 0
+
+
+def test_adaptive_budgets_are_refused_for_matches(tmp_path):
+    from pathlib import Path
+
+    from relayrl.config import load_config
+    from relayrl.run.loop import train
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "self_play.yaml"
+    cfg = load_config(str(example), [f"run.output_dir={tmp_path}", "model.path=builtin:agent-demo",
+                                     "rollout.budget=adaptive"])
+    with pytest.raises(ValueError, match="rollout.budget=adaptive does not combine with env.name=nim"):
+        train(cfg)

@@ -213,6 +213,9 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         undo.callback(reward.close)
         reward.stats.failures, reward.stats.timeouts = state.reward_failures, state.reward_timeouts
         make_env = env_factory(cfg.env, cfg.rollout.group_size)
+        if isinstance(make_env, Players) and cfg.rollout.budget == "adaptive":
+            raise ValueError(f"rollout.budget=adaptive does not combine with env.name={cfg.env.name}, a multi-agent "
+                             "environment: its extra responses would not fill whole matches; set rollout.budget=fixed")
         if cfg.run.backend == "ray":  # the python tool's worker pool in a Ray actor too (at its first call)
             from relayrl.run.ray_pools import RayPythonTool
 
