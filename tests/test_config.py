@@ -20,7 +20,7 @@ def test_defaults_and_overrides(tmp_path):
         ("trainr.lr=1", "unknown section 'trainr'"),
         ("trainer.lr=abc", "trainer.lr"),
         ("rollout.engine=foo", "rollout.engine"),
-        ("algo.advantage=grpoo", "gigpo, grpo, reinforce_pp, reinforce_pp_baseline, rloo"),
+        ("algo.advantage=grpoo", "gigpo, grpo, rae, reinforce_pp, reinforce_pp_baseline, rloo"),
         ("trainer=1", "section.key"),
     ],
 )
