@@ -250,3 +250,19 @@ def test_adaptive_budgets_are_refused_for_matches(tmp_path):
                                      "rollout.budget=adaptive"])
     with pytest.raises(ValueError, match="rollout.budget=adaptive does not combine with env.name=nim"):
         train(cfg)
+
+
+def test_a_pool_opponent_is_one_of_the_runs_complete_checkpoints(tmp_path):
+    from relayrl.envs.players import pool_member
+
+    with pytest.raises(ValueError, match="no complete checkpoint under"):
+        pool_member(f"pool:{tmp_path}", 0)
+    assert games.Nim(opponent=f"pool:{tmp_path}").opponent is None  # the random player until there is one
+    for step, whole in ((2, True), (4, True), (6, False)):  # step 6 still being written
+        d = tmp_path / "checkpoints" / f"step_{step:06d}"
+        d.mkdir(parents=True)
+        if whole:
+            (d / "state.json").write_text("{}")
+    drawn = {pool_member(f"pool:{tmp_path}", 0) for _ in range(40)}
+    assert drawn == {str(tmp_path / "checkpoints" / f"step_{s:06d}") for s in (2, 4)}
+    assert games.Nim(opponent=f"pool:{tmp_path}").opponent.path in drawn

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import re
 
+from relayrl.envs import players
 from relayrl.envs.multi import MultiAgentEnv, MultiStep
 from relayrl.records import Prompt
 
@@ -42,7 +43,8 @@ def parse_move(text: str) -> int | None:
 class Nim(MultiAgentEnv):
     """``skill``: the scripted player's chance of the winning move where there is one (0: random legal
     moves); ``seed``: its stream. ``opponent``: a checkpoint plays the scripted roles instead
-    (``envs.players.ModelPlayer``: the policy's own earlier one, say), sampled at ``opponent_temperature``."""
+    (``envs.players.ModelPlayer``: the policy's own earlier one, say), sampled at ``opponent_temperature``;
+    ``pool:RUN_DIR``, one of that run's checkpoints per match (the random player until it has one)."""
 
     roles = ["first", "second"]
 
@@ -53,10 +55,8 @@ class Nim(MultiAgentEnv):
             raise ValueError(f"skill={skill}: a probability in [0, 1]")
         self.skill, self.seed = skill, seed
         self.opponent = None
-        if opponent is not None:
-            from relayrl.envs.players import ModelPlayer
-
-            self.opponent = ModelPlayer(opponent, opponent_temperature, max_new_tokens=4, seed=seed)
+        if opponent is not None and not (opponent.startswith("pool:") and not players.pool(opponent)):
+            self.opponent = players.ModelPlayer(opponent, opponent_temperature, max_new_tokens=4, seed=seed)
         self.pile, self.start, self.history = 0, 0, []
         self.views: dict[str, list[dict]] = {}  # each role's conversation (what a model player reads)
 

@@ -6,17 +6,41 @@ conversation with one turn sampled by ``transformers``' ``generate``, off the ep
 one move at a time). Its sampling is seeded by the conversation: the same game so far, the same move, so
 an evaluation against it compares policies, not luck. An environment uses it in its ``scripted``
 (``envs.games.Nim(opponent=PATH)``).
+
+``pool:RUN_DIR`` is fictitious self-play: each player (one per match) is one of that run's complete
+checkpoints as they stand when the match starts (the policy's own earlier versions, while it trains), drawn
+uniformly; the last few loaded are kept in memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
+import random
 import threading
+from collections import OrderedDict
+from pathlib import Path
 
-_LOADED: dict[tuple[str, str], tuple] = {}  # (path, device) -> (model, tokenizer)
+_LOADED: OrderedDict[tuple[str, str], tuple] = OrderedDict()  # (path, device) -> (model, tokenizer), newest last
+_KEEP = 4  # models kept loaded (a pool's checkpoints)
 _LOCK = threading.Lock()
+_DRAWS = itertools.count()
+
+
+def pool(spec: str) -> list[str]:
+    """The complete checkpoints of the run folder ``pool:RUN_DIR`` names, oldest first."""
+    run = Path(spec.removeprefix("pool:")).expanduser()
+    return sorted(str(c) for c in (run / "checkpoints").glob("step_*") if (c / "state.json").exists())
+
+
+def pool_member(spec: str, seed: int) -> str:
+    """One of ``pool(spec)``, drawn uniformly."""
+    steps = pool(spec)
+    if not steps:
+        raise ValueError(f"opponent {spec!r}: no complete checkpoint under {spec.removeprefix('pool:')}/checkpoints yet")
+    return random.Random(seed * 1_000_003 + next(_DRAWS)).choice(steps)
 
 
 class ModelPlayer:
@@ -27,6 +51,8 @@ class ModelPlayer:
         if temperature < 0 or max_new_tokens < 1:
             raise ValueError(f"opponent {path}: temperature ≥ 0 and max_new_tokens ≥ 1, got {temperature}, "
                              f"{max_new_tokens}")
+        if path.startswith("pool:"):
+            path = pool_member(path, seed)
         self.path = resolve_model_path(path, log=lambda *a, **k: None, field="env.args.opponent")
         self.temperature, self.max_new_tokens, self.seed, self.device = temperature, max_new_tokens, seed, device
 
@@ -38,6 +64,9 @@ class ModelPlayer:
             tok = AutoTokenizer.from_pretrained(self.path)
             model = AutoModelForCausalLM.from_pretrained(self.path).to(self.device).eval()
             _LOADED[key] = (model, tok)
+            while len(_LOADED) > _KEEP:
+                _LOADED.popitem(last=False)
+        _LOADED.move_to_end(key)
         return _LOADED[key]
 
     def move_now(self, messages: list[dict]) -> str:
