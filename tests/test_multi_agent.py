@@ -266,3 +266,44 @@ def test_a_pool_opponent_is_one_of_the_runs_complete_checkpoints(tmp_path):
     drawn = {pool_member(f"pool:{tmp_path}", 0) for _ in range(40)}
     assert drawn == {str(tmp_path / "checkpoints" / f"step_{s:06d}") for s in (2, 4)}
     assert games.Nim(opponent=f"pool:{tmp_path}").opponent.path in drawn
+
+
+def first_listed(context: str) -> str:
+    """A TicTacToe player that takes the first move the game lists."""
+    return context.rsplit("Available Moves: '", 1)[1].split("'")[0]
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["self-play", "against-the-scripted-player"])
+def test_a_textarena_two_player_game_as_matches(chatml_tokenizer, train):
+    from relayrl.config.sections import EnvCfg
+    from relayrl.run.build import env_factory
+
+    players = env_factory(EnvCfg(name="textarena:TicTacToe-v0", args={"num_players": 2}), 2)
+    assert players.roles == ("player_0", "player_1")
+    runner = runner_for(chatml_tokenizer, players, reply=first_listed, limits=EpisodeLimits(8, 2000))
+    try:
+        g = play(runner, 3, 2, train=train)
+    finally:
+        runner.close()
+    assert not any(failed(t) for t in g.trajectories), [t.failure for t in g.trajectories]
+    for t in g.trajectories:
+        k = t.info["role"][-1]
+        assert f"You are Player {k} in Tic Tac Toe" in chatml_tokenizer.decode(t.prompt_ids)
+        moves = chatml_tokenizer.decode([x for x, m in zip(t.response_ids, t.mask) if m]).replace("<|im_end|>", " ")
+        assert moves.split() and all(m.startswith("[") for m in moves.split())
+    if train:  # both sides by the policy: one won, or a draw
+        first, second = g.trajectories
+        assert {first.info["outcome"], second.info["outcome"]} in ({"win", "loss"}, {"draw"})
+        assert first.reward + second.reward == 0
+        # first-listed moves: player 0 takes 0, 2, 4, 6 while player 1 takes 1, 3, 5: the diagonal 2-4-6 wins
+        assert first.info["outcome"] == "win" and second.reward < 0
+
+
+def test_textarena_matches_are_refused_for_other_player_counts():
+    from relayrl.config.sections import EnvCfg
+    from relayrl.run.build import env_factory
+
+    with pytest.raises(ValueError, match="num_players=3: two-player games only"):
+        env_factory(EnvCfg(name="textarena:TicTacToe-v0", args={"num_players": 3}), 2)
+    with pytest.raises(ValueError, match="env.args do not fit TextArenaMatch"):
+        env_factory(EnvCfg(name="textarena:TicTacToe-v0", args={"num_players": 2, "colour": "red"}), 2)

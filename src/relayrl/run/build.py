@@ -106,6 +106,17 @@ def env_factory(env: EnvCfg, group_size: int | None = None):
     kind, _, name = env.name.partition(":")
     if kind == "agent":
         return AgentProgram.load(env.name, name, env.args)
+    if kind == "textarena" and env.args.get("num_players", 1) != 1:  # a two-player game: matches
+        from relayrl.envs.adapters.textarena import TextArenaMatch
+
+        TextArenaMatch.check(name)
+        args = dict(env.args)
+        try:
+            TextArenaMatch(name, **args)  # (its arguments checked now)
+        except TypeError as e:
+            raise ValueError(f"env.args do not fit TextArenaMatch: {e}") from None
+        return Players.of(lambda: TextArenaMatch(name, **args), TextArenaMatch, env.name, env.roles, env.eval_roles,
+                          group_size)
     make = make_env_factory(env.name, env.args)
     cls = None if kind in ADAPTERS and name else load_env_class(env.name)
     if cls is not None and is_multi_agent(cls):
