@@ -307,3 +307,39 @@ def test_textarena_matches_are_refused_for_other_player_counts():
         env_factory(EnvCfg(name="textarena:TicTacToe-v0", args={"num_players": 3}), 2)
     with pytest.raises(ValueError, match="env.args do not fit TextArenaMatch"):
         env_factory(EnvCfg(name="textarena:TicTacToe-v0", args={"num_players": 2, "colour": "red"}), 2)
+
+
+class HighCard(MultiAgentEnv):
+    """Both name a number at once; the higher wins. Neither sees the other's before moving."""
+
+    roles = ["a", "b"]
+
+    async def reset(self, prompt):
+        self.said = {}
+        return {r: [{"role": "user", "content": f"You are {r}. Say a number."}] for r in self.roles}
+
+    def turn(self):
+        return list(self.roles)
+
+    def scripted(self, role):
+        return "5"
+
+    async def step(self, role, text):
+        self.said[role] = int(text)
+        if len(self.said) < 2:
+            return MultiStep(messages={"b": [{"role": "user", "content": f"a said {text}"}]})  # (seen after: too late)
+        win = max(self.said, key=self.said.get)
+        return MultiStep(rewards={win: 1.0}, done=True, outcome={r: "win" if r == win else "loss" for r in self.roles})
+
+
+def test_roles_acting_at_once_move_on_the_same_game(chatml_tokenizer):
+    players = Players.of(HighCard, HighCard, "highcard", [], [], 2)
+    runner = runner_for(chatml_tokenizer, players, reply=lambda c: "7" if "You are a" in c else "3")
+    try:
+        g = play(runner, 1, 2)
+    finally:
+        runner.close()
+    a, b = g.trajectories
+    assert (a.info["outcome"], b.info["outcome"], a.reward, b.reward) == ("win", "loss", 1.0, 0.0)
+    assert "a said" not in chatml_tokenizer.decode(b.prompt_ids + b.response_ids)  # b moved before it could read it
+    assert a.info["turns"] == b.info["turns"] == 1

@@ -3,7 +3,7 @@
     class MultiAgentEnv:
         roles = ["first", "second"]                        # every role of the game
         async def reset(self, prompt) -> {role: messages}   # what each role sees first
-        def turn(self) -> str                               # whose move it is now
+        def turn(self) -> str | list[str]                   # whose move it is now (a list: acting at once)
         async def step(self, role, text) -> MultiStep       # a role's move in; observations per role out
         def scripted(self, role) -> str                     # a move of the environment's own player
 
@@ -54,7 +54,9 @@ class MultiAgentEnv:
     async def reset(self, prompt: Prompt) -> dict[str, list[dict]]:
         return {r: list(prompt.messages) for r in self.roles}
 
-    def turn(self) -> str:
+    def turn(self) -> str | list[str]:
+        """The role to move now, or a list of roles that move at once (each sees the game as it stood: their
+        moves are generated together, then passed to ``step`` in this order)."""
         return self.roles[self.moves % len(self.roles)]
 
     async def step(self, role: str, text: str) -> MultiStep:

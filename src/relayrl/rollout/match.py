@@ -2,7 +2,8 @@
 the policy plays, on the runner's public calls (``rollout.episode``'s ``EpisodeHost``).
 
     views = await env.reset(prompt)                         each role's opening messages
-    loop: role = env.turn()
+    loop: role = env.turn()                                 (or several roles acting at once: generated together,
+                                                             their moves stepped in the order named)
           the policy's role: its observations since its last turn (mask 0), then its turn (the engine's tokens,
                              mask 1) on its own trajectory; a role's first prompt is rendered when it first moves
           another role:      env.scripted(role)
@@ -15,6 +16,7 @@ role or a role's trajectory has no room for its next observations (``env.max_tok
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -76,24 +78,33 @@ async def _run_match(runner: EpisodeHost, players: Players, env, trajs: dict[str
     views = {r: _View(list(opening.get(r, []))) for r in roles}
     counts: Counter = Counter()
     result = MultiStep()
+    async def move(role: str) -> str | None:
+        if role in trajs:  # None: no room for its observations, or the engine failed on it
+            return await _policy_turn(runner, trajs[role], views[role], params, train)
+        text = await env_call(runner, env, "scripted", (role,), budget)
+        if not isinstance(text, str):
+            raise _bad(env, "scripted", name, f"returned {type(text).__name__}, not the move's text")
+        return text
+
     for _ in range(runner.limits.max_turns * len(roles)):
-        role = await env_call(runner, env, "turn", (), budget)
-        _roles_of(env, "turn", name, [role], roles)
-        if role in trajs:
-            text = await _policy_turn(runner, trajs[role], views[role], params, train)
-            if text is None:  # no room for its observations, or the engine failed on it
+        who = await env_call(runner, env, "turn", (), budget)
+        acting = [who] if isinstance(who, str) else list(who) if isinstance(who, (list, tuple)) else [who]
+        _roles_of(env, "turn", name, acting, roles)
+        if not acting or len(set(acting)) != len(acting):
+            raise _bad(env, "turn", name, f"returned {who!r}: a role, or a list of distinct roles acting at once")
+        texts = await asyncio.gather(*(move(r) for r in acting))  # (roles acting at once: generated together)
+        if any(text is None for text in texts):
+            break
+        for role, text in zip(acting, texts):  # their moves reach the game in the order turn() named them
+            result = await env_call(runner, env, "step", (role, text), budget)
+            if not isinstance(result, MultiStep):
+                raise _bad(env, "step", name, f"returned {type(result).__name__}, not a MultiStep")
+            _roles_of(env, "step", name, result.messages, roles)
+            for r, msgs in result.messages.items():
+                views[r].pending += list(msgs)
+            counts.update(result.info)
+            if result.done:
                 break
-        else:
-            text = await env_call(runner, env, "scripted", (role,), budget)
-            if not isinstance(text, str):
-                raise _bad(env, "scripted", name, f"returned {type(text).__name__}, not the move's text")
-        result = await env_call(runner, env, "step", (role, text), budget)
-        if not isinstance(result, MultiStep):
-            raise _bad(env, "step", name, f"returned {type(result).__name__}, not a MultiStep")
-        _roles_of(env, "step", name, result.messages, roles)
-        for r, msgs in result.messages.items():
-            views[r].pending += list(msgs)
-        counts.update(result.info)
         if result.done:
             break
     if any(t.finish_reason == FinishReason.FAILED for t in trajs.values()):  # the engine failed: not scored
