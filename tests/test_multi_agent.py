@@ -26,10 +26,10 @@ def runner_for(tok, players, reply=optimal, limits=EpisodeLimits(8, 400)):
     return EpisodeRunner(ScriptedEngine(tok, reply), tok, players, limits, _score)
 
 
-def play(runner, pile, n, train=True):
+def play(runner, pile, n, train=True, max_new_tokens=8):
     p = Prompt(f"pile{pile}", [{"role": "user", "content": str(pile)}])
     g = Group(p, "g0", [Trajectory(p, "g0", i, []) for i in range(n)])
-    runner.run(runner.group(g, SamplingParams(8, 1.0), train))
+    runner.run(runner.group(g, SamplingParams(max_new_tokens, 1.0), train))
     return g
 
 
@@ -343,3 +343,34 @@ def test_roles_acting_at_once_move_on_the_same_game(chatml_tokenizer):
     assert (a.info["outcome"], b.info["outcome"], a.reward, b.reward) == ("win", "loss", 1.0, 0.0)
     assert "a said" not in chatml_tokenizer.decode(b.prompt_ids + b.response_ids)  # b moved before it could read it
     assert a.info["turns"] == b.info["turns"] == 1
+
+
+def test_half_solved_by_hand():
+    assert [games.half_solved(k, 4) for k in range(5)] == [0.0, 0.5, 1.0, 0.5, 0.0]
+    assert games.parse_problem("Sum mod 10: a=3 b=4") == [3, 4]
+    assert games.parse_problem("Sum mod 10: a=3 c=4") is None and games.parse_problem("Sum mod 10: a=3") is None
+
+
+@pytest.mark.parametrize("problem, solver_says, rewards", [
+    ("Sum mod 10: a=3 b=4", lambda c: "\\boxed{7}", [0.0, 1, 1, 1, 1]),  # always solved: nothing to learn from
+    ("Sum mod 10: a=3 b=5", lambda c: "\\boxed{1}", [0.0, 0, 0, 0, 0]),  # never solved: nothing either
+    ("Add three and four", lambda c: "\\boxed{7}", [0.0]),  # not a problem: the solvers never move
+])
+def test_a_proposer_and_four_solvers(chatml_tokenizer, problem, solver_says, rewards):
+    players = Players.of(games.ProposerSolver, games.ProposerSolver, "ps", [], ["solver#1"], 5)
+    reply = lambda c: problem if "Write a problem." in c.rsplit("<|im_start|>user\n", 1)[-1] else solver_says(c)  # noqa: E731
+    runner = runner_for(chatml_tokenizer, players, reply=reply)
+    try:
+        g = play(runner, 0, 5, max_new_tokens=40)
+    finally:
+        runner.close()
+    proposer, *solvers = g.trajectories
+    assert not any(failed(t) for t in g.trajectories)
+    assert [t.info["role"] for t in g.trajectories] == ["proposer", "solver#1", "solver#2", "solver#3", "solver#4"]
+    assert [t.reward for t in g.trajectories][: len(rewards)] == rewards
+    if len(rewards) == 1:
+        assert all(not s.response_ids for s in solvers) and proposer.info["bad_problems"] == 1
+    else:
+        assert all("Sum mod 10: a=3" in chatml_tokenizer.decode(s.prompt_ids) for s in solvers)
+    p = Prompt("p", [])
+    assert baseline_groups([Group(p, "g", g.trajectories)]) == [0, 1, 1, 1, 1]  # the solvers: one baseline

@@ -143,12 +143,13 @@ def _builtin_rows(path: str) -> list[dict]:
         if which == "agent-demo":
             return agent_task.make_rows(4000, seed=1, id_prefix="agent-train")
         return agent_task.make_rows(200, seed=2, id_prefix="agent-eval", split="eval")
-    if which in ("nim", "nim-eval", "nim-sft"):  # the self-play demo (examples/self_play.yaml)
+    if which in ("nim", "nim-eval", "nim-sft", "proposer-solver", "proposer-solver-eval", "proposer-sft"):  # (examples/self_play.yaml, ...)
         from relayrl.envs import games
 
         return games.rows(which)
     raise DataError(f"unknown built-in dataset {path!r}; valid: builtin:demo, builtin:demo-eval, builtin:demo-sft, "
-                    "builtin:agent-demo, builtin:agent-demo-eval, builtin:nim, builtin:nim-eval, builtin:nim-sft")
+                    "builtin:agent-demo, builtin:agent-demo-eval, builtin:nim, builtin:nim-eval, builtin:nim-sft, "
+                    "builtin:proposer-solver, builtin:proposer-solver-eval, builtin:proposer-sft")
 
 
 def iter_rows(path: str) -> Iterator[tuple[int, Any]]:

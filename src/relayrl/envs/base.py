@@ -134,6 +134,7 @@ BUILTIN = {
     "calculator": "relayrl.envs.builtin:CalculatorEnv",
     "python": "relayrl.envs.builtin:PythonEnv",
     "nim": "relayrl.envs.games:Nim",  # a two-player game (relayrl.envs.multi): self-play
+    "proposer_solver": "relayrl.envs.games:ProposerSolver",  # a curriculum on the demo task (relayrl.envs.multi)
 }
 
 

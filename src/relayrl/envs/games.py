@@ -125,10 +125,98 @@ PILES = range(5, 16)  # the demo's starting piles (a match lasts at most 8 turns
 
 def rows(which: str) -> list[dict]:
     """The self-play demo's built-in data: ``nim`` (4,000 prompts) and ``nim-eval`` (each pile once) name a
-    starting pile; ``nim-sft`` is 2,000 games of the random scripted player against itself (``transcripts``)."""
+    starting pile; ``nim-sft`` is 2,000 games of the random scripted player against itself (``transcripts``).
+    The proposer-solver curriculum's: ``proposer-solver`` (4,000 matches' prompts; ``-eval``: 200 more, their
+    problems the scripted proposer's), ``proposer-sft`` (2,000
+    problems of the task's distribution written on request, and 2,000 worked solutions)."""
     rng = random.Random(which)
+    if which in ("proposer-solver", "proposer-solver-eval", "proposer-sft"):
+        from relayrl.demo import task
+
+        if which in ("proposer-solver", "proposer-solver-eval"):  # the matches' prompts: the same ask, ids vary
+            n, tag = (4000, "ps") if which == "proposer-solver" else (200, "ps-eval")  # (the scripted proposer's
+            return [{"id": f"{tag}-{i}", "prompt": ProposerSolver.ASK, "answer": ""} for i in range(n)]  # draw: the id)
+        asks = [{"id": f"propose-{i}", "prompt": ProposerSolver.ASK, "response": task.prompt_text(task.sample_terms(rng))}
+                for i in range(2000)]
+        return asks + task.make_sft_rows(2000, seed=3, id_prefix="solve")  # (and keep solving)
     if which == "nim-sft":
         return transcripts([rng.choice(PILES) for _ in range(2000)], skill=0.0, seed=7)
     piles = [rng.choice(PILES) for _ in range(4000)] if which == "nim" else list(PILES)
     return [{"id": f"{which}-{i}", "prompt": f"{p} stones", "answer": "first" if p % 4 else "second"}
             for i, p in enumerate(piles)]
+
+
+# -- a proposer-solver curriculum on the demo task (relayrl.demo.task) --------------------------------------
+
+PROBLEM = re.compile(r"Sum mod 10:((?: [a-l]=[0-9])+)\s*$")
+
+
+def parse_problem(text: str) -> list[int] | None:
+    """The terms of a demo-task problem written as the task writes them ("Sum mod 10: a=3 b=4"), None if
+    it is not one (tags in order, 2 to 12 terms)."""
+    from relayrl.demo import task
+
+    m = PROBLEM.fullmatch(text.strip())
+    if m is None:
+        return None
+    pairs = [p.split("=") for p in m.group(1).split()]
+    if [t for t, _ in pairs] != list(task.TAGS[: len(pairs)]) or not task.MIN_TERMS <= len(pairs) <= task.MAX_TERMS:
+        return None
+    return [int(v) for _, v in pairs]
+
+
+def half_solved(solved: int, tries: int) -> float:
+    """The proposer's reward: 1 for a problem the solvers solve half the time, falling linearly to 0 for one
+    they always or never solve (1 − |2p − 1|, p the solve rate)."""
+    return 1.0 - abs(2 * solved / tries - 1) if tries else 0.0
+
+
+class ProposerSolver(MultiAgentEnv):
+    """One role writes a problem of the demo task, four solvers answer it at once (roles ``solver#1`` …
+    ``solver#4``: one family, one baseline). A solver's reward is 1 for the right answer; the proposer's
+    ``half_solved`` of theirs (0 for a problem that is not one: the match ends there). The scripted
+    proposer writes a random problem of the task's distribution (evaluation: the solver's accuracy); the
+    scripted solver answers right."""
+
+    roles = ["proposer"] + [f"solver#{i}" for i in range(1, 5)]
+    ASK = "Write a problem."
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        self.seed, self.terms, self.answers = seed, None, {}
+
+    async def reset(self, prompt: Prompt) -> dict[str, list[dict]]:
+        self.key = prompt.id
+        return {"proposer": [{"role": "user", "content": self.ASK}]}
+
+    def turn(self) -> str | list[str]:
+        return "proposer" if self.terms is None else self.roles[1:]
+
+    def scripted(self, role: str) -> str:
+        from relayrl.demo import task
+
+        if role == "proposer":
+            return task.prompt_text(task.sample_terms(random.Random(f"{self.seed}/{self.key}")))
+        return task.solution_text(self.terms)
+
+    async def step(self, role: str, text: str) -> MultiStep:
+        from relayrl.rewards.verifiers import last_boxed
+
+        solvers = self.roles[1:]
+        if role == "proposer":
+            self.terms = parse_problem(text)
+            if self.terms is None:  # not a problem: nothing to solve
+                return MultiStep(rewards={"proposer": 0.0}, done=True, outcome={"proposer": "loss"},
+                                 info={"bad_problems": 1})
+            from relayrl.demo import task
+
+            shown = task.prompt_text(self.terms)
+            return MultiStep(messages={s: [{"role": "user", "content": shown}] for s in solvers})
+        self.answers[role] = last_boxed(text) == str(sum(self.terms) % 10)
+        if len(self.answers) < len(solvers):
+            return MultiStep()
+        solved = sum(self.answers.values())
+        rewards = {"proposer": half_solved(solved, len(solvers)), **{s: float(self.answers[s]) for s in solvers}}
+        outcome = {"proposer": "win" if 0 < solved < len(solvers) else "loss",
+                   **{s: "win" if self.answers[s] else "loss" for s in solvers}}
+        return MultiStep(rewards=rewards, done=True, outcome=outcome, info={"solved": solved})

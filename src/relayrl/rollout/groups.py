@@ -66,7 +66,7 @@ def training_batch(groups: list[Group], algo, budget: int, pad_id: int, baseline
         keep = torch.tensor([t.finish_reason != FinishReason.LENGTH for t in trajs], dtype=torch.float)
         metrics["overlong/filtered_frac"] = 1 - keep.mean().item()
     if algo.advantage == "rae":  # (``baselines``: the run's running baselines, updated here)
-        keys = [f"{t.prompt.metadata.get('game', '')}/{t.info.get('role', '')}" for t in trajs]
+        keys = [f"{t.prompt.metadata.get('game', '')}/{family(t.info.get('role')) or ''}" for t in trajs]
         a = rae(torch.tensor([t.reward + b for t, b in zip(trajs, bonus)]), keys,
                 baselines if baselines is not None else {}, algo.rae_alpha)
         metrics.update({f"rae/baseline{k}": baselines[k] for k in sorted(set(keys))} if baselines is not None else {})
@@ -79,10 +79,15 @@ def training_batch(groups: list[Group], algo, budget: int, pad_id: int, baseline
     return build_batch(trajs, torch.zeros(len(trajs)), pad_id, rewards, gid, keep, owners(groups)), metrics
 
 
+def family(role: str | None) -> str | None:
+    """Roles named ``NAME#k`` (``solver#1``, ``solver#2``) are one role for baselines: ``NAME``."""
+    return role.partition("#")[0] if role else role
+
+
 def baseline_groups(groups: list[Group]) -> list[int]:
     """Each trajectory's baseline group: its group's, and within it its role's (a multi-agent match's
-    ``info["role"]``: a role is compared with the same prompt's episodes of that role)."""
-    keys = [(i, t.info.get("role")) for i, g in enumerate(groups) for t in g.trajectories]
+    ``info["role"]``, its ``family``: a role is compared with the same prompt's episodes of that role)."""
+    keys = [(i, family(t.info.get("role"))) for i, g in enumerate(groups) for t in g.trajectories]
     index = {k: n for n, k in enumerate(dict.fromkeys(keys))}
     return [index[k] for k in keys]
 

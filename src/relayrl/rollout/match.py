@@ -122,7 +122,8 @@ async def _run_match(runner: EpisodeHost, players: Players, env, trajs: dict[str
             raise _bad(env, "step", name, f"gave role {role!r} the outcome {outcome!r}, not one of {OUTCOMES}")
         v = views[role]
         if v.turns == 0:  # it never moved (the other won or forfeited first): its prompt as it stood, no tokens
-            t.prompt_ids = render_ids(runner.tokenizer, v.messages + v.pending, add_generation_prompt=True)
+            seen = v.messages + v.pending
+            t.prompt_ids = render_ids(runner.tokenizer, seen, add_generation_prompt=True) if seen else []
         t.reward = float(rewards.get(role, 0.0))
         t.text = next((m["content"] for m in reversed(v.messages) if m.get("role") == "assistant"), "")
         t.info = {"role": role, "outcome": outcome, "turns": v.turns,

@@ -11,7 +11,7 @@ from pathlib import Path
 from relayrl import failures
 from relayrl.fault_injection import fault_point
 from relayrl.records import Prompt, SamplingParams
-from relayrl.rollout.groups import make_groups
+from relayrl.rollout.groups import family, make_groups
 
 
 def episode_stats(trajs: list) -> dict:
@@ -25,8 +25,8 @@ def episode_stats(trajs: list) -> dict:
     played = [i for i in info if "outcome" in i]  # matches of a multi-agent environment (envs.multi)
     if played:
         served["win_rate"] = sum(i["outcome"] == "win" for i in played) / len(played)
-        for role in sorted({i["role"] for i in played}):
-            mine = [i for i in played if i["role"] == role]
+        for role in sorted({family(i["role"]) for i in played}):
+            mine = [i for i in played if family(i["role"]) == role]
             served[f"win_rate/{role}"] = sum(i["outcome"] == "win" for i in mine) / len(mine)
         served["unfinished_frac"] = sum(i.get("unfinished", 0) for i in played) / len(played)
     return {**served,
