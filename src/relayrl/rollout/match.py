@@ -78,6 +78,7 @@ async def _run_match(runner: EpisodeHost, players: Players, env, trajs: dict[str
     views = {r: _View(list(opening.get(r, []))) for r in roles}
     counts: Counter = Counter()
     result = MultiStep()
+
     async def move(role: str) -> str | None:
         if role in trajs:  # None: no room for its observations, or the engine failed on it
             return await _policy_turn(runner, trajs[role], views[role], params, train)
@@ -88,7 +89,7 @@ async def _run_match(runner: EpisodeHost, players: Players, env, trajs: dict[str
 
     for _ in range(runner.limits.max_turns * len(roles)):
         who = await env_call(runner, env, "turn", (), budget)
-        acting = [who] if isinstance(who, str) else list(who) if isinstance(who, (list, tuple)) else [who]
+        acting = list(who) if isinstance(who, (list, tuple)) else [who]
         _roles_of(env, "turn", name, acting, roles)
         if not acting or len(set(acting)) != len(acting):
             raise _bad(env, "turn", name, f"returned {who!r}: a role, or a list of distinct roles acting at once")
