@@ -443,7 +443,8 @@ class EnvCfg(_Section):
         "in training, one trajectory each per match (empty: every role, self-play); its scripted player plays the others.")
     eval_roles: list[str] = Field(
         default_factory=list, description="A multi-agent environment: the roles the policy plays in evaluation, each "
-        "match one of them against the environment's scripted player (empty: every role in turn); eval/win_rate.")
+        "match one of them against the environment's scripted player (empty: every role in turn; the greedy match of a "
+        "prompt plays the first); eval/win_rate.")
     max_turns: int = Field(4, ge=1, description="Most assistant turns in one episode (an agent program: requests; a "
                            "multi-agent match: each role's turns).")
     max_tokens: int = Field(
