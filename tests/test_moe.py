@@ -17,6 +17,7 @@ from relayrl.train.batch import build_batch
 from relayrl.train.packing import Packed
 from relayrl.train.trainer import Trainer
 from tests.families import build
+from tests.test_chat_template import chatml_tokenizer  # noqa: F401 - a fixture
 
 REPLAYED = ["qwen3_moe", "mixtral", "granitemoe", "gpt_oss", "deepseek_v3"]
 
@@ -247,3 +248,39 @@ def test_two_fsdp_ranks_replay_routes_as_one_process_does(tok, tmp_path):
     # (the experts' gradients agree to 1e-6, summed in another order; Adam's first step at lr 1e-2 divides a
     # near-zero gradient by its own size, which lifts that to ~2e-6 in the weights: as test_distributed's chunked head)
     _close(got["weights"], ref["weights"], "weights", 0, 1e-5)
+
+
+def test_a_multi_turn_episode_keeps_a_route_for_every_token_it_fed_and_replays_them(chatml_tokenizer):
+    """Two turns with an observation between them (not trained): the engine fed the observation's tokens at the
+    second turn, so every position of the trajectory has its route, and replaying them gives the engine's log-probs."""
+    from relayrl.envs.base import Env, StepResult
+    from relayrl.records import FinishReason
+    from relayrl.rollout.runner import EpisodeLimits, EpisodeRunner
+
+    class TwoTurns(Env):
+        def __init__(self):
+            self.turns = 0
+
+        async def step(self, text):
+            self.turns += 1
+            if self.turns == 1:
+                return StepResult([{"role": "user", "content": "go on"}])
+            return StepResult(reward=1.0, done=True)
+
+    tok = chatml_tokenizer
+    model = _moe("qwen3_moe", tok)
+    stops = list(range(0, len(tok), 3))  # (a random model's turns end within a few tokens)
+    runner = EpisodeRunner(HFEngine(copy.deepcopy(model), tok, eos_token_ids=stops), tok, TwoTurns,
+                           EpisodeLimits(2, 200), lambda text, prompt: (0.0, None), eos_ids=stops)
+    try:
+        p = Prompt("p", [{"role": "user", "content": "hello"}])
+        t = Trajectory(p, "g", 0, [])
+        runner.run(runner.episode(t, SamplingParams(12, 1.0, seed=3)))
+    finally:
+        runner.close()
+    assert t.failure is None and t.info["turns"] == 2 and 0 in t.mask and t.finish_reason != FinishReason.FAILED
+    routes = torch.as_tensor(t.routes)
+    assert routes.shape[0] == len(t.prompt_ids) + len(t.response_ids) - 1  # every token fed forward
+    assert (routes != moe.NO_ROUTE).all()
+    mismatch, _, _ = _mismatch(model, [t], tok, "r3")
+    assert mismatch < 1e-4
