@@ -301,7 +301,10 @@ def test_a_textarena_two_player_game_as_matches(chatml_tokenizer, train):
 
 def test_textarena_matches_are_refused_for_other_player_counts():
     from relayrl.config.sections import EnvCfg
+    from relayrl.envs.adapters.textarena import rows
     from relayrl.run.build import env_factory
+
+    assert [r["metadata"]["seed"] for r in rows("textarena:TicTacToe-v0?size=2&players=2")] == [0, 1]
 
     with pytest.raises(ValueError, match="num_players=3: two-player games only"):
         env_factory(EnvCfg(name="textarena:TicTacToe-v0", args={"num_players": 3}), 2)
