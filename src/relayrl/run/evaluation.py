@@ -22,14 +22,7 @@ def episode_stats(trajs: list) -> dict:
     served = {f"serve/{k}": sum(i.get(k, 0) for i in info) for k in ("branches", "sampling_overrides",
                                                                       "merged_turns", "new_branch_tools_changed")} \
         if any("sampling_overrides" in i for i in info) else {}
-    played = [i for i in info if "outcome" in i]  # matches of a multi-agent environment (envs.multi)
-    if played:
-        served["win_rate"] = sum(i["outcome"] == "win" for i in played) / len(played)
-        for role in sorted({family(i["role"]) for i in played}):
-            mine = [i for i in played if family(i["role"]) == role]
-            served[f"win_rate/{role}"] = sum(i["outcome"] == "win" for i in mine) / len(mine)
-        served["unfinished_frac"] = sum(i.get("unfinished", 0) for i in played) / len(played)
-    return {**served,
+    return {**served, **match_stats(info),
         "tool_call_rate": sum(i.get("tool_calls", 0) > 0 for i in info) / n,  # episodes with at least one call
         "tool_calls_mean": sum(i.get("tool_calls", 0) for i in info) / n,
         "tool_errors": sum(i.get("tool_errors", 0) for i in info),
@@ -37,6 +30,20 @@ def episode_stats(trajs: list) -> dict:
         "tool_raised": sum(i.get("tool_raised", 0) for i in info),  # exceptions inside tools (of tool_errors)
         "turns_mean": sum(i.get("turns", 1) for i in info) / n,
     }
+
+
+def match_stats(info: list[dict]) -> dict:
+    """Matches of a multi-agent environment (``envs.multi``): the win rate, per role (``NAME#k`` as one), and
+    the fraction left unfinished; nothing for other episodes."""
+    played = [i for i in info if "outcome" in i]
+    if not played:
+        return {}
+    out = {"win_rate": sum(i["outcome"] == "win" for i in played) / len(played)}
+    for role in sorted({family(i["role"]) for i in played}):
+        mine = [i for i in played if family(i["role"]) == role]
+        out[f"win_rate/{role}"] = sum(i["outcome"] == "win" for i in mine) / len(mine)
+    out["unfinished_frac"] = sum(i.get("unfinished", 0) for i in played) / len(played)
+    return out
 
 
 def pass_at_k(trajs: list, n: int) -> dict:
