@@ -58,3 +58,18 @@ def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: f
     """W = W_base + scale·B·A in float32 (``base``: the base weight, float32), from the base every time:
     merging into weights that already hold an adapter would apply it twice (SkyRL #2250's bug)."""
     return torch.addmm(base, b.to(base.device, torch.float32), a.to(base.device, torch.float32), alpha=scale)
+
+
+ROLE_SEP = "::"  # model.lora.per_role: one adapter per role, its tensors' names prefixed "<role>::" as they travel
+
+
+def by_adapter(adapter: dict[str, torch.Tensor]) -> dict[str | None, dict[str, torch.Tensor]]:
+    """An update's tensors per adapter: ``{None: adapter}`` for the one adapter of ``model.lora``, or per role
+    (``model.lora.per_role``: names "<role>::base_model.model..."). A mix of both is a ``ValueError``."""
+    out: dict[str | None, dict[str, torch.Tensor]] = {}
+    for key, t in adapter.items():
+        name, sep, rest = key.partition(ROLE_SEP)
+        out.setdefault(name if sep else None, {})[rest if sep else key] = t
+    if None in out and len(out) > 1:
+        raise ValueError("the update mixes tensors of one adapter with tensors named per role ('<role>::...')")
+    return out

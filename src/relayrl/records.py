@@ -51,13 +51,15 @@ class GenRequest:
     """A request to the engine. ``response_so_far`` continues a partial response (the engine
     treats prompt + response_so_far as context and generates at most ``params.max_new_tokens``).
     ``stream``: also return each token as it is sampled (an engine that can streams pieces with
-    ``finish_reason=None`` before the final completion)."""
+    ``finish_reason=None`` before the final completion). ``adapter``: the role whose adapter decodes it, on an
+    engine holding one adapter per role (``model.lora.per_role``)."""
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     response_so_far: list[int] = field(default_factory=list)
     stream: bool = False
+    adapter: str | None = None  # model.lora.per_role: the role whose adapter samples it (None: the policy's one)
 
 
 @dataclass

@@ -57,6 +57,7 @@ def check(c: BaseModel) -> None:
     _check_algo(c)
     if r.engine == "vllm" and c.model.lora.r:
         vllm_lora_rank(c.model.lora.r)
+    _adapter_per_role(c)
     for field in inapplicable_set(c):
         applies, when, deciding = APPLIES_ONLY[field]
         now = ", ".join(f"{d}={_show(c.get(d))}" for d in deciding)
@@ -65,6 +66,22 @@ def check(c: BaseModel) -> None:
 
 # vLLM's choices of max_lora_rank (vllm/config/lora.py, MaxLoRARanks; the vLLM tests check the two agree)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _adapter_per_role(c: BaseModel) -> None:
+    """model.lora.per_role: a multi-agent environment's roles, each its own adapter, which the hf engine serves
+    (it merges the adapter of each batch's role: vLLM's per-request adapters are one version each today, and
+    FSDP2 gathers one adapter)."""
+    if not (c.model.lora.r and c.model.lora.per_role):
+        return
+    if c.env.name is None:
+        raise ValueError("model.lora.per_role=true needs a multi-agent environment (env.name with roles, e.g. "
+                         "proposer_solver or nim): its adapters are one per role")
+    if c.rollout.engine != "hf":
+        raise ValueError(f"model.lora.per_role=true needs rollout.engine=hf (here {c.rollout.engine}): the engine "
+                         "serving one adapter per role is relayrl's hf engine")
+    if c.trainer.fsdp:
+        raise ValueError("model.lora.per_role=true does not combine with trainer.fsdp yet: train on one process")
 
 
 def vllm_lora_rank(r: int) -> int:
@@ -284,6 +301,7 @@ APPLIES_ONLY: dict[str, tuple[Callable[[BaseModel], bool], str, tuple[str, ...]]
     "model.lora.alpha": _LORA,
     "model.lora.dropout": _LORA,
     "model.lora.targets": _LORA,
+    "model.lora.per_role": _LORA,
     "teacher.coef": _TEACHER,
     "teacher.field": (lambda c: bool(c.teacher.teachers), "with teacher.teachers", ("teacher.teachers",)),
     "teacher.timeout_s": _TEACHER,

@@ -11,6 +11,10 @@ into the fused tensor it is a view of); the update costs one [out, r]·[r, in] p
 update starts from the base copy, never from the weights as they are, so loading the same version twice
 (a restarted engine, a resumed run) cannot apply the adapter twice, and an adapter that names other
 modules than the engine's targets, or misses one, is refused rather than applied in part.
+
+One adapter per role (``model.lora.per_role``: an update's tensors named "<role>::..."): the engine keeps every
+role's tensors and has one merged at a time; a batch decodes requests of one role (``GenRequest.adapter``) and
+``use`` merges that role's adapter when it is not the one merged already, at the cost of one update.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from relayrl.engine.base import EngineError
-from relayrl.lora_weights import LoraSpec, lora_pairs, merged_weight
+from relayrl.lora_weights import LoraSpec, by_adapter, lora_pairs, merged_weight
 
 
 class AdapterMerge:
@@ -36,12 +40,38 @@ class AdapterMerge:
                               "linear layer of the engine's model")
         with torch.no_grad():
             self.base = {name: m.weight.detach().to("cpu", copy=True) for name, m in self.modules.items()}
+        self.roles: dict[str, dict] = {}  # model.lora.per_role: each role's pairs, one of them merged (``merged``)
+        self.merged: str | None = None
 
     def apply(self, adapter: dict[str, torch.Tensor]) -> None:
+        """An update: the one adapter merged now, or (per role) every role's kept, the one merged re-merged."""
         try:
-            pairs = lora_pairs(adapter)
+            per = by_adapter(adapter)
+            roles = {name: self._checked(lora_pairs(t)) for name, t in per.items()}
         except ValueError as e:
             raise EngineError(f"adapter update: {e}") from None
+        if None in roles:
+            if self.roles:
+                raise EngineError("adapter update: one adapter, where the engine holds one per role")
+            return self._merge(roles[None])
+        self.roles = roles
+        self.use(self.merged if self.merged in roles else next(iter(roles)), force=True)
+
+    def use(self, role: str | None, force: bool = False) -> None:
+        """Decode under ``role``'s adapter from here (per role; None, or one adapter: nothing to do)."""
+        if not self.roles:
+            return
+        if role is None:
+            raise EngineError("a request names no role (GenRequest.adapter), and the engine holds one adapter per "
+                              f"role ({', '.join(self.roles)})")
+        if role == self.merged and not force:
+            return
+        if role not in self.roles:
+            raise EngineError(f"a request's role {role!r} has no adapter on the engine (roles: {', '.join(self.roles)})")
+        self._merge(self.roles[role])
+        self.merged = role
+
+    def _checked(self, pairs: dict) -> dict:
         unknown, missing = sorted(set(pairs) - set(self.modules)), sorted(set(self.modules) - set(pairs))
         if unknown or missing:
             raise EngineError(f"adapter update: its modules are not the engine's targets (not targets: {unknown[:3]}, "
@@ -51,6 +81,9 @@ class AdapterMerge:
             if a.shape != (self.spec.r, w.shape[1]) or b.shape != (w.shape[0], self.spec.r):
                 raise EngineError(f"adapter update: {name}: A {tuple(a.shape)}, B {tuple(b.shape)} do not fit its "
                                   f"weight {tuple(w.shape)} at rank {self.spec.r}")
+        return pairs
+
+    def _merge(self, pairs: dict) -> None:
         with torch.no_grad():
             for name, (a, b) in pairs.items():
                 w = self.modules[name].weight  # (a module's float32 base on the device while it is merged)

@@ -209,7 +209,7 @@ class HFEngine(Engine):
         Same code path as the worker (pause and abort still apply); it only saves the hand-off
         to the background thread, which costs CPU time on small machines. ``on_complete`` runs
         as each row finishes, inside the decoding loop, and may call ``abort``."""
-        one_setting = len({(r.params.temperature, r.params.top_p, r.params.top_k) for r in requests}) <= 1
+        one_setting = len({(r.params.temperature, r.params.top_p, r.params.top_k, r.adapter) for r in requests}) <= 1
         with self._cv:
             inline = one_setting and not self._busy and not self._queue and not self._pending and self._pause_depth == 0
             if inline:
@@ -305,17 +305,17 @@ class HFEngine(Engine):
         return True
 
     def _next_batch(self) -> list[_Row] | None:
-        """Queued requests with the first one's sampling setting (one batch per setting; budgets
-        may differ per row)."""
+        """Queued requests with the first one's sampling setting and adapter (one batch per setting and role
+        of ``model.lora.per_role``; budgets may differ per row)."""
         with self._cv:
             while not self._closed and (self._pause_depth > 0 or not self._queue):
                 self._cv.wait()
             if self._closed:
                 return None
-            setting = lambda p: (p.temperature, p.top_p, p.top_k)  # noqa: E731
-            first = setting(self._queue[0].params)
+            setting = lambda r: (r.params.temperature, r.params.top_p, r.params.top_k, r.adapter)  # noqa: E731
+            first = setting(self._queue[0])
             rows = []
-            while self._queue and len(rows) < self.max_batch and setting(self._queue[0].params) == first:
+            while self._queue and len(rows) < self.max_batch and setting(self._queue[0]) == first:
                 rows.append(_Row(self._queue.popleft()))
             self._busy = True
             self._step_version = self._version
@@ -389,6 +389,8 @@ class HFEngine(Engine):
         live = [r for r in rows if not r.done]
         if not live:
             return
+        if self._adapter is not None:  # (model.lora.per_role: the batch's role's adapter merged, if not already)
+            self._adapter.use(live[0].req.adapter)
         ctx = [r.context for r in live]
         n = max(len(c) for c in ctx)
         ids = torch.tensor([[self.pad_id] * (n - len(c)) + c for c in ctx], device=self.device)

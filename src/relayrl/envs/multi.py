@@ -70,6 +70,16 @@ def is_multi_agent(cls) -> bool:
     return isinstance(getattr(cls, "roles", None), (list, tuple)) and callable(getattr(cls, "turn", None))
 
 
+def family(role: str | None) -> str | None:
+    """Roles named ``NAME#k`` (``solver#1``, ``solver#2``) are one role for baselines and adapters: ``NAME``."""
+    return role.partition("#")[0] if role else role
+
+
+def families(roles) -> tuple[str, ...]:
+    """The distinct ``family`` of each of ``roles``, in order: the adapters of ``model.lora.per_role``."""
+    return tuple(dict.fromkeys(family(r) for r in roles))
+
+
 @dataclass(frozen=True)
 class Players:
     """A multi-agent environment's factory and who plays: the policy the roles in ``train`` (in a

@@ -6,6 +6,7 @@ agent's branches joined, the copy a checkpoint carries). Pure helpers; the drive
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -13,6 +14,7 @@ from relayrl.algos import STEP_ADVANTAGES
 from relayrl.algos.agents import discounted_returns, gigpo, rae, steps_to_tokens
 from relayrl.algos.shaping import overlong_penalty
 from relayrl.train.batch import TrainBatch, build_batch
+from relayrl.envs.multi import family
 from relayrl.failures import failed
 from relayrl.models.prompts import encode_prompt
 from relayrl.records import FinishReason, Group, Prompt, Trajectory
@@ -46,15 +48,17 @@ def drop_failed(groups: list[Group]) -> tuple[list[Group], int]:
     return out, dropped
 
 
-def training_batch(groups: list[Group], algo, budget: int, pad_id: int, baselines: dict | None = None
-                   ) -> tuple[TrainBatch, dict]:
+def training_batch(groups: list[Group], algo, budget: int, pad_id: int, baselines: dict | None = None,
+                   adapters: tuple[str, ...] = ()) -> tuple[TrainBatch, dict]:
     """The batch of ``[t for g in groups for t in g.trajectories]`` and its shaping metrics. Token-level
     rewards (``token_rewards``) and group ids go with it, for the estimator the trainer runs at
     training time; GiGPO's step credit (``algo.advantage=gigpo``) is computed here from the episodes'
     turns, SPIRAL's (``algo.advantage=rae``) from ``baselines``, the run's running baselines per game and role.
     ``algo.overlong``: 'punish' adds DAPO's soft penalty (over the last ``algo.overlong_buffer``
-    of ``budget`` tokens) to each reward, 'filter' takes truncated responses out of the loss."""
+    of ``budget`` tokens) to each reward, 'filter' takes truncated responses out of the loss. ``adapters``
+    (``model.lora.per_role``): the roles' adapters, each row trained through its role's (``TrainBatch.adapter``)."""
     trajs = [t for g in groups for t in g.trajectories]
+    build = functools.partial(build_batch, adapters=adapters)
     bonus = [0.0] * len(trajs)
     metrics = {}
     if algo.overlong == "punish":
@@ -70,18 +74,13 @@ def training_batch(groups: list[Group], algo, budget: int, pad_id: int, baseline
         a = rae(torch.tensor([t.reward + b for t, b in zip(trajs, bonus)]), keys,
                 baselines if baselines is not None else {}, algo.rae_alpha)
         metrics.update({f"rae/baseline{k}": baselines[k] for k in sorted(set(keys))} if baselines is not None else {})
-        return build_batch(trajs, a.float(), pad_id, keep_rows=keep), metrics
+        return build(trajs, a.float(), pad_id, keep_rows=keep), metrics
     if algo.advantage in STEP_ADVANTAGES:
         adv = step_advantages(groups, algo.discount(), algo.gigpo_omega, bonus)
-        return build_batch(trajs, adv, pad_id, keep_rows=keep), metrics
+        return build(trajs, adv, pad_id, keep_rows=keep), metrics
     gid = torch.tensor(baseline_groups(groups), dtype=torch.long)
     rewards = [token_rewards(t, b) for t, b in zip(trajs, bonus)]
-    return build_batch(trajs, torch.zeros(len(trajs)), pad_id, rewards, gid, keep, owners(groups)), metrics
-
-
-def family(role: str | None) -> str | None:
-    """Roles named ``NAME#k`` (``solver#1``, ``solver#2``) are one role for baselines: ``NAME``."""
-    return role.partition("#")[0] if role else role
+    return build(trajs, torch.zeros(len(trajs)), pad_id, rewards, gid, keep, owners(groups)), metrics
 
 
 def baseline_groups(groups: list[Group]) -> list[int]:

@@ -52,7 +52,7 @@ from relayrl.engine.async_front import AsyncEngine
 from relayrl.engine.base import Engine, EngineError
 from relayrl.envs.base import Env
 from relayrl.envs.chat import TemplateMismatch
-from relayrl.envs.multi import Players
+from relayrl.envs.multi import Players, family
 from relayrl.failures import UserCodeError, fail
 from relayrl.fault_injection import fault_point
 from relayrl.models import moe
@@ -102,6 +102,7 @@ class EpisodeRunner:
         self.loop.call_soon_threadsafe(self._heartbeat)
         self.engine = AsyncEngine(engine, self.loop, order=None if schedule == "fifo" else self._order)
         self._ids = itertools.count()
+        self.per_role_adapters = False  # model.lora.per_role: each request decoded under its role's adapter
         self._lock = threading.Lock()
         self.inflight: dict[str, Trajectory] = {}  # request id -> its trajectory (cut by a partial publish)
         # request id -> (tokens of its turn so far, continued after a cut?, a training episode's?)
@@ -391,7 +392,7 @@ class EpisodeRunner:
             rid = f"{t.request_id}#{next(self._ids)}"  # unique: an aborted id may still be in the engine
             req = GenRequest(rid, t.prompt_ids, dataclasses.replace(params, max_new_tokens=left,
                                                                      seed=trajectory_seed(params.seed, t, train)),
-                             list(t.response_ids))
+                             list(t.response_ids), adapter=family(t.info.get("role")) if self.per_role_adapters else None)
             with self._lock:
                 self.inflight[rid] = t
                 self._turn_of[rid] = (len(t.response_ids) - start, t.finish_reason is not None, train)

@@ -20,7 +20,7 @@ from relayrl.engine.placement import cores, open_engine, start_ray, threads
 from relayrl.engine.spec import engine_spec, eos_token_ids
 from relayrl.envs import python_tool
 from relayrl.envs.base import ADAPTERS, load_env_class, make_env_factory
-from relayrl.envs.multi import Players, is_multi_agent
+from relayrl.envs.multi import Players, families, is_multi_agent
 from relayrl.models import load_policy, load_tokenizer, moe, resolve_model_path
 from relayrl.models.prompts import check_prompt_lengths, model_context, model_context_source
 from relayrl.failures import failed
@@ -241,7 +241,7 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         if scoring:
             undo.callback(lambda: [x.close() for x in (scoring["judge"], scoring["teachers"]) if x is not None])
         policy = load_policy(weights, cfg.model.dtype, field="checkpoint" if ckpt and not adapter else "model.path")
-        policy, lora_spec = load_adapter(cfg, policy, ckpt)
+        policy, lora_spec = load_adapter(cfg, policy, ckpt, adapter_roles(cfg, make_env))
         ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 and not adapter else None
         # seeded per resume point, so a resumed run does not repeat its samples; in-process, one thread
         # decodes and trains (HFEngine's driven): it decodes while it waits for episodes
@@ -255,6 +255,7 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
             engine.load_weights(first, state.version)
         runner = make_runner(cfg, engine, tokenizer, reward, make_env, eos_token_ids(weights, tokenizer),
                              model_context(weights), scoring)
+        runner.per_role_adapters = bool(lora.adapter_names(policy))
         undo.callback(runner.close)
         trainer = make_trainer(cfg, policy, ref)  # (a critic.path that does not load closes what was started)
         undo.pop_all()
@@ -268,12 +269,24 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
                       lora_spec.adapter_config(base) if lora_spec else None)
 
 
-def load_adapter(cfg: Config, policy, ckpt: Path | None):
+def adapter_roles(cfg: Config, make_env) -> tuple[str, ...]:
+    """model.lora.per_role: the roles that get an adapter, those the policy plays in training or evaluation
+    (their families: ``solver#1`` and ``solver#2`` share ``solver``'s); () otherwise."""
+    if not (cfg.model.lora.r and cfg.model.lora.per_role):
+        return ()
+    if not isinstance(make_env, Players):
+        raise ValueError(f"model.lora.per_role=true: env.name={cfg.env.name} is not a multi-agent environment "
+                         "(one with roles): there is one role, and one adapter")
+    return families(make_env.train + make_env.eval)
+
+
+def load_adapter(cfg: Config, policy, ckpt: Path | None, roles: tuple[str, ...] = ()):
     """(the policy to train, the adapter's spec): with model.lora.r > 0 the policy wrapped with a fresh adapter
-    (``train.lora``), or the checkpoint's when resuming; else the policy as it is and None."""
+    (``train.lora``; ``roles``: one per role, model.lora.per_role), or the checkpoint's when resuming; else the
+    policy as it is and None."""
     if not cfg.model.lora.r:
         return policy, None
-    policy, spec = lora.wrap(policy, cfg.model.lora)
+    policy, spec = lora.wrap(policy, cfg.model.lora, roles)
     if ckpt is not None:
         lora.load_adapter(policy, ckpt)
     return policy, spec

@@ -120,7 +120,7 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                     batch_groups = groups  # (with the failed episodes: the rollout records have them)
                     groups, failed = take_failures(groups, state, cfg)  # (episodes scored themselves, off this thread)
                     batch, shaping = training_batch(groups, cfg.algo, response_budget(cfg), c.tokenizer.pad_token_id,
-                                                     state.role_baselines)
+                                                     state.role_baselines, c.trainer.adapters)
                     with timers("train"), tl.busy("trainer"), c.engine.asleep():  # (rollout.vllm_sleep)
                         train_metrics = {**c.trainer.step(batch, version=state.version), **shaping}
                     with timers("publish"):

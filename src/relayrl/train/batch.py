@@ -11,7 +11,7 @@ from relayrl.models import moe
 from relayrl.records import Trajectory
 
 _SEQ = ("input_ids", "attention_mask", "routes")  # [N, L, ...]
-_ROW = ("group",)  # [N]
+_ROW = ("group", "adapter")  # [N]
 
 
 @dataclass
@@ -42,6 +42,8 @@ class TrainBatch:
     teacher_logp: torch.Tensor | None = None
     # [N, L, moe layers, top_k] uint8: a mixture of experts' recorded routes per token (``models.moe``), None without
     routes: torch.Tensor | None = None
+    # [N]: each row's adapter (model.lora.per_role: its role's, an index into ``Trainer.adapters``), None with one
+    adapter: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -66,14 +68,16 @@ class TrainBatch:
 
 def build_batch(trajs: list[Trajectory], advantages: torch.Tensor | list, pad_id: int,
                 rewards: list[list[float]] | None = None, group: torch.Tensor | None = None,
-                keep_rows: torch.Tensor | None = None, owner: torch.Tensor | None = None) -> TrainBatch:
+                keep_rows: torch.Tensor | None = None, owner: torch.Tensor | None = None,
+                adapters: tuple[str, ...] = ()) -> TrainBatch:
     """Right-padded batch of ``trajs``. ``advantages``: one per trajectory (a tensor [N], broadcast
     over its response tokens) or one sequence per trajectory with a value per response token
     (step-level credit for agents). ``Trajectory.mask`` (if set) takes response tokens out of the
     loss, e.g. tool output and template tokens between turns. ``rewards``: per trajectory, a reward
     per response token (for the estimators run at training time), with ``group`` [N] and ``owner`` [N]
     (``TrainBatch.owner``); ``keep_rows`` [N] (0/1) takes whole responses out of the loss
-    (``algo.overlong=filter``): their loss mask is 0, their rewards stay, for their groups' baselines."""
+    (``algo.overlong=filter``): their loss mask is 0, their rewards stay, for their groups' baselines.
+    ``adapters`` (``model.lora.per_role``): each row's adapter is its role's (``Trajectory.info['role']``, its family)."""
     n = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
     N = len(trajs)
     ids = torch.full((N, n), pad_id, dtype=torch.long)
@@ -110,19 +114,35 @@ def build_batch(trajs: list[Trajectory], advantages: torch.Tensor | list, pad_id
     routed = next((t.routes for t in trajs if t.routes is not None and len(t.routes)), None)
     routes = None if routed is None else moe.routes_tensor(trajs, n, *routed.shape[1:])
     return TrainBatch(ids, att, mask, behav, vers, adv * mask, tok_rewards, group, owner=owner,
-                      teacher_logp=None if teacher is None else teacher * mask, routes=routes)
+                      teacher_logp=None if teacher is None else teacher * mask, routes=routes,
+                      adapter=_adapter_rows(trajs, adapters) if adapters else None)
+
+
+def _adapter_rows(trajs: list[Trajectory], adapters: tuple[str, ...]) -> torch.Tensor:
+    from relayrl.envs.multi import family
+
+    rows = []
+    for t in trajs:
+        role = family(t.info.get("role"))
+        if role not in adapters:
+            raise ValueError(f"model.lora.per_role: a trajectory of role {role!r} has no adapter (adapters: "
+                             f"{', '.join(adapters)})")
+        rows.append(adapters.index(role))
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def micro_batches(batch: TrainBatch, token_budget: int, packed: bool = False) -> list[list[int]]:
     """Groups of row indices, sorted by length, each within the token budget (at least one row): rows ×
-    longest ≤ budget (padded rows), or the rows' lengths summed ≤ budget (``packed``: ``packing.Packed``)."""
+    longest ≤ budget (padded rows), or the rows' lengths summed ≤ budget (``packed``: ``packing.Packed``).
+    Rows of different adapters (``TrainBatch.adapter``) are never in one group: a forward runs under one."""
     lengths = batch.attention_mask.sum(1).tolist()
-    order = sorted(range(batch.size), key=lambda i: lengths[i])
+    key = batch.adapter.tolist() if batch.adapter is not None else [0] * batch.size
+    order = sorted(range(batch.size), key=lambda i: (key[i], lengths[i]))
     groups, cur, longest, total = [], [], 0, 0
     for i in order:
         longest_if = max(longest, lengths[i])
         cost = total + lengths[i] if packed else longest_if * (len(cur) + 1)
-        if cur and cost > token_budget:
+        if cur and (cost > token_budget or key[i] != key[cur[0]]):
             groups.append(cur)
             cur, longest_if, total = [], lengths[i], 0
         cur.append(i)

@@ -16,7 +16,7 @@ import torch
 
 from relayrl.config import TrainerCfg
 from relayrl.models import moe
-from relayrl.train import checkpointing, distributed
+from relayrl.train import checkpointing, distributed, lora
 from relayrl.train.batch import TrainBatch, micro_batches
 from relayrl.train.logprobs import Readout, check_head, install_head
 from relayrl.train.packing import Packed, check_packing
@@ -66,7 +66,11 @@ class PolicyForward:
         # config refuses trainer.share_prefix set with trainer.fsdp; a mixture of experts' routes, under r3, are
         # replayed per row, not through a shared prefix's cache)
         replayed = self.moe and routing_replay == "r3"
-        self.sharing = PrefixSharing(tcfg.share_prefix and dp is None and not replayed, tcfg.micro_batch_tokens,
+        # model.lora.per_role: the roles' adapters, each micro-batch forwarded under its rows' (no prefix shared
+        # across rows: two roles' rows see one prompt through different adapters)
+        self.adapters = lora.adapter_names(model)
+        self.sharing = PrefixSharing(tcfg.share_prefix and dp is None and not replayed and not self.adapters,
+                                     tcfg.micro_batch_tokens,
                                      log=lambda m: warnings.warn(m, stacklevel=3))
 
     def route_stats(self, batch: TrainBatch, version: int | None = None, rows: int = 16) -> dict[str, float]:
@@ -133,6 +137,8 @@ class PolicyForward:
         pad = lambda x: torch.nn.functional.pad(x, (0, 1))  # noqa: E731 (the last position predicts nothing)
         targets, trained = pad(mb.input_ids[:, 1:]), pad(mb.loss_mask.bool())
         call = self.caller(model, params)
+        if mb.adapter is not None and self.adapters and lora.is_adapter(model):
+            lora.use_adapter(model, self.adapters[int(mb.adapter[0])])
         if not self.tcfg.pack:
             self._routes(model, None if mb.routes is None else mb.routes.flatten(0, 1), params)
             with self.readout.context(model, targets, trained, entropy):

@@ -10,6 +10,11 @@ what ``PeftModel.from_pretrained`` and vLLM read), and ``export_merged`` folds t
 
 The KL reference is the same model with the adapter switched off (``base_model``: PEFT's
 ``disable_adapter``), never a second copy: it is the base, exactly, at no memory cost.
+
+``model.lora.per_role``: one adapter per role of a multi-agent environment, PEFT's named adapters on the one
+base. A forward runs under one of them (``use_adapter``: each micro-batch holds one role's rows); they leave the
+trainer together, their names prefixed "<role>::" (``lora_weights.ROLE_SEP``), and checkpoints hold each in
+PEFT's files under ``adapters/<role>/``.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-from relayrl.lora_weights import LoraSpec
+from relayrl.lora_weights import ROLE_SEP, LoraSpec, by_adapter
 from relayrl.models import ModelError
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PER_ROLE = "adapters"  # a checkpoint's folder of per-role adapters (model.lora.per_role): adapters/<role>/
 
 
 def is_adapter(model) -> bool:
@@ -65,10 +71,16 @@ def spec_for(lora, model) -> LoraSpec:
     return LoraSpec(lora.r, float(lora.alpha), resolve_targets(model, lora.targets))
 
 
-def wrap(model, lora):
+def wrap(model, lora, roles: tuple[str, ...] = ()):
     """(``model`` with a fresh adapter of ``model.lora``'s shape, its spec). Only the adapter requires grad.
     The adapter's initial values come from torch's RNG (A: Kaiming-uniform; B: zeros), so a seeded run
-    starts from the same adapter on every torchrun rank."""
+    starts from the same adapter on every torchrun rank. ``model.lora.per_role``: one adapter per name of
+    ``roles`` (PEFT's named adapters), all trainable, the first active."""
+    per_role = getattr(lora, "per_role", False)
+    first = roles[0] if per_role and roles else "default"
+    if per_role and len(roles) < 2:
+        raise ModelError("model.lora.per_role=true: one adapter per role needs a multi-agent environment whose "
+                         f"policy plays two roles or more (here: {', '.join(roles) or 'none'})")
     from peft import LoraConfig, get_peft_model
 
     spec = spec_for(lora, model)
@@ -78,14 +90,14 @@ def wrap(model, lora):
                           bias="none", task_type="CAUSAL_LM")
 
     try:
-        wrapped = get_peft_model(model, config(spec.targets))
+        wrapped = get_peft_model(model, config(spec.targets), adapter_name=first)
     except ValueError as e:  # (PEFT refuses some linear layers: a Mamba mixer's out_proj, Falcon-H1's)
         found = re.search(r"[Ii]ncompatible modules: \{([^}]*)\}", str(e))
         if lora.targets != "all-linear" or found is None:
             raise ModelError(f"model.lora.targets: PEFT cannot put an adapter there: {str(e).splitlines()[0]}") from None
         drop = {x.strip(" '\"") for x in found.group(1).split(",")}
         spec = LoraSpec(spec.r, spec.alpha, tuple(t for t in spec.targets if t not in drop))
-        wrapped = get_peft_model(model, config(spec.targets))  # ('all-linear': those PEFT adapts)
+        wrapped = get_peft_model(model, config(spec.targets), adapter_name=first)  # ('all-linear': those PEFT adapts)
     odd = sorted({type(m.base_layer).__name__ for _, m in wrapped.named_modules()
                   if hasattr(m, "lora_A") and hasattr(m, "base_layer") and not isinstance(m.base_layer, torch.nn.Linear)})
     if odd:
@@ -93,12 +105,50 @@ def wrap(model, lora):
                          "mixture of experts' fused weights), which relayrl's engines cannot merge (they add B·A to "
                          "linear layers): give model.lora.targets the attention's layers, e.g. [q_proj, k_proj, v_proj, "
                          "o_proj]")
+    if per_role:
+        for name in roles[1:]:  # (PEFT's named adapters; each from torch's RNG as the first is)
+            wrapped.add_adapter(name, config(spec.targets))
+        for n, p in wrapped.named_parameters():
+            p.requires_grad_("lora_" in n)
+        use_adapter(wrapped, roles[0])
     return wrapped, spec
 
 
+def adapter_names(model) -> tuple[str, ...]:
+    """The per-role adapters of ``model`` (``model.lora.per_role``); () for one adapter or none."""
+    names = tuple(getattr(model, "peft_config", {}) or ())
+    return () if names in ((), ("default",)) else names
+
+
+def use_adapter(model, name: str) -> None:
+    """The forwards of ``model`` from here run under its adapter ``name`` (one of ``adapter_names``). Unlike PEFT's
+    ``set_adapter`` it leaves ``requires_grad`` alone: every role's adapter stays in the optimiser, and a
+    micro-batch's gradient reaches its own role's only."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if name not in model.peft_config:
+        raise ModelError(f"model.lora.per_role: no adapter for role {name!r} (adapters: "
+                         f"{', '.join(model.peft_config)})")
+    for m in model.modules():
+        if isinstance(m, BaseTunerLayer):
+            m._active_adapter = [name]
+
+
+@contextlib.contextmanager
 def base_model(model):
-    """Context: inside, a wrapped ``model`` computes as its base model (the adapter switched off)."""
-    return model.disable_adapter() if is_adapter(model) else contextlib.nullcontext()
+    """Context: inside, a wrapped ``model`` computes as its base model (the adapter switched off). What trained
+    before trains after: PEFT's switch back on leaves only the active adapter requiring grad, which would freeze
+    the other roles' adapters (``model.lora.per_role``)."""
+    if not is_adapter(model):
+        yield
+        return
+    trained = [p for p in model.parameters() if p.requires_grad]
+    try:
+        with model.disable_adapter():
+            yield
+    finally:
+        for p in trained:
+            p.requires_grad_(True)
 
 
 def adapter_state(model, state_dict: dict | None = None) -> dict[str, torch.Tensor]:
@@ -106,6 +156,10 @@ def adapter_state(model, state_dict: dict | None = None) -> dict[str, torch.Tens
     when it was gathered elsewhere: FSDP's ``full_state_dict``)."""
     from peft import get_peft_model_state_dict
 
+    names = adapter_names(model)
+    if names:  # (model.lora.per_role: every role's, "<role>::" before each name)
+        return {f"{n}{ROLE_SEP}{k}": v.detach().cpu() for n in names
+                for k, v in get_peft_model_state_dict(model, state_dict=state_dict, adapter_name=n).items()}
     sd = get_peft_model_state_dict(model, state_dict=state_dict)
     return {k: v.detach().cpu() for k, v in sd.items()}
 
@@ -120,13 +174,21 @@ def load_adapter(model, folder: str | Path) -> None:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    weights = load_file(str(Path(folder) / ADAPTER_WEIGHTS))
-    result = set_peft_model_state_dict(model, weights)
-    unexpected = getattr(result, "unexpected_keys", [])
-    missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
-    if unexpected or missing:
-        raise ModelError(f"{folder}: the adapter does not fit model.lora's (unexpected {unexpected[:3]}, missing "
-                         f"{missing[:3]}): resume with the model.lora it was saved with")
+    names = adapter_names(model)
+    if bool(names) != (Path(folder) / PER_ROLE).is_dir():
+        raise ModelError(f"{folder}: {'one adapter per role' if not names else 'a single adapter'} there, and "
+                         f"model.lora.per_role={bool(names)}: resume with the model.lora it was saved with")
+    for name in names or (None,):
+        where = Path(folder) / PER_ROLE / name if name else Path(folder)
+        if not (where / ADAPTER_WEIGHTS).is_file():
+            raise ModelError(f"{where}: no {ADAPTER_WEIGHTS} (role {name!r}'s adapter)")
+        weights = load_file(str(where / ADAPTER_WEIGHTS))
+        result = set_peft_model_state_dict(model, weights, adapter_name=name or "default")
+        unexpected = getattr(result, "unexpected_keys", [])
+        missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k and (name is None or name in k)]
+        if unexpected or missing:
+            raise ModelError(f"{where}: the adapter does not fit model.lora's (unexpected {unexpected[:3]}, missing "
+                             f"{missing[:3]}): resume with the model.lora it was saved with")
 
 
 def write_adapter(folder: Path, weights: dict[str, torch.Tensor], config: dict) -> None:
@@ -134,8 +196,12 @@ def write_adapter(folder: Path, weights: dict[str, torch.Tensor], config: dict) 
     ``adapter_config.json`` (``config``: ``LoraSpec.adapter_config``)."""
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1))
+    for name, tensors in by_adapter(weights).items():  # (model.lora.per_role: each role's in adapters/<role>/)
+        where = folder / PER_ROLE / name if name else folder
+        where.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(where / ADAPTER_WEIGHTS),
+                  metadata={"format": "pt"})
+        (where / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1))
 
 
 def read_adapter(folder: str | Path, engine: bool = True) -> tuple[LoraSpec, str, dict[str, torch.Tensor]] | None:
@@ -147,6 +213,10 @@ def read_adapter(folder: str | Path, engine: bool = True) -> tuple[LoraSpec, str
 
     folder = Path(folder)
     if not (folder / ADAPTER_CONFIG).is_file():
+        roles = sorted(p.name for p in (folder / PER_ROLE).glob("*") if (p / ADAPTER_CONFIG).is_file())
+        if roles:
+            raise ModelError(f"{folder} holds one adapter per role ({', '.join(roles)}): give one of them, e.g. "
+                             f"{folder / PER_ROLE / roles[0]}")
         return None
     try:
         c = json.loads((folder / ADAPTER_CONFIG).read_text())
@@ -166,8 +236,9 @@ def read_adapter(folder: str | Path, engine: bool = True) -> tuple[LoraSpec, str
                          "(PeftModel.from_pretrained(base, folder).merge_and_unload().save_pretrained(out)) and give "
                          "the merged model")
     base = c.get("base_model_name_or_path")
-    if (not base or base.startswith("/") and not Path(base).exists()) and (folder / "state.json").is_file():
-        base = _recorded_base(folder) or base  # (moved: a relayrl checkpoint records its run's model.path)
+    run_ckpt = next((f for f in (folder, folder.parent.parent) if (f / "state.json").is_file()), None)
+    if (not base or base.startswith("/") and not Path(base).exists()) and run_ckpt is not None:
+        base = _recorded_base(run_ckpt) or base  # (moved: a relayrl checkpoint records its run's model.path)
     if not base:
         raise ModelError(f"{folder}/{ADAPTER_CONFIG} names no base model (base_model_name_or_path)")
     return spec, base, weights

@@ -120,6 +120,11 @@ class Trainer:
         return self.dp is not None and self.dp.leads
 
     @property
+    def adapters(self) -> tuple[str, ...]:
+        """model.lora.per_role: the roles whose adapters train (a batch's rows name theirs); () with one or none."""
+        return self.fwd.adapters
+
+    @property
     def sharing(self) -> PrefixSharing:
         return self.fwd.sharing
 
