@@ -14,6 +14,7 @@ from relayrl.engine.hf import HFEngine
 from relayrl.envs.multi import MultiAgentEnv, MultiStep
 from relayrl.records import GenRequest, SamplingParams
 from relayrl.train import lora
+from tests.test_chat_template import chatml_tokenizer  # noqa: F401 - a fixture
 
 
 class Exchange(MultiAgentEnv):
@@ -155,3 +156,119 @@ def test_two_roles_trained_as_two_adapters_in_one_run(tmp_path):
 
     s = train(load_config(str(example), [*over, "run.steps=3"]), resume=True)  # (from the per-role checkpoint)
     assert s["steps"] == 3
+
+
+class RoleRecorder:
+    """An engine's requests' roles (``GenRequest.adapter``), in order."""
+
+    def __init__(self, engine):
+        self.engine, self.roles = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def submit(self, requests):
+        self.roles += [r.adapter for r in requests]
+        return self.engine.submit(requests)
+
+
+@pytest.fixture()
+def tok(chatml_tokenizer):
+    return chatml_tokenizer
+
+
+def duo_runner(tok, program, roles=("writer", "critic"), per_role=True):
+    from relayrl.rollout.runner import EpisodeLimits, EpisodeRunner
+    from relayrl.serve.agent import AgentEpisodes, AgentProgram
+    from tests.test_episodes import ScriptedEngine, _score
+
+    agent = AgentEpisodes(AgentProgram("agent:duo", program, {}, roles), "agent:duo", "policy", context=None)
+    engine = RoleRecorder(ScriptedEngine(tok, lambda context: "\\boxed{5}"))
+    runner = EpisodeRunner(engine, tok, None, EpisodeLimits(4, 4000), _score, agent=agent)
+    runner.per_role_adapters = per_role
+    return runner, engine
+
+
+async def duo(client, prompt):
+    """A writer answers, a critic reads its answer and judges it: each by its own model name."""
+    listed = [m.id for m in (await client.models.list()).data]
+    assert listed == ["policy", "policy/writer", "policy/critic"]
+    first = await client.chat.completions.create(model="policy/writer", messages=prompt.messages)
+    answer = first.choices[0].message.content
+    await client.chat.completions.create(model="policy/critic", messages=prompt.messages + [
+        {"role": "assistant", "content": answer}, {"role": "user", "content": "Is it right?"}])
+    return {"writer": 1.0 if prompt.id == "p0" else 0.0, "critic": 0.5}
+
+
+def test_an_agent_program_picks_each_roles_policy_by_model_name(tok):
+    """Each role's requests decode under its adapter; each role's replies are a trajectory of its own, with its
+    reward, compared in its role's baseline."""
+    from relayrl.records import Group, Prompt, Trajectory
+    from relayrl.rollout.groups import baseline_groups, expand_branches, owners
+    from tests.test_episodes import PROMPT
+
+    runner, engine = duo_runner(tok, duo)
+    other = Prompt("p1", PROMPT.messages, answer="5")
+    try:
+        ts = [Trajectory(PROMPT, "g", 0, []), Trajectory(other, "g", 1, [])]
+        for t in ts:
+            runner.run(runner.episode(t, SamplingParams(100, 1.0), True))
+    finally:
+        runner.close()
+    assert engine.roles == ["writer", "critic", "writer", "critic"]
+    g = Group(PROMPT, "g", ts)
+    expand_branches(g)
+    got = [(t.sample_idx, t.info.get("role"), t.reward, "branch_of" in t.info) for t in g.trajectories]
+    assert got == [(0, "critic", 0.5, False), (1, "critic", 0.5, False), (0, "writer", 1.0, False),
+                   (1, "writer", 0.0, False)]
+    assert "Is it right?" in tok.decode(g.trajectories[0].prompt_ids)  # (the critic read the writer's answer)
+    assert baseline_groups([g]) == [0, 0, 1, 1] and owners([g]) is None
+
+
+@pytest.mark.parametrize("reply, error", [
+    ({"judge": 1.0}, "returned a reward for role 'judge', which is not one of env.roles (writer, critic)"),
+    ({"writer": 1.0}, "returned no reward for role 'critic', whose model it asked"),
+    ({"writer": 1.0, "critic": float("nan")}, "non-finite reward nan for role 'critic'"),
+])
+def test_bad_rewards_per_role_fail_the_episode(tok, reply, error):
+    from relayrl.failures import failed
+    from relayrl.records import Trajectory
+    from tests.test_episodes import PROMPT
+
+    async def program(client, prompt):
+        await duo(client, prompt)
+        return reply
+
+    runner, _ = duo_runner(tok, program)
+    try:
+        t = Trajectory(PROMPT, "g", 0, [])
+        runner.run(runner.episode(t, SamplingParams(100, 1.0), True))
+    finally:
+        runner.close()
+    assert failed(t) and error in t.failure["error"]
+
+
+def test_the_bare_model_is_refused_where_each_role_has_its_own(tok):
+    import openai
+
+    from relayrl.records import Trajectory
+    from tests.test_episodes import PROMPT
+
+    seen = []
+
+    async def bare(client, prompt):
+        try:
+            await client.chat.completions.create(model="policy", messages=prompt.messages)
+        except openai.BadRequestError as e:
+            seen.append(str(e))
+        await client.chat.completions.create(model="policy/writer", messages=prompt.messages)
+        return 1.0
+
+    runner, _ = duo_runner(tok, bare)
+    try:
+        t = Trajectory(PROMPT, "g", 0, [])
+        runner.run(runner.episode(t, SamplingParams(100, 1.0), True))
+    finally:
+        runner.close()
+    assert "each role has a policy of its own here" in seen[0] and "`policy/writer`, `policy/critic`" in seen[0]
+    assert t.reward == 1.0 and t.info["role"] == "writer"

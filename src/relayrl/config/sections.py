@@ -476,7 +476,9 @@ class ServeCfg(_Section):
                       "HTTP, so session keys, prompts and replies cross the network unencrypted.")
     port: int = Field(0, ge=0, le=65535, description="Port the endpoint listens on (0: a free one).")
     model_name: str = Field(
-        "policy", description="The model's id: what GET /v1/models lists and requests must name (others get 404).")
+        "policy", description="The model's id: what GET /v1/models lists and requests must name (others get 404). "
+        "With env.roles, each role's policy is the model '<model_name>/<role>' too (under model.lora.per_role, "
+        "only those: each role its own adapter).")
     max_requests: int = Field(
         256, ge=1, description="Requests handled at once; more are answered 429 (OpenAI clients retry them).")
     max_connections: int = Field(

@@ -98,8 +98,9 @@ def owners(groups: list[Group]) -> torch.Tensor | None:
     flat = [(i, t) for i, g in enumerate(groups) for t in g.trajectories]
     if not any("branch_of" in t.info for _, t in flat):
         return None
-    episode = {(i, t.sample_idx): k for k, (i, t) in enumerate(flat) if "branch_of" not in t.info}
-    return torch.tensor([episode.get((i, t.info["branch_of"]), k) if "branch_of" in t.info else k
+    role = lambda t: family(t.info.get("role"))  # noqa: E731 (an agent program's roles: each its own owner)
+    episode = {(i, t.sample_idx, role(t)): k for k, (i, t) in enumerate(flat) if "branch_of" not in t.info}
+    return torch.tensor([episode.get((i, t.info["branch_of"], role(t)), k) if "branch_of" in t.info else k
                          for k, (i, t) in enumerate(flat)], dtype=torch.long)
 
 
@@ -174,9 +175,12 @@ def expand_branches(g: Group) -> None:
     extra = []
     for t in g.trajectories:
         for d in t.info.pop("branch_tokens", []):
+            # (env.roles: a branch of a role, its reward that role's; "own": that role's latest reply, an episode
+            # of its own in its role's baseline, the owner of the role's other branches)
+            info = ({"role": d["role"]} if d.get("role") else {}) | ({} if d.get("own") else {"branch_of": t.sample_idx})
             extra.append(Trajectory(t.prompt, t.group_id, t.sample_idx, d["prompt_ids"], d["response_ids"],
                                     d["behav_logprobs"], d["versions"], FinishReason(d["finish_reason"]), d["mask"],
-                                    d["turns"], info={"branch_of": t.sample_idx}, text=t.text, reward=t.reward,
+                                    d["turns"], info=info, text=t.text, reward=d.get("reward", t.reward),
                                     complete=True))
     g.trajectories += extra
 

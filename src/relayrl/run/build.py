@@ -105,7 +105,9 @@ def env_factory(env: EnvCfg, group_size: int | None = None):
         return None
     kind, _, name = env.name.partition(":")
     if kind == "agent":
-        return AgentProgram.load(env.name, name, env.args)
+        if env.eval_roles:
+            raise ValueError("env.eval_roles: an agent program plays its roles itself (env.roles names them)")
+        return AgentProgram.load(env.name, name, env.args, env.roles)
     if kind == "textarena" and env.args.get("num_players", 1) != 1:  # a two-player game: matches
         from relayrl.envs.adapters.textarena import TextArenaMatch
 
@@ -274,6 +276,8 @@ def adapter_roles(cfg: Config, make_env) -> tuple[str, ...]:
     (their families: ``solver#1`` and ``solver#2`` share ``solver``'s); () otherwise."""
     if not (cfg.model.lora.r and cfg.model.lora.per_role):
         return ()
+    if isinstance(make_env, AgentProgram):
+        return families(make_env.roles)
     if not isinstance(make_env, Players):
         raise ValueError(f"model.lora.per_role=true: env.name={cfg.env.name} is not a multi-agent environment "
                          "(one with roles): there is one role, and one adapter")

@@ -9,6 +9,11 @@ OpenAI-compatible server (tools, several turns, streaming) and returns the episo
 None to have ``reward.fn`` score its final answer: the text of the last reply the model gave.
 Every reply is recorded as tokens (``sessions``) and trained with that reward.
 
+Several agents in one program (``env.roles``): the endpoint serves each role's policy as the model
+``<serve.model_name>/<role>`` (with ``model.lora.per_role``, each its own adapter), and the program picks
+one per request. Each role's replies are a trajectory of their own, in that role's baseline; the program
+returns one reward for all of them (cooperating roles) or a dict, one per role whose model it asked.
+
 These episodes run in the one rollout driver like any other (``rollout.driver``): the staleness
 bound, partial rollouts (a request in flight at a weight update goes on under the new weights, its
 tokens tagged by version), checkpoints (an episode not finished is carried from its prompt: a
@@ -44,12 +49,13 @@ class AgentProgram:
     spec: str
     fn: Callable
     args: dict
+    roles: tuple[str, ...] = ()  # env.roles: each served as the model "<serve.model_name>/<role>"
 
     def __call__(self, client, prompt):
         return self.fn(client, prompt, **self.args)
 
     @classmethod
-    def load(cls, spec: str, target: str, args: dict) -> AgentProgram:
+    def load(cls, spec: str, target: str, args: dict, roles=()) -> AgentProgram:
         """The coroutine function ``target`` (``module:run`` or ``file.py:run``) that ``env.name=spec``
         names; a ``ValueError`` naming the field when it cannot be one."""
         for module in ("fastapi", "uvicorn", "openai"):
@@ -63,7 +69,11 @@ class AgentProgram:
         except TypeError as e:
             raise ValueError(f"env.name={spec!r}: run(client, prompt{', **env.args' if args else ''}) does not fit "
                              f"its signature: {e}") from None
-        return cls(spec, fn, dict(args))
+        bad = [r for r in roles if not r or "/" in r]
+        if bad or len(set(roles)) != len(roles):
+            raise ValueError(f"env.roles: {list(roles)} must be distinct names without '/' (each is served as the "
+                             "model <serve.model_name>/<role>)")
+        return cls(spec, fn, dict(args), tuple(roles))
 
 
 def _need(module: str) -> None:
@@ -91,7 +101,7 @@ class AgentEpisodes:
 
         from relayrl.serve.server import Endpoint, build_app
 
-        app = build_app(self.table, self.model_name, self.context, self.max_requests)
+        app = build_app(self.table, self.model_name, self.context, self.max_requests, self.program.roles)
         self.endpoint = Endpoint(app, self.host, self.port, self.max_connections)
         await self.endpoint.start()
 
@@ -146,31 +156,63 @@ class AgentEpisodes:
         branches = s.trained()
         if not branches:
             raise EpisodeFailed("env", source, "it never asked the model anything: there is nothing to train")
-        if result is not None and (isinstance(result, bool) or not isinstance(result, (int, float))):
-            raise EpisodeFailed("env", source, f"returned {type(result).__name__} {result!r:.60}: run must return a "
-                                            "float or None")
-        if result is not None and not math.isfinite(result):
-            raise EpisodeFailed("env", source, f"returned a non-finite reward {result}")
+        reward_of = _rewards(result, self.program.roles, {b.info.get("role") for b in branches}, source)
         final = s.last[1]
-        if result is None:
+        if reward_of is None:
             result, t.failure = await runner.verified(final, t.prompt)
             if t.failure is not None:
                 return
+            reward_of = lambda role: float(result)  # noqa: E731
         main = branches[-1]
         for name in ("prompt_ids", "response_ids", "behav_logprobs", "versions", "mask", "turns"):
             setattr(t, name, getattr(main, name))
         t.finish_reason = main.finish_reason if main.finish_reason is not None else FinishReason.STOP
-        t.reward, t.text = float(result), final
+        role = main.info.get("role")
+        t.reward, t.text = reward_of(role), final
         c = s.counts
         t.info = {"turns": c["requests"], "tool_calls": c["tool_calls"], "tool_errors": c["tool_errors"],
                   "branches": len(branches) - 1, "sampling_overrides": c["sampling_overrides"],
                   "merged_turns": c["merged"], "new_branch_tools_changed": c["new_branch_tools_changed"],
-                  **({"turn_limit": 1} if s.limit_hit else {})}
-        if len(branches) > 1:
+                  **({"turn_limit": 1} if s.limit_hit else {}), **({"role": role} if role else {})}
+        if len(branches) > 1:  # (each other role's latest reply: a trajectory of its own, "own"; the rest branches)
+            mains = {id(b.traj) for r, b in s.last_of.items() if r != role}
             t.info["branch_tokens"] = [{k: getattr(b, k) for k in ("prompt_ids", "response_ids", "behav_logprobs",
                                                                       "versions", "mask", "turns")}
                                          | {"finish_reason": (b.finish_reason or FinishReason.STOP).value}
+                                         | ({"role": b.info["role"], "reward": reward_of(b.info["role"]),
+                                             "own": id(b) in mains} if b.info.get("role") else {})
                                          for b in branches[:-1]]
+
+
+def _rewards(result, roles: tuple[str, ...], played: set, source: str) -> Callable[[str | None], float] | None:
+    """The reward of each role's trajectories from what the program returned (None: reward.fn scores the
+    episode), or ``EpisodeFailed`` naming what is wrong with it."""
+    def number(x, what: str) -> float:
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise EpisodeFailed("env", source, f"returned {type(x).__name__} {x!r:.60}{what}: run must return a float"
+                                               f"{', a dict of floats per role,' if roles else ''} or None")
+        if not math.isfinite(x):
+            raise EpisodeFailed("env", source, f"returned a non-finite reward {x}{what}")
+        return float(x)
+
+    if result is None:
+        return None
+    if not isinstance(result, dict):
+        value = number(result, "")
+        return lambda role: value
+    if not roles:
+        raise EpisodeFailed("env", source, "returned a dict: rewards per role need the roles named in env.roles")
+    unknown = [r for r in result if r not in roles]
+    if unknown:
+        raise EpisodeFailed("env", source, f"returned a reward for role {unknown[0]!r:.40}, which is not one of "
+                                           f"env.roles ({', '.join(roles)})")
+    if None in played:
+        raise EpisodeFailed("env", source, "returned rewards per role, but asked the model without a role")
+    missing = sorted(r for r in played if r not in result)
+    if missing:
+        raise EpisodeFailed("env", source, f"returned no reward for role {missing[0]!r}, whose model it asked")
+    values = {r: number(v, f" for role {r!r}") for r, v in result.items()}
+    return lambda role: values[role]
 
 
 async def _watch(task: asyncio.Task, s: Session, lim, source: str):

@@ -46,7 +46,10 @@ from relayrl.serve.sessions import Session, SessionTable
 log = logging.getLogger("relayrl.serve")
 
 
-def build_app(table: SessionTable, model: str, max_model_len: int | None, max_requests: int) -> FastAPI:
+def build_app(table: SessionTable, model: str, max_model_len: int | None, max_requests: int,
+              roles: tuple[str, ...] = ()) -> FastAPI:
+    """The endpoint's app: the policy as ``model``, and with ``roles`` (env.roles) each role's policy as
+    ``<model>/<role>`` (one LoRA adapter per role under model.lora.per_role, where the bare ``model`` names none)."""
     app = FastAPI(title="relayrl endpoint", openapi_url=None, docs_url=None, redoc_url=None)
     app.add_middleware(Bounded, limit=max_requests)
 
@@ -67,7 +70,10 @@ def build_app(table: SessionTable, model: str, max_model_len: int | None, max_re
         log.exception("relayrl endpoint: %s %s failed", request.method, request.url.path)
         return _error(ApiError(500, f"internal error: {type(e).__name__}", type="server_error"))
 
-    card = {"id": model, "object": "model", "created": 0, "owned_by": "relayrl", "max_model_len": max_model_len}
+    names = {model: None, **{f"{model}/{r}": r for r in roles}}  # model name -> the role it plays (None: any)
+    cards = {n: {"id": n, "object": "model", "created": 0, "owned_by": "relayrl", "max_model_len": max_model_len}
+             for n in names}
+    served = ", ".join(f"`{n}`" for n in names)
 
     limit = body_limit(max_model_len)
 
@@ -80,35 +86,40 @@ def build_app(table: SessionTable, model: str, max_model_len: int | None, max_re
         return table.get(key)
 
     async def asked(request: Request, cls):
-        """(session, body): the key is checked first, so a client without one learns nothing of the endpoint,
-        not its schema (a 400 for its body), not even its model; then the body (``serve.bodies``)."""
+        """(session, body, role): the key is checked first, so a client without one learns nothing of the
+        endpoint, not its schema (a 400 for its body), not even its model; then the body (``serve.bodies``), and
+        the role its model names."""
         s = session(request)
         body = await read_body(request, cls, limit)
-        if body.model != model:
-            raise ApiError(404, f"The model `{body.model:.100}` does not exist (this endpoint serves `{model}`)",
+        if body.model not in names:
+            raise ApiError(404, f"The model `{body.model:.100}` does not exist (this endpoint serves {served})",
                            code="model_not_found", param="model")
-        return s, body
+        role = names[body.model]
+        if role is None and getattr(s.runner, "per_role_adapters", False):
+            raise ApiError(400, f"each role has a policy of its own here (model.lora.per_role): name one of "
+                           f"{', '.join(f'`{n}`' for n, r in names.items() if r)}", param="model")
+        return s, body, role
 
     for prefix in ("", "/sessions/{key}"):
         @app.get(prefix + "/v1/models")
         async def models(request: Request):
             session(request)
-            return JSONResponse({"object": "list", "data": [card]})
+            return JSONResponse({"object": "list", "data": list(cards.values())})
 
-        @app.get(prefix + "/v1/models/{name}")
+        @app.get(prefix + "/v1/models/{name:path}")
         async def one_model(name: str, request: Request):
             session(request)
-            if name != model:
-                raise ApiError(404, f"The model `{name}` does not exist", code="model_not_found")
-            return JSONResponse(card)
+            if name not in cards:
+                raise ApiError(404, f"The model `{name:.100}` does not exist", code="model_not_found")
+            return JSONResponse(cards[name])
 
         @app.post(prefix + "/v1/chat/completions")
         async def chat(request: Request):
-            return await _chat(*await asked(request, ChatRequest), model)
+            return await _chat(*await asked(request, ChatRequest))
 
         @app.post(prefix + "/v1/completions")
         async def completions(request: Request):
-            return await _completion(*await asked(request, CompletionRequest), model)
+            return await _completion(*await asked(request, CompletionRequest))
 
         @app.post(prefix + "/inference/v1/generate")
         async def generate(request: Request):
@@ -168,7 +179,8 @@ async def _run(s: Session, undo, work):
         raise
 
 
-async def _chat(s: Session, body: ChatRequest, model: str):
+async def _chat(s: Session, body: ChatRequest, role: str | None):
+    model = body.model
     conv = oa.canonical(body.messages)
     tools = oa.template_tools(body.tools)
     known = {t["function"].get("name") for t in tools} if tools else None
@@ -176,7 +188,7 @@ async def _chat(s: Session, body: ChatRequest, model: str):
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     s.enter()
     try:
-        b, undo = s.chat_branch(conv, tools)
+        b, undo = s.chat_branch(conv, tools, role)
     except TemplateMismatch as e:  # the template cannot extend the conversation: the run stops, as with an env
         s.leave()
         s.fatal = s.fatal or e
@@ -235,14 +247,16 @@ async def _chat(s: Session, body: ChatRequest, model: str):
     return _sse(work, queue, first=oa.chat_chunk(rid, model, {"role": "assistant", "content": ""}))
 
 
-async def _completion(s: Session, body: CompletionRequest, model: str):
+async def _completion(s: Session, body: CompletionRequest, role: str | None):
+    model = body.model
     stops = body.stops()
     rid = f"cmpl-{uuid.uuid4().hex}"
     if isinstance(body.prompt, list):
         _check_ids(body.prompt, s.tok, "prompt")
     s.enter()
     try:
-        b, undo = s.token_branch(body.prompt) if isinstance(body.prompt, list) else s.text_branch(body.prompt)
+        b, undo = s.token_branch(body.prompt, role) if isinstance(body.prompt, list) else \
+            s.text_branch(body.prompt, role)
     except BaseException:
         s.leave()
         raise
@@ -278,7 +292,7 @@ async def _completion(s: Session, body: CompletionRequest, model: str):
     return _sse(work, queue)
 
 
-async def _generate(s: Session, body: GenerateRequest):
+async def _generate(s: Session, body: GenerateRequest, role: str | None):
     """vLLM's token route: the prompt's token ids in; the sampled ids, their log-probs (as
     ``token_id:N`` entries) and the finish reason out."""
     _check_ids(body.token_ids, s.tok, "token_ids")
@@ -291,7 +305,7 @@ async def _generate(s: Session, body: GenerateRequest):
         raise ApiError(400, "sampling_params.stop_token_ids must be a list of integers", param="sampling_params")
     s.enter()
     try:
-        b, undo = s.token_branch(body.token_ids)
+        b, undo = s.token_branch(body.token_ids, role)
         prompt_ids = b.traj.prompt_ids + b.traj.response_ids
         turn = await _run(s, undo, lambda: s.generate(b, want, sp, (), set(stop_ids)))
         s.replied(b, turn, None, None)

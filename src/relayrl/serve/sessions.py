@@ -62,6 +62,7 @@ class Branch:
     # later, in a task, and an identical request matched before then must get a branch of its own
     busy: bool = False
     index: int = 0  # its place among the session's branches: seeded sampling draws its own numbers per branch
+    role: str | None = None  # the role whose model the requests named (env.roles: "<serve.model_name>/<role>")
 
 
 @dataclass
@@ -89,6 +90,7 @@ class Session:
         self.made = 0  # branches started (the next one's index)
         self.counts: Counter = Counter()
         self.last: tuple[Branch, str] | None = None  # the branch and client-visible text of the latest reply
+        self.last_of: dict[str | None, Branch] = {}  # each role's latest reply's branch
         self.closed = False
         self.limit_hit: str | None = None  # why a request was refused for the episode's limits
         self.fatal: BaseException | None = None  # an engine or template failure: ends the episode (and the run)
@@ -97,12 +99,14 @@ class Session:
         self._tasks: set[asyncio.Task] = set()
 
     # -- the three request shapes -----------------------------------------------------------------
-    def chat_branch(self, conv: list[dict], tools: list[dict] | None) -> tuple[Branch, Callable[[], None]]:
-        """The branch a chat request extends, or a new one; and how to undo that if no reply comes."""
+    def chat_branch(self, conv: list[dict], tools: list[dict] | None, role: str | None = None
+                    ) -> tuple[Branch, Callable[[], None]]:
+        """The branch a chat request extends (of the same ``role``), or a new one; and how to undo that if no reply
+        comes."""
         tools_changed = False
         for b in reversed(self.branches):
             n = len(b.view)
-            if b.kind == "chat" and not b.busy and len(conv) > n and same(conv[:n], b.view):
+            if b.kind == "chat" and b.role == role and not b.busy and len(conv) > n and same(conv[:n], b.view):
                 if b.tools != tools:  # (its prompt's tokens render other tools: it cannot be extended)
                     tools_changed = True
                     continue
@@ -116,25 +120,25 @@ class Session:
                 return b, undo
         self.counts["new_branch_tools_changed"] += tools_changed  # (said, not silent: a program may not expect it)
         messages = [template_message(m) for m in conv]
-        b, undo = self._new(render_ids(self.tok, messages, add_generation_prompt=True, tools=tools), "chat")
+        b, undo = self._new(render_ids(self.tok, messages, add_generation_prompt=True, tools=tools), "chat", role)
         b.messages, b.view, b.tools = messages, list(conv), tools
         return b, undo
 
-    def token_branch(self, ids: list[int]) -> tuple[Branch, Callable[[], None]]:
+    def token_branch(self, ids: list[int], role: str | None = None) -> tuple[Branch, Callable[[], None]]:
         for b in reversed(self.branches):
             ctx = b.traj.prompt_ids + b.traj.response_ids
-            if b.kind == "tokens" and not b.busy and b.traj.response_ids and ids[:len(ctx)] == ctx:
+            if b.kind == "tokens" and b.role == role and not b.busy and b.traj.response_ids and ids[:len(ctx)] == ctx:
                 return b, self._extend(b, ids[len(ctx):])
-        return self._new(list(ids), "tokens")
+        return self._new(list(ids), "tokens", role)
 
-    def text_branch(self, prompt: str) -> tuple[Branch, Callable[[], None]]:
+    def text_branch(self, prompt: str, role: str | None = None) -> tuple[Branch, Callable[[], None]]:
         for b in reversed(self.branches):
-            if b.kind == "text" and not b.busy and b.text and b.turn and prompt.startswith(b.text):
+            if b.kind == "text" and b.role == role and not b.busy and b.text and b.turn and prompt.startswith(b.text):
                 rest = prompt[len(b.text):]
                 undo = self._extend(b, self.tok(rest, add_special_tokens=False)["input_ids"] if rest else [])
                 b.text = prompt
                 return b, undo
-        b, undo = self._new(self.tok(prompt)["input_ids"], "text")
+        b, undo = self._new(self.tok(prompt)["input_ids"], "text", role)
         b.text = prompt
         return b, undo
 
@@ -142,12 +146,13 @@ class Session:
     def tok(self):
         return self.runner.tokenizer
 
-    def _new(self, prompt_ids: list[int], kind: str) -> Branch:
+    def _new(self, prompt_ids: list[int], kind: str, role: str | None = None) -> Branch:
         if self.context is not None and len(prompt_ids) >= self.context:
             raise ApiError(400, f"the prompt is {len(prompt_ids)} tokens; the model's context is {self.context}",
                            code="context_length_exceeded")
         e = self.episode
-        b = Branch(Trajectory(e.prompt, e.group_id, e.sample_idx, list(prompt_ids)), kind, index=self.made)
+        b = Branch(Trajectory(e.prompt, e.group_id, e.sample_idx, list(prompt_ids), info={"role": role} if role else {}),
+                   kind, index=self.made, role=role)
         self.made += 1
         self.branches.append(b)
         b.busy = True
@@ -250,6 +255,7 @@ class Session:
             if b.kind == "text" and b.text is not None:
                 b.text += turn.text
         self.last = (b, visible)
+        self.last_of[b.role] = b
         b.busy = False
 
     # -- bookkeeping ------------------------------------------------------------------------------
