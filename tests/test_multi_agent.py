@@ -377,3 +377,28 @@ def test_a_proposer_and_four_solvers(chatml_tokenizer, problem, solver_says, rew
         assert all("Sum mod 10: a=3" in chatml_tokenizer.decode(s.prompt_ids) for s in solvers)
     p = Prompt("p", [])
     assert baseline_groups([Group(p, "g", g.trajectories)]) == [0, 1, 1, 1, 1]  # the solvers: one baseline
+
+
+def test_gigpo_over_matches_compares_a_move_with_the_same_roles_moves(chatml_tokenizer):
+    """Each role's moves are its steps (the reward on its last, the observation each started from its anchor
+    state), and its episodes and steps are compared with the same role's only: rewards (first 1, second 0) and
+    (first 1, second 1) give the first's rows no advantage at all (a mixed baseline of 0.75 would give them one)."""
+    from relayrl.rollout.groups import step_advantages
+
+    runner = runner_for(chatml_tokenizer, nim_players(group_size=4))
+    try:
+        g = play(runner, 10, 4)  # two identical matches (the optimal player on both sides)
+    finally:
+        runner.close()
+    first = [t for t in g.trajectories if t.info["role"] == "first"]
+    second = [t for t in g.trajectories if t.info["role"] == "second"]
+    for t in g.trajectories:
+        assert len(t.info["anchors"]) == len(t.info["step_rewards"]) == t.info["turns"]
+        assert t.info["step_rewards"][-1] == t.reward and not any(t.info["step_rewards"][:-1])
+    assert first[0].info["anchors"] == first[1].info["anchors"] != second[0].info["anchors"]
+    second[1].reward = 1.0
+    second[1].info["step_rewards"][-1] = 1.0
+    adv = step_advantages([g], 1.0, 1.0)
+    rows = {id(t): a for t, a in zip(g.trajectories, adv)}
+    assert all(rows[id(t)].abs().sum() == 0 for t in first)
+    assert rows[id(second[0])].max() < 0 < rows[id(second[1])].min()

@@ -128,18 +128,19 @@ def step_advantages(groups: list[Group], gamma: float, omega: float,
     one the episode's final reward) discounted by γ within the episode, anchor states
     (``info["anchors"]``, the observation each turn started from) shared across a group's episodes
     whatever policy version generated them; each token gets its turn's advantage. ``bonus`` (one per
-    episode, reward shaping) is added to its last step's reward and to its episode reward."""
+    episode, reward shaping) is added to its last step's reward and to its episode reward. A match's roles
+    are groups of their own (``baseline_groups``): a move is compared with the same role's moves."""
     trajs = [t for g in groups for t in g.trajectories]
     bonus = bonus or [0.0] * len(trajs)
-    step_rewards, step_episode, anchors, episode_group = [], [], [], []
-    for e, (gi, t) in enumerate((gi, t) for gi, g in enumerate(groups) for t in g.trajectories):
+    step_rewards, step_episode, anchors = [], [], []
+    for e, t in enumerate(trajs):
         rewards = list(t.info.get("step_rewards") or [t.reward])
         rewards[-1] += bonus[e]
         step_rewards += rewards
         step_episode += [e] * len(rewards)
         seen = t.info.get("anchors") or []
         anchors += [seen[k] if k < len(seen) else 0 for k in range(len(rewards))]
-        episode_group.append(gi)
+    episode_group = baseline_groups(groups)  # (each group's; a match's roles, each a group of its own)
     ep = torch.tensor(step_episode, dtype=torch.long)
     returns = discounted_returns(torch.tensor(step_rewards, dtype=torch.float64), ep, gamma)
     adv = gigpo(torch.tensor([t.reward + b for t, b in zip(trajs, bonus)], dtype=torch.float64),

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from relayrl.envs.chat import next_turn_suffix, render_ids
 from relayrl.envs.multi import OUTCOMES, MultiStep, Players
 from relayrl.records import FinishReason, SamplingParams, Trajectory
-from relayrl.rollout.episode import EpisodeFailed, EpisodeHost, describe_error, env_call
+from relayrl.rollout.episode import EpisodeFailed, EpisodeHost, anchor, describe_error, env_call
 
 
 @dataclass
@@ -34,6 +34,7 @@ class _View:
     messages: list[dict]
     pending: list[dict] = field(default_factory=list)  # observations since its last turn
     turns: int = 0
+    anchors: list[int] = field(default_factory=list)  # the game as each of its turns saw it (GiGPO's anchor states)
 
 
 async def match_episode(runner: EpisodeHost, players: Players, trajs: dict[str, Trajectory], params: SamplingParams,
@@ -129,6 +130,8 @@ async def _run_match(runner: EpisodeHost, players: Players, env, trajs: dict[str
         t.text = next((m["content"] for m in reversed(v.messages) if m.get("role") == "assistant"), "")
         t.info = {"role": role, "outcome": outcome, "turns": v.turns,
                   "unfinished": int(not done), **{k: int(n) for k, n in counts.items()}}
+        if v.turns:  # (GiGPO over matches: one step per move, the reward on the last; each move's state)
+            t.info |= {"step_rewards": [0.0] * (v.turns - 1) + [t.reward], "anchors": v.anchors[: v.turns]}
         if t.finish_reason is None:
             t.finish_reason = FinishReason.STOP
 
@@ -138,6 +141,7 @@ async def _policy_turn(runner: EpisodeHost, t: Trajectory, v: _View, params: Sam
     """The policy's next turn in role ``v``, on ``t``: its text, or None when the match cannot go on
     (no room left for its observations, or the engine failed on the turn)."""
     tok, lim = runner.tokenizer, runner.limits
+    v.anchors.append(anchor(v.pending))  # (the observation its move starts from: GiGPO's anchor state)
     if v.turns == 0:
         v.messages += v.pending
         t.prompt_ids = render_ids(tok, v.messages, add_generation_prompt=True)
