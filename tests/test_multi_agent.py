@@ -402,3 +402,19 @@ def test_gigpo_over_matches_compares_a_move_with_the_same_roles_moves(chatml_tok
     rows = {id(t): a for t, a in zip(g.trajectories, adv)}
     assert all(rows[id(t)].abs().sum() == 0 for t in first)
     assert rows[id(second[0])].max() < 0 < rows[id(second[1])].min()
+
+
+
+def test_a_batch_where_the_policys_roles_never_moved_says_so():
+    """Every match ended before the roles the policy plays moved (nothing failed, nothing to train): one line."""
+    from types import SimpleNamespace
+
+    from relayrl.run.loop import take_failures
+
+    p = Prompt("p", [])
+    g = Group(p, "g", [Trajectory(p, "g", i, [], info={"role": "second"}) for i in range(2)])
+    state = SimpleNamespace(step=4, failures={})
+    cfg = SimpleNamespace(run=SimpleNamespace(max_failure_frac=0.5))
+    with pytest.raises(ValueError, match=r"step 5: nothing to train: in every match of the batch the roles the "
+                                         r"policy plays never moved"):
+        take_failures([g], state, cfg)

@@ -177,6 +177,10 @@ def take_failures(groups: list[Group], state: RunState, cfg: Config) -> tuple[li
     for k, n in counts.items():
         state.failures[k] = state.failures.get(k, 0) + n
     if not kept:
+        if not counts:  # (nothing failed: a match's role that never moved has nothing to train)
+            raise ValueError(f"{where}: nothing to train: in every match of the batch the roles the policy plays "
+                             "never moved (the other side ended the game first); give it more matches per step "
+                             "(rollout.prompts_per_step) or roles that move")
         if set(counts) == {"engine"}:
             raise EngineError(f"{where}: the engine failed on every response of the batch")
         raise failures.UserCodeError(f"{where}: every episode of the batch failed ({dict(counts)}); first: "
