@@ -360,6 +360,20 @@ def test_lora_from_yaml_round_trips(tmp_path):
     assert load_config(str(tmp_path / "off.yaml"), []) == off
 
 
+def test_a_config_recorded_before_a_subsections_newer_field_loads_back():
+    """A checkpoint of an older version records model.lora without a field added since (per_role): its other
+    fields, at their defaults, are not taken as set (they would be refused with model.lora.r=0), and a value it
+    did set stays."""
+    from relayrl.config import recorded_tree
+
+    old = load_config(None, []).model_dump(mode="json")
+    del old["model"]["lora"]["per_role"]
+    assert "lora" not in recorded_tree(old).get("model", {})
+    assert load_config(None, [], base=recorded_tree(old)) == load_config(None, [])
+    old["model"]["lora"]["r"] = 8
+    assert recorded_tree(old)["model"]["lora"] == {"r": 8}
+
+
 def test_a_lora_rank_vllm_cannot_serve_is_refused_by_name():
     with pytest.raises(ConfigError, match="model.lora.r=513 with rollout.engine=vllm"):
         load_config(None, ["model.lora.r=513", "rollout.engine=vllm"])

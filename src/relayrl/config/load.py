@@ -241,7 +241,15 @@ def recorded_tree(dump: dict) -> dict:
     for sec, body in dump.items():
         if sec in defaults and isinstance(body, dict):
             for key, value in body.items():
-                if key in defaults[sec] and value != defaults[sec][key]:
+                if key not in defaults[sec] or value == defaults[sec][key]:
+                    continue
+                default = defaults[sec][key]
+                kind = Config.model_fields[sec].annotation.model_fields[key].annotation
+                if isinstance(value, dict) and isinstance(kind, type) and issubclass(kind, BaseModel):  # model.lora
+                    sub = {k: v for k, v in value.items() if k in default and v != default[k]}
+                    if sub:  # (a field it did not have, newer than it, keeps its default)
+                        tree.setdefault(sec, {})[key] = sub
+                else:
                     tree.setdefault(sec, {})[key] = value
     return tree
 
