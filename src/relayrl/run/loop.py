@@ -279,7 +279,9 @@ def finish(cfg: Config, c: Components, state: RunState, log, startup: float | No
         log(f"held-out accuracy: {before['accuracy']:.1%} → {after['accuracy']:.1%} "
             f"(greedy {before['accuracy_greedy']:.1%} → {after['accuracy_greedy']:.1%})")
     if before and after and "win_rate" in after:
-        log(f"win rate against the scripted player: {before['win_rate']:.1%} → {after['win_rate']:.1%} (greedy "
+        opponent = cfg.env.args.get("opponent")  # (a checkpoint or a pool plays the other roles: say which)
+        who = f"env.args.opponent={opponent}" if opponent else "the scripted player"
+        log(f"win rate against {who}: {before['win_rate']:.1%} → {after['win_rate']:.1%} (greedy "
             f"{before['win_rate_greedy']:.1%} → {after['win_rate_greedy']:.1%})")
     elif c.agents and before and after:
         log(f"tool-call rate: {before['tool_call_rate']:.1%} → {after['tool_call_rate']:.1%} (greedy "
