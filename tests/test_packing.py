@@ -24,9 +24,10 @@ def test_positions_restart_per_row_and_the_rows_come_back():
 
 
 def test_packed_micro_batches_count_real_tokens():
-    class B:  # (micro_batches reads the attention mask only)
+    class B:  # (micro_batches reads the attention mask, and each row's adapter: one, here)
         attention_mask = torch.tensor([[1] * n + [0] * (9 - n) for n in (9, 2, 3, 8, 1)])
         size = 5
+        adapter = None
 
     lengths = [9, 2, 3, 8, 1]
     padded, packed = micro_batches(B, 10), micro_batches(B, 10, packed=True)
@@ -130,3 +131,15 @@ def test_critic_values_and_gradient_equal_the_padded_rows(tiny_path):
     torch.testing.assert_close(out[True][0], out[False][0], atol=2e-6, rtol=1e-5)
     for a, b in zip(out[False][1], out[True][1]):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_micro_batches_never_mix_two_roles_adapters():
+    """model.lora.per_role: a forward runs under one adapter, so a micro-batch holds one role's rows."""
+    class B:
+        attention_mask = torch.tensor([[1] * n + [0] * (9 - n) for n in (9, 2, 3, 8, 1)])
+        size = 5
+        adapter = torch.tensor([0, 1, 0, 1, 0])
+
+    for packed in (False, True):
+        groups = micro_batches(B, 100, packed=packed)
+        assert sorted(map(sorted, groups)) == [[0, 2, 4], [1, 3]]
