@@ -68,12 +68,14 @@ def test_the_engine_decodes_each_request_under_its_roles_adapter(tiny):
     state = lora.adapter_state(policy)
     assert {k.partition("::")[0] for k in state} == {"proposer", "solver"}
     engine_model = copy.deepcopy(model)
-    engine = HFEngine(engine_model, tok, eos_token_ids=[], adapter=AdapterMerge(engine_model, spec))
+    merge = AdapterMerge(engine_model, spec)
+    engine = HFEngine(engine_model, tok, eos_token_ids=[], adapter=merge)
     engine.load_weights(state, 1)
     params = SamplingParams(6, 1.0, seed=11)
     reqs = [GenRequest(f"r{i}", [1, 4, 6 + i], params, adapter=("proposer", "solver")[i % 2]) for i in range(4)]
     got = {c.request_id: c for c in engine.generate(reqs)}
     engine.close()
+    assert merge.switches <= 1  # (interleaved roles: one batch per role, not one per request)
     for role in ("proposer", "solver"):
         alone = copy.deepcopy(policy)
         lora.use_adapter(alone, role)

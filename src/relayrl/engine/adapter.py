@@ -42,6 +42,7 @@ class AdapterMerge:
             self.base = {name: m.weight.detach().to("cpu", copy=True) for name, m in self.modules.items()}
         self.roles: dict[str, dict] = {}  # model.lora.per_role: each role's pairs, one of them merged (``merged``)
         self.merged: str | None = None
+        self.switches = 0  # merges of another role's adapter between batches (per role)
 
     def apply(self, adapter: dict[str, torch.Tensor]) -> None:
         """An update: the one adapter merged now, or (per role) every role's kept, the one merged re-merged."""
@@ -70,6 +71,7 @@ class AdapterMerge:
             raise EngineError(f"a request's role {role!r} has no adapter on the engine (roles: {', '.join(self.roles)})")
         self._merge(self.roles[role])
         self.merged = role
+        self.switches += not force
 
     def _checked(self, pairs: dict) -> dict:
         unknown, missing = sorted(set(pairs) - set(self.modules)), sorted(set(self.modules) - set(pairs))

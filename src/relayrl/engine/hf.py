@@ -306,7 +306,8 @@ class HFEngine(Engine):
 
     def _next_batch(self) -> list[_Row] | None:
         """Queued requests with the first one's sampling setting and adapter (one batch per setting and role
-        of ``model.lora.per_role``; budgets may differ per row)."""
+        of ``model.lora.per_role``; budgets may differ per row): all of them up to ``max_batch``, in their order,
+        the others staying queued in theirs (two roles' requests interleaved make two batches, not one each)."""
         with self._cv:
             while not self._closed and (self._pause_depth > 0 or not self._queue):
                 self._cv.wait()
@@ -314,9 +315,14 @@ class HFEngine(Engine):
                 return None
             setting = lambda r: (r.params.temperature, r.params.top_p, r.params.top_k, r.adapter)  # noqa: E731
             first = setting(self._queue[0])
-            rows = []
-            while self._queue and len(rows) < self.max_batch and setting(self._queue[0]) == first:
-                rows.append(_Row(self._queue.popleft()))
+            rows, rest = [], deque()
+            while self._queue:
+                r = self._queue.popleft()
+                if len(rows) < self.max_batch and setting(r) == first:
+                    rows.append(_Row(r))
+                else:
+                    rest.append(r)
+            self._queue = rest
             self._busy = True
             self._step_version = self._version
             return rows
