@@ -191,6 +191,20 @@ def duo_runner(tok, program, roles=("writer", "critic"), per_role=True):
     return runner, engine
 
 
+def one_episode(tok, program):
+    """One training episode of ``program`` (roles writer and critic, an adapter each): its trajectory."""
+    from relayrl.records import Trajectory
+    from tests.test_episodes import PROMPT
+
+    runner, _ = duo_runner(tok, program)
+    try:
+        t = Trajectory(PROMPT, "g", 0, [])
+        runner.run(runner.episode(t, SamplingParams(100, 1.0), True))
+    finally:
+        runner.close()
+    return t
+
+
 async def duo(client, prompt):
     """A writer answers, a critic reads its answer and judges it: each by its own model name."""
     listed = [m.id for m in (await client.models.list()).data]
@@ -234,27 +248,17 @@ def test_an_agent_program_picks_each_roles_policy_by_model_name(tok):
 ])
 def test_bad_rewards_per_role_fail_the_episode(tok, reply, error):
     from relayrl.failures import failed
-    from relayrl.records import Trajectory
-    from tests.test_episodes import PROMPT
 
     async def program(client, prompt):
         await duo(client, prompt)
         return reply
 
-    runner, _ = duo_runner(tok, program)
-    try:
-        t = Trajectory(PROMPT, "g", 0, [])
-        runner.run(runner.episode(t, SamplingParams(100, 1.0), True))
-    finally:
-        runner.close()
+    t = one_episode(tok, program)
     assert failed(t) and error in t.failure["error"]
 
 
 def test_the_bare_model_is_refused_where_each_role_has_its_own(tok):
     import openai
-
-    from relayrl.records import Trajectory
-    from tests.test_episodes import PROMPT
 
     seen = []
 
@@ -266,11 +270,6 @@ def test_the_bare_model_is_refused_where_each_role_has_its_own(tok):
         await client.chat.completions.create(model="policy/writer", messages=prompt.messages)
         return 1.0
 
-    runner, _ = duo_runner(tok, bare)
-    try:
-        t = Trajectory(PROMPT, "g", 0, [])
-        runner.run(runner.episode(t, SamplingParams(100, 1.0), True))
-    finally:
-        runner.close()
+    t = one_episode(tok, bare)
     assert "each role has a policy of its own here" in seen[0] and "`policy/writer`, `policy/critic`" in seen[0]
     assert t.reward == 1.0 and t.info["role"] == "writer"
