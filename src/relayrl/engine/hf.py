@@ -4,22 +4,19 @@ The loop is relayrl's own (prefill, then one forward per token with a KV cache),
 what ``model.generate`` cannot: rows that finish leave the batch at once (their KV-cache rows
 are dropped), so a long-tail batch costs what its live rows cost, not what its longest row
 costs (about 2x faster than ``generate`` on the demo task). Requests that arrive while a batch
-runs wait for the next batch: joining them by re-prefilling the live rows was tried and lost
-(the padded prefill cost more than it saved on CPU). After every
-token each row's token, log-prob and policy version are recorded, rows finish (EOS, budget,
-abort) and stream out, and the loop passes a safe point where a pause holds it so weights can
-be swapped: tokens after a swap carry the new version; the KV cache computed under the old
-weights is kept (as in AReaL's interruptible generation). Llama-family models decode through
-relayrl's own forward (``fast_decode.py``, ``rollout.fast_decode``); seeded requests
+runs wait for the next batch (joining them by re-prefilling the live rows lost on CPU). After every
+token each row's token, log-prob and policy version are recorded, rows finish (EOS, budget, abort)
+and stream out, and the loop passes a safe point where a pause holds it so weights can be swapped:
+tokens after a swap carry the new version; the old weights' KV cache is kept (as in AReaL).
+Llama-family models decode through relayrl's own forward (``fast_decode.py``); seeded requests
 (``SamplingParams.seed``) sample from their own numbers (``sampling.sample_tokens``). With
 ``rollout.speculative`` a step may verify a draft per row in one forward and emit several tokens
 (``speculative.py``: exact, the same tokens a seeded request gets without it).
 
 ``driven=True``: no background thread; whoever waits for generation decodes, on its own thread,
-through ``serve`` (token by token, so it can stop as soon as what it waits for is there). For a
-synchronous trainer in the same process: torch's OpenMP threads belong to the thread that starts
-them, so decoding on one thread and training on another runs two thread teams that slow each
-other (measured: a sync step ~1.6x slower than with both on one thread).
+through ``serve`` (token by token, so it stops as soon as what it waits for is there). For a sync
+trainer in the same process: torch's OpenMP threads belong to the thread that starts them, so decoding
+on one thread and training on another runs two thread teams that slow each other (~1.6x per step).
 """
 
 from __future__ import annotations
