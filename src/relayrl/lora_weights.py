@@ -1,5 +1,7 @@
 """A LoRA adapter as the trainer and the engines share it: its shape (``LoraSpec``), its tensors under PEFT's
-saved names (``lora_pairs``) and the merged weight W_base + (alpha / r)·B·A (``merged_weight``)."""
+saved names (``lora_pairs``) and the merged weight W_base + (alpha / r)·B·A (``merged_weight``); on a mixture of
+experts' fused expert tensors (``model.lora.experts``, PEFT's ``target_parameters``), one B·A per expert
+(``expert_params``, ``expert_delta``)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ class LoraSpec:
     r: int
     alpha: float
     targets: tuple[str, ...]
+    parameters: tuple[str, ...] = ()  # fused experts' 3-D tensors (PEFT's target_parameters: "experts.down_proj")
 
     @property
     def scale(self) -> float:
@@ -28,7 +31,8 @@ class LoraSpec:
         """PEFT's ``adapter_config.json`` for this adapter on ``base_model``."""
         return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": self.r,
                 "lora_alpha": self.alpha, "target_modules": list(self.targets), "lora_dropout": 0.0, "bias": "none",
-                "fan_in_fan_out": False, "inference_mode": True}
+                "fan_in_fan_out": False, "inference_mode": True,
+                **({"target_parameters": list(self.parameters)} if self.parameters else {})}
 
 
 PEFT_PREFIX = "base_model.model."  # PEFT's saved names: the wrapper's path, then the base model's own
@@ -73,3 +77,28 @@ def by_adapter(adapter: dict[str, torch.Tensor]) -> dict[str | None, dict[str, t
     if None in out and len(out) > 1:
         raise ValueError("the update mixes tensors of one adapter with tensors named per role ('<role>::...')")
     return out
+
+
+def expert_params(model, parameters: tuple[str, ...]) -> dict[str, tuple[torch.nn.Module, str]]:
+    """PEFT's saved module name -> (module, parameter name) for each of ``model``'s tensors that ``parameters``
+    (PEFT's ``target_parameters``) names. PEFT wraps a module once per targeted tensor, the first registered
+    innermost, so of k tensors on one module the i-th saves under "<module>" + ".base_layer" × (k − 1 − i)
+    (tests/test_moe_lora.py checks this against PEFT's own names)."""
+    out: dict[str, tuple[torch.nn.Module, str]] = {}
+    for name, m in model.named_modules():
+        own = [p for p, _ in m.named_parameters(recurse=False)
+               if any(f"{name}.{p}" == t or f"{name}.{p}".endswith(f".{t}") for t in parameters)]
+        for i, p in enumerate(own):
+            out[name + ".base_layer" * (len(own) - 1 - i)] = (m, p)
+    return out
+
+
+def expert_delta(a: torch.Tensor, b: torch.Tensor, weight_shape: torch.Size, transposed: bool,
+                 scale: float) -> torch.Tensor:
+    """scale·B_e·A_e for every expert e of a fused [E, out, in] tensor (``transposed``: stored [E, in, out], as
+    gpt-oss does), float32, from PEFT's layout: A [r·E, in] (expert e's rows e·r … e·r + r − 1), B [out, r·E]
+    (expert e's columns e, e + E, …)."""
+    e = weight_shape[0]
+    a = a.to(torch.float32).reshape(e, -1, a.shape[-1])  # [E, r, in]
+    b = b.to(torch.float32).reshape(b.shape[0], -1, e)  # [out, r, E]
+    return torch.einsum("ore,eri->eio" if transposed else "ore,eri->eoi", b, a) * scale

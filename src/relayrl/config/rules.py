@@ -58,6 +58,7 @@ def check(c: BaseModel) -> None:
     if r.engine == "vllm" and c.model.lora.r:
         vllm_lora_rank(c.model.lora.r)
     _adapter_per_role(c)
+    _expert_adapters(c)
     for field in inapplicable_set(c):
         applies, when, deciding = APPLIES_ONLY[field]
         now = ", ".join(f"{d}={_show(c.get(d))}" for d in deciding)
@@ -66,6 +67,18 @@ def check(c: BaseModel) -> None:
 
 # vLLM's choices of max_lora_rank (vllm/config/lora.py, MaxLoRARanks; the vLLM tests check the two agree)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _expert_adapters(c: BaseModel) -> None:
+    """model.lora.experts: merged per expert by relayrl's hf engines; vLLM's CPU build has no fused-MoE LoRA, and the
+    adapters on fused tensors under FSDP2 are not tested."""
+    if not (c.model.lora.r and c.model.lora.experts):
+        return
+    if c.rollout.engine not in ("hf", "hf-cb"):
+        raise ValueError(f"model.lora.experts=true needs rollout.engine=hf or hf-cb (here {c.rollout.engine}): "
+                         "relayrl's hf engines merge an adapter per expert")
+    if c.trainer.fsdp:
+        raise ValueError("model.lora.experts=true does not combine with trainer.fsdp yet: train on one process")
 
 
 def _adapter_per_role(c: BaseModel) -> None:

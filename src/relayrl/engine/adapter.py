@@ -12,6 +12,9 @@ update starts from the base copy, never from the weights as they are, so loading
 (a restarted engine, a resumed run) cannot apply the adapter twice, and an adapter that names other
 modules than the engine's targets, or misses one, is refused rather than applied in part.
 
+A mixture of experts' fused expert tensors (``model.lora.experts``: PEFT's ``target_parameters``) merge the same
+way, one B·A per expert (``lora_weights.expert_delta``).
+
 One adapter per role (``model.lora.per_role``: an update's tensors named "<role>::..."): the engine keeps every
 role's tensors and has one merged at a time; a batch decodes requests of one role (``GenRequest.adapter``) and
 ``use`` merges that role's adapter when it is not the one merged already, at the cost of one update.
@@ -22,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from relayrl.engine.base import EngineError
-from relayrl.lora_weights import LoraSpec, by_adapter, lora_pairs, merged_weight
+from relayrl.lora_weights import LoraSpec, by_adapter, expert_delta, expert_params, lora_pairs, merged_weight
 
 
 class AdapterMerge:
@@ -35,11 +38,12 @@ class AdapterMerge:
         self.spec = spec
         self.modules = {name: m for name, m in model.named_modules()
                         if name.rpartition(".")[2] in spec.targets and isinstance(m, torch.nn.Linear)}
-        if not self.modules:
-            raise EngineError(f"model.lora: none of the adapter's target modules ({', '.join(spec.targets)}) is a "
-                              "linear layer of the engine's model")
+        self.experts = expert_params(model, spec.parameters)  # (model.lora.experts) saved name -> (module, tensor)
+        if not self.modules or spec.parameters and not self.experts:
+            raise EngineError(f"model.lora: the adapter's targets ({', '.join(spec.targets + spec.parameters)}) are "
+                              "not all in the engine's model")
         with torch.no_grad():
-            self.base = {name: m.weight.detach().to("cpu", copy=True) for name, m in self.modules.items()}
+            self.base = {name: self._weight(name).detach().to("cpu", copy=True) for name in [*self.modules, *self.experts]}
         self.roles: dict[str, dict] = {}  # model.lora.per_role: each role's pairs, one of them merged (``merged``)
         self.merged: str | None = None
         self.switches = 0  # merges of another role's adapter between batches (per role)
@@ -73,14 +77,30 @@ class AdapterMerge:
         self.merged = role
         self.switches += not force
 
+    def _weight(self, name: str) -> torch.Tensor:
+        if name in self.modules:
+            return self.modules[name].weight
+        module, tensor = self.experts[name]
+        return getattr(module, tensor)
+
+    def _shapes(self, name: str) -> tuple[tuple, tuple]:
+        """The A and B a target's weight takes: [r, in] and [out, r]; a fused expert tensor's [r·E, in], [out, r·E]."""
+        w, r = self._weight(name), self.spec.r
+        if name in self.modules:
+            return (r, w.shape[1]), (w.shape[0], r)
+        e, d1, d2 = w.shape
+        fan_in, fan_out = (d1, d2) if getattr(self.experts[name][0], "is_transposed", False) else (d2, d1)
+        return (r * e, fan_in), (fan_out, r * e)
+
     def _checked(self, pairs: dict) -> dict:
-        unknown, missing = sorted(set(pairs) - set(self.modules)), sorted(set(self.modules) - set(pairs))
+        targets = {*self.modules, *self.experts}
+        unknown, missing = sorted(set(pairs) - targets), sorted(targets - set(pairs))
         if unknown or missing:
             raise EngineError(f"adapter update: its modules are not the engine's targets (not targets: {unknown[:3]}, "
                               f"targets without an update: {missing[:3]}); the engine keeps its weights")
         for name, (a, b) in pairs.items():
-            w = self.modules[name].weight
-            if a.shape != (self.spec.r, w.shape[1]) or b.shape != (w.shape[0], self.spec.r):
+            w, (sa, sb) = self._weight(name), self._shapes(name)
+            if a.shape != sa or b.shape != sb:
                 raise EngineError(f"adapter update: {name}: A {tuple(a.shape)}, B {tuple(b.shape)} do not fit its "
                                   f"weight {tuple(w.shape)} at rank {self.spec.r}")
         return pairs
@@ -88,5 +108,10 @@ class AdapterMerge:
     def _merge(self, pairs: dict) -> None:
         with torch.no_grad():
             for name, (a, b) in pairs.items():
-                w = self.modules[name].weight  # (a module's float32 base on the device while it is merged)
-                w.copy_(merged_weight(self.base[name].to(w.device, torch.float32), a, b, self.spec.scale))
+                w = self._weight(name)
+                base = self.base[name].to(w.device, torch.float32)  # (its float32 base on the device while it merges)
+                if name in self.modules:
+                    w.copy_(merged_weight(base, a, b, self.spec.scale))
+                else:
+                    transposed = getattr(self.experts[name][0], "is_transposed", False)
+                    w.copy_(base + expert_delta(a.to(w.device), b.to(w.device), w.shape, transposed, self.spec.scale))

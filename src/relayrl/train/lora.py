@@ -66,9 +66,25 @@ def resolve_targets(model, targets) -> tuple[str, ...]:
     return tuple(dict.fromkeys(targets))
 
 
+def expert_parameters(model) -> tuple[str, ...]:
+    """``model.lora.experts``: PEFT's ``target_parameters`` for a mixture of experts' fused expert tensors (3-D,
+    [experts, out, in], on a module named ``*experts``: "experts.gate_up_proj", "experts.down_proj")."""
+    found = sorted({f"{name.rpartition('.')[2]}.{p}" for name, m in model.named_modules()
+                    if name.rpartition(".")[2].endswith("experts")
+                    for p, t in m.named_parameters(recurse=False) if t.dim() == 3})
+    if not found:
+        raise ModelError("model.lora.experts=true: the model has no fused experts (3-D tensors of a module named "
+                         "'experts', as qwen3_moe, mixtral, gpt_oss keep them); remove it")
+    return tuple(found)
+
+
 def spec_for(lora, model) -> LoraSpec:
     """The adapter's shape (``lora_weights.LoraSpec``) from the ``model.lora`` section, its targets resolved on ``model``."""
-    return LoraSpec(lora.r, float(lora.alpha), resolve_targets(model, lora.targets))
+    experts = expert_parameters(model) if getattr(lora, "experts", False) else ()
+    if experts and lora.dropout:
+        raise ModelError(f"model.lora.experts=true with model.lora.dropout={lora.dropout}: PEFT's adapters on fused "
+                         "experts take no dropout; set model.lora.dropout=0")
+    return LoraSpec(lora.r, float(lora.alpha), resolve_targets(model, lora.targets), experts)
 
 
 def wrap(model, lora, roles: tuple[str, ...] = ()):
@@ -87,7 +103,7 @@ def wrap(model, lora, roles: tuple[str, ...] = ()):
 
     def config(targets):
         return LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=lora.dropout, target_modules=list(targets),
-                          bias="none", task_type="CAUSAL_LM")
+                          bias="none", task_type="CAUSAL_LM", target_parameters=list(spec.parameters) or None)
 
     try:
         wrapped = get_peft_model(model, config(spec.targets), adapter_name=first)
@@ -96,10 +112,17 @@ def wrap(model, lora, roles: tuple[str, ...] = ()):
         if lora.targets != "all-linear" or found is None:
             raise ModelError(f"model.lora.targets: PEFT cannot put an adapter there: {str(e).splitlines()[0]}") from None
         drop = {x.strip(" '\"") for x in found.group(1).split(",")}
-        spec = LoraSpec(spec.r, spec.alpha, tuple(t for t in spec.targets if t not in drop))
+        spec = LoraSpec(spec.r, spec.alpha, tuple(t for t in spec.targets if t not in drop), spec.parameters)
         wrapped = get_peft_model(model, config(spec.targets), adapter_name=first)  # ('all-linear': those PEFT adapts)
+    used = wrapped.peft_config[first]  # (PEFT rewrites some families' MLP targets onto their fused experts)
+    if spec.parameters and (used.rank_pattern or used.alpha_pattern or set(used.target_modules or ()) != set(spec.targets)):
+        raise ModelError("model.lora.experts=true: PEFT rewrites this model's MLP targets onto its fused experts (at "
+                         f"another rank: {dict(used.rank_pattern)}), which relayrl's engines do not merge: give "
+                         "model.lora.targets the attention's layers (e.g. [q_proj, k_proj, v_proj, o_proj])")
     odd = sorted({type(m.base_layer).__name__ for _, m in wrapped.named_modules()
-                  if hasattr(m, "lora_A") and hasattr(m, "base_layer") and not isinstance(m.base_layer, torch.nn.Linear)})
+                  if hasattr(m, "lora_A") and hasattr(m, "base_layer") and not isinstance(m.base_layer, torch.nn.Linear)
+                  and not any(t.endswith(f".{getattr(m, 'parameter_name', None)}") for t in spec.parameters)})
+    # (PEFT's ParamWrapper on a tensor model.lora.experts names: merged per expert by the engines)
     if odd:
         raise ModelError(f"model.lora.targets: PEFT puts adapters on {', '.join(odd)} modules of this model (a "
                          "mixture of experts' fused weights), which relayrl's engines cannot merge (they add B·A to "
@@ -220,8 +243,9 @@ def read_adapter(folder: str | Path, engine: bool = True) -> tuple[LoraSpec, str
         return None
     try:
         c = json.loads((folder / ADAPTER_CONFIG).read_text())
-        targets = c["target_modules"]
-        spec = LoraSpec(int(c["r"]), float(c["lora_alpha"]), tuple([targets] if isinstance(targets, str) else targets))
+        targets, params = c["target_modules"], c.get("target_parameters") or ()
+        spec = LoraSpec(int(c["r"]), float(c["lora_alpha"]), tuple([targets] if isinstance(targets, str) else targets),
+                        tuple(params))
         weights = load_file(str(folder / ADAPTER_WEIGHTS))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelError(f"{folder}: cannot read its LoRA adapter ({ADAPTER_CONFIG}, {ADAPTER_WEIGHTS}): {e}") from None
