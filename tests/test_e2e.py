@@ -120,11 +120,10 @@ def _holds_cut_off(state: dict) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [
     ["run.mode=sync", "rollout.partial=true"],
-    ["run.mode=periodic", "rollout.partial=false"],
-    ["run.mode=periodic", "rollout.partial=true"],
+    ["run.mode=periodic", "rollout.partial=false"],  # (periodic + partial: tests/test_kill_torture.py, exactly)
     ["run.mode=async", "rollout.partial=true", "rollout.max_staleness=2"],
     ["run.mode=async", "rollout.partial=true", "rollout.max_staleness=2", "rollout.dynamic_sampling=true"],
-], ids=["sync+partial", "periodic", "periodic+partial", "async+partial", "async+partial+dynamic"])
+], ids=["sync+partial", "periodic", "async+partial", "async+partial+dynamic"])
 def test_carried_work_survives_kill_and_resume(tmp_path, mode):
     """On the demo model (long-tail lengths): partial groups carried across steps and batches
     generated ahead (periodic) are checkpointed, and a kill -9 + --resume neither loses nor
