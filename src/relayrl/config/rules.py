@@ -315,6 +315,7 @@ APPLIES_ONLY: dict[str, tuple[Callable[[BaseModel], bool], str, tuple[str, ...]]
     "model.lora.dropout": _LORA,
     "model.lora.targets": _LORA,
     "model.lora.per_role": _LORA,
+    "model.lora.experts": _LORA,
     "teacher.coef": _TEACHER,
     "teacher.field": (lambda c: bool(c.teacher.teachers), "with teacher.teachers", ("teacher.teachers",)),
     "teacher.timeout_s": _TEACHER,
