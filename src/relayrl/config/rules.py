@@ -70,8 +70,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def _expert_adapters(c: BaseModel) -> None:
-    """model.lora.experts: merged per expert by relayrl's hf engines; vLLM's CPU build has no fused-MoE LoRA, and the
-    adapters on fused tensors under FSDP2 are not tested."""
+    """model.lora.experts: merged per expert by relayrl's hf engines. relayrl's vLLM path has not been tried with PEFT's
+    target_parameters adapters (vLLM's MoE LoRA kernels need Triton on a GPU), nor FSDP2 with them: both refused."""
     if not (c.model.lora.r and c.model.lora.experts):
         return
     if c.rollout.engine not in ("hf", "hf-cb"):
