@@ -151,13 +151,9 @@ class LoraCfg(_Section):
         "names (PEFT's target_modules: name suffixes such as q_proj, v_proj; a comma-separated string works too). "
         "Each must name linear layers of the model (checked when it loads).")
 
-    experts: bool = Field(
-        False, description="A mixture of experts: also adapt each MoE layer's experts, one B·A per expert on its "
-        "fused tensors (PEFT's target_parameters: experts.gate_up_proj, experts.down_proj), beside model.lora.targets "
-        "(the routers stay the base's). Synced adapter-only and merged per expert by the hf engines (rollout.engine "
-        "hf or hf-cb; vLLM is not given expert adapters); model.lora.dropout must be 0. False: attention (and any "
-        "linear layer) only.")
-
+    experts: bool = Field(False, description="A mixture of experts: also adapt its experts, one B·A per expert on "
+        "the fused tensors (PEFT's target_parameters: experts.gate_up_proj, experts.down_proj; routers stay frozen), "
+        "merged per expert by the hf engines (rollout.engine hf or hf-cb); model.lora.dropout must be 0.")
     per_role: bool = Field(
         False, description="A multi-agent environment (env.name with roles): one adapter per role the policy plays "
         "(roles named NAME#k share NAME's), all on the one base, trained in one run from their own roles' "
