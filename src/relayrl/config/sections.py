@@ -154,6 +154,7 @@ class LoraCfg(_Section):
     experts: bool = Field(False, description="A mixture of experts: also adapt its experts, one B·A per expert on "
         "the fused tensors (PEFT's target_parameters: experts.gate_up_proj, experts.down_proj; routers stay frozen), "
         "merged per expert by the hf engines (rollout.engine hf or hf-cb); model.lora.dropout must be 0.")
+
     per_role: bool = Field(
         False, description="A multi-agent environment (env.name with roles): one adapter per role the policy plays "
         "(roles named NAME#k share NAME's), all on the one base, trained in one run from their own roles' "
@@ -328,8 +329,7 @@ class RolloutCfg(_Section):
         "rloo, reinforce_pp_baseline) over group_size ≥ 2, else false.")
     dynamic_sampling_max: int = Field(
         4, ge=1, description="dynamic_sampling: at most this many × prompts_per_step groups filtered per step; past it "
-        "zero-variance groups are accepted as they are (a model that solves everything would otherwise generate "
-        "forever).")
+        "zero-variance groups are accepted as they are (a model solving everything would otherwise generate forever).")
     budget: Literal["fixed", "adaptive"] = Field(
         "adaptive", description="Responses per prompt. 'fixed': group_size each. 'adaptive': budget_min first; a "
         "group whose rewards have no variance (solved or hopeless) stops there, one with variance gets up to "
