@@ -44,9 +44,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine_info, write_results  # noqa: E402
-from trainer_scale import QWEN3_30B_A3B, QWEN25_05B, SMALL  # noqa: E402
+from trainer_scale import LLAMA31_8B, QWEN3_30B_A3B, QWEN25_05B, SMALL  # noqa: E402
 
 SCALES = {"0.5b": QWEN25_05B, "tiny": SMALL, **{f"30b-a3b-{n}l": dict(QWEN3_30B_A3B, num_hidden_layers=n) for n in (1, 2, 4, 8)},
+          **{f"8b-{n}l": dict(LLAMA31_8B, num_hidden_layers=n) for n in (1, 2, 4)}, "8b": LLAMA31_8B,
           "tiny-moe": dict(QWEN3_30B_A3B, hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000,
                            num_hidden_layers=2)}
@@ -172,7 +173,8 @@ def measure_one(spec: dict) -> dict:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # (the interpreter, torch, transformers)
     torch.manual_seed(0)
     shape = {"model_type": "qwen2", **shape}  # (a mixture of experts' scales name theirs: qwen3_moe)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**shape))
+    dtype = torch.bfloat16 if spec.get("base_dtype") == "bfloat16" else torch.float32  # (model.dtype)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**shape), dtype=dtype)
     if spec.get("lora_r"):  # (benchmarks/lora.py: a LoRA adapter of this rank on every linear layer, trained alone)
         from relayrl.config import LoraCfg
         from relayrl.train import lora
@@ -288,6 +290,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per cell")
     ap.add_argument("--lora-r", type=int, default=0, help="a LoRA adapter of this rank (model.lora.targets=all-linear) "
                     "in every cell, trained alone (0: full fine-tuning)")
+    ap.add_argument("--base-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the model's weights' dtype (model.dtype); bfloat16 with --lora-r: a LoRA step on a bfloat16 "
+                    "base, its adapter in float32 (PEFT's)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="trainer_memory")
     a = ap.parse_args()
@@ -303,7 +308,7 @@ def main() -> None:
         configs = [(n, o) for n, o in configs if n.split(" · ", 1)[1] in a.configs]
     lengths = a.lengths + ([LONG] if a.long else [])
     common = {"scale": a.model_scale, "device": a.device, "steps": a.steps, "micro_batch_tokens": a.micro_batch_tokens,
-              "lora_r": a.lora_r}
+              "lora_r": a.lora_r, "base_dtype": a.base_dtype}
     data = {"machine": machine_info(), "args": vars(a), "results": {}}
     table = []
     for name, overrides in configs:

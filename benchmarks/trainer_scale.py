@@ -33,6 +33,11 @@ QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size
                      head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
                      tie_word_embeddings=False, rms_norm_eps=1e-6, norm_topk_prob=True, decoder_sparse_step=1,
                      mlp_only_layers=[])
+# Llama-3.1-8B's shape (its config.json: hidden 4096, 32 layers, 32 query / 8 KV heads, FFN 14,336, vocab 128,256,
+# untied), with as many layers as a run names: trainer_memory.py's 8B rows (a LoRA step on a bfloat16 base)
+LLAMA31_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                  rope_theta=500000.0, tie_word_embeddings=False, rms_norm_eps=1e-5)
 SMALL = dict(QWEN25_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=1000)
 

@@ -57,13 +57,42 @@ class PackingError(ModelError):
     """A model whose packed forward is not its padded one (trainer.pack refused in one line)."""
 
 
+def _float32_probe(model):
+    """A float32 model of ``model``'s architecture, for the check where ``model``'s weights are bfloat16 (whose
+    rounding, 0.01–0.1 nats here, would hide a leak: Falcon-H1's is 0.006): its config with at most 2 layers (lists
+    per layer cut to match) and a vocabulary of at most 512, random weights (its head ×10), torch's RNG left as it was."""
+    import copy
+
+    base = getattr(model, "get_base_model", lambda: model)()
+    cfg = copy.deepcopy(base.config)
+    n, keep = cfg.num_hidden_layers, min(cfg.num_hidden_layers, 2)
+    for key, value in list(vars(cfg).items()):
+        if isinstance(value, list) and len(value) == n:
+            setattr(cfg, key, value[:keep])
+    cfg.num_hidden_layers, cfg.vocab_size = keep, min(cfg.vocab_size, 512)
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(getattr(cfg, key, None), int) and getattr(cfg, key) >= cfg.vocab_size:
+            setattr(cfg, key, 0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        probe = type(base)(cfg).float()
+    with torch.no_grad():  # (sharper log-probs: a leak shows 10x larger, float32's rounding stays far below tol)
+        probe.get_output_embeddings().weight.mul_(10)
+    return probe
+
+
 @torch.no_grad()
 def check_packing(model, tol: float = 1e-4) -> None:
     """The model's log-probs of three rows packed into one sequence against the same rows padded (float32, eval
     mode): a ``PackingError`` naming the difference where they differ. Transformers confines attention to each
     packed row from the position ids, but not every layer follows (a recurrent layer's state runs on across rows,
     Falcon-H1's Mamba; a sliding window or attention sinks over packed rows, gpt-oss), and such a model would train
-    on other numbers than it samples with: found from the model, once, when the trainer starts."""
+    on other numbers than it samples with: found from the model, once, when the trainer starts. A model in bfloat16
+    is checked on a float32 model of its architecture (``_float32_probe``)."""
+    probe = next(model.parameters()).dtype != torch.float32
+    if probe:
+        name = type(getattr(model, "get_base_model", lambda: model)()).__name__
+        model = _float32_probe(model)
     p = next(model.parameters())
     vocab = model.get_output_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)
@@ -87,7 +116,7 @@ def check_packing(model, tol: float = 1e-4) -> None:
     m = att.bool()
     err = (packed[m] - padded[m]).abs().max().item()
     if not err <= tol:
-        name = type(getattr(model, "get_base_model", lambda: model)()).__name__
+        name = name if probe else type(getattr(model, "get_base_model", lambda: model)()).__name__
         raise PackingError(f"trainer.pack: {name}'s log-probs for rows packed into one sequence differ from its padded "
                            f"rows' by {err:.2g} (a layer that does not stop at the packed rows' boundaries: a "
                            "recurrent state, a sliding window or attention sinks): set trainer.pack=false")
