@@ -5,10 +5,11 @@ equal wall time: the solver's held-out accuracy.
 
 1. The warm start, once: ``relayrl sft`` of the demo model on ``builtin:proposer-sft`` (problems written on
    request, and worked solutions). Both arms start from it.
-2. Per seed, the two arms at once (``--parallel`` runs together, ``run.threads=2`` each: keep their sum under
-   the machine's cores, or the arms slow each other): the curriculum for ``--steps`` steps, and plain GRPO
-   (the demo's own config: ``builtin:demo``) saving a checkpoint every ``--save-every`` steps until the
-   curriculum of its seed is done.
+2. Per seed, one arm after the other (``run.threads=2`` each; ``--parallel`` seeds at once: keep 2 × that
+   under the machine's cores): the curriculum for ``--steps`` steps, then plain GRPO (the demo's own config:
+   ``builtin:demo``) saving a checkpoint every ``--save-every`` steps until it passes the curriculum's time.
+   (Run side by side, two runs of 2 threads on 2 cores starve each other unevenly: an earlier version did
+   that and gave plain GRPO 4-6 steps in the curriculum's time, where alone it trains ~1 step a second.)
 3. Equal wall time: the curriculum's training seconds T; plain GRPO's last checkpoint trained within T (its
    ``state.json``'s ``wall_seconds``).
 4. Each final checkpoint evaluated by ``relayrl eval`` on ``builtin:demo-eval`` (single-turn, ``reward.fn=math``):
@@ -56,10 +57,10 @@ def arm_pair(seed: int, warm: Path, out: Path, steps: int, save_every: int, size
     common = ["run.threads=2", "run.progress=false", f"run.seed={seed}", f"run.output_dir={out}", f"model.path={warm}"]
     ps = relayrl("train", "examples/proposer_solver.yaml", *common, f"run.steps={steps}", f"run.save_every={steps}",
                  f"run.name=ps{seed}", log=out / f"ps{seed}.log")
-    grpo = relayrl("train", *common, f"run.steps={steps * 20}", f"run.save_every={save_every}",
-                   "run.keep_checkpoints=1000", f"run.name=grpo{seed}", log=out / f"grpo{seed}.log")
     finished(ps, f"the curriculum, seed {seed}", out / f"ps{seed}.log")
     budget = json.loads((out / f"ps{seed}" / "summary.json").read_text())["wall_seconds"]
+    grpo = relayrl("train", *common, f"run.steps={steps * 20}", f"run.save_every={save_every}",
+                   "run.keep_checkpoints=1000", f"run.name=grpo{seed}", log=out / f"grpo{seed}.log")
     while grpo.poll() is None:  # until its checkpoints pass the curriculum's time
         done = [json.loads((d / "state.json").read_text())["wall_seconds"]
                 for d in (out / f"grpo{seed}" / "checkpoints").glob("step_*") if (d / "state.json").exists()]

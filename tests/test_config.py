@@ -387,3 +387,15 @@ def test_gradient_checkpointing_on_off_as_yaml_reads_them(text, want, tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text(f"trainer:\n  gradient_checkpointing: {text}\n")
     assert load_config(str(f), []).trainer.gradient_checkpointing == want
+
+
+@pytest.mark.parametrize("field, section", [("algo.routing_replay", "algo"), ("rollout.speculative", "rollout")])
+def test_every_field_with_off_takes_it_unquoted(field, section, tmp_path):
+    """`algo.routing_replay=off` was refused ("Input should be 'off' or 'r3' (got False)"): every field whose words
+    include off takes YAML's false for it, and true only where on is one of its words."""
+    assert getattr(getattr(load_config(None, [f"{field}=off"]), section), field.split(".")[1]) == "off"
+    f = tmp_path / "c.yaml"
+    f.write_text(f"{section}:\n  {field.split('.')[1]}: off\n")
+    assert getattr(getattr(load_config(str(f), []), section), field.split(".")[1]) == "off"
+    with pytest.raises(ConfigError, match="routing_replay"):
+        load_config(None, ["algo.routing_replay=on"])  # (no `on` among its words: not silently r3)

@@ -131,4 +131,4 @@ def test_the_config_switch(tiny_path):
         eng.close()
     with pytest.raises(ConfigError, match="rollout.fast_decode"):
         load_config(None, [f"model.path={tiny_path}", "rollout.engine=hf-cb", "rollout.fast_decode=false"])
-    assert fast_decode.SUPPORTED == ("llama", "mistral", "qwen2", "qwen3")
+    assert fast_decode.SUPPORTED == ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")

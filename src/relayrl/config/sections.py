@@ -8,17 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 
-class ConfigError(ValueError):
-    pass
-
-
-class _Section(BaseModel):
-    # inf/nan pass every bound (lr=.inf is "> 0") and only show up as a NaN loss: refuse them
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
+from relayrl.config.base import ConfigError, _Section  # noqa: F401 - (ConfigError: imported from here)
 
 TrackerName = Literal["jsonl", "tensorboard", "wandb", "mlflow", "trackio", "swanlab"]
 
@@ -276,9 +269,10 @@ class RolloutCfg(_Section):
     top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
     max_batch: int = Field(256, ge=1, description="Most sequences the engine decodes at once.")
     fast_decode: bool = Field(
-        True, description="hf: decode Llama-family models (llama, mistral, qwen2, qwen3) through relayrl's own "
-        "forward (fused projections, a KV cache written in place, a prompt's G copies prefilled once; checked "
-        "against the model's forward when the engine starts). false, or any other model: the model's forward.")
+        True, description="hf: decode Llama-family models (llama, mistral, qwen2, qwen3, and qwen3_moe, qwen2_moe, "
+        "mixtral) through relayrl's own forward (fused projections, a KV cache written in place, a prompt's G copies "
+        "prefilled once; checked against the model's forward when the engine starts). false, or any other model: the "
+        "model's forward.")
     speculative: Literal["off", "on"] = Field(
         "off", description="hf with rollout.fast_decode: exact speculative decoding. A row's draft is what followed "
         "its last tokens in a sibling response of the same prompt that ran ahead, in the prompt's earlier responses "
@@ -299,11 +293,6 @@ class RolloutCfg(_Section):
         "forward costs what its tokens cost, so long drafts over many rows cost more than they save: on the demo "
         "model on 2 CPU cores a forward of 9 tokens a row costs 1.3x one of 1 token at 1 row, 2.2x at 16 rows and "
         "3.9x at 256 (docs/concepts/speculative.md); a GPU's knee is far higher: raise it there.")
-
-    @field_validator("speculative", mode="before")
-    @classmethod
-    def _on_off(cls, v):  # (YAML reads a bare on/off as a boolean)
-        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="hf/hf-cb: the dtype of the engine's copy of the policy ('auto': model.dtype). bfloat16 "

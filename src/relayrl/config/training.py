@@ -3,7 +3,7 @@ trainer (``trainer``), every field typed, bounded and documented where it is def
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -197,12 +197,6 @@ class TrainerCfg(_Section):
         False, description="Shard the policy over the processes torchrun starts, one per GPU (FSDP2; gloo on the "
         "CPU), and split each batch between them: torchrun --nproc-per-node N -m relayrl.cli train ... (rank 0 runs "
         "the rollout, engines, evaluation and checkpoints).")
-
-    @field_validator("gradient_checkpointing", mode="before")
-    @classmethod
-    def _on_off(cls, v: Any) -> Any:
-        """``on``/``off`` as YAML reads them unquoted (true/false, from a file or the command line)."""
-        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     @field_validator("betas")
     @classmethod

@@ -11,7 +11,9 @@ once (``benchmarks/engines.py``: 1.27x the tokens/s of the model's own forward o
 the swap another 1.14x, ``benchmarks/decode_ab.py``).
 
 Supported: ``llama``, ``mistral`` and ``qwen2`` (full attention), ``qwen3`` (its q/k norms) — with
-any RoPE type (the model's own rotary module computes cos/sin). Anything else, or a model of these
+any RoPE type (the model's own rotary module computes cos/sin) — and the mixtures of experts built on
+them, ``qwen3_moe``, ``qwen2_moe`` and ``mixtral``, whose expert blocks are their own modules called as
+they are (a MoE engine records their routes with hooks: ``row_routes.py``). Anything else, or a model of these
 types whose logits this forward does not reproduce (``check``: compared with the model's own
 forward when the engine starts), decodes through the model's forward as before
 (``rollout.fast_decode=false`` forces that).
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
 
 
 def unsupported(model) -> str | None:
@@ -35,15 +37,18 @@ def unsupported(model) -> str | None:
         return f"model type {c.model_type!r} (supported: {', '.join(SUPPORTED)})"
     if getattr(c, "hidden_act", "silu") != "silu":
         return f"activation {c.hidden_act!r}"
-    windowed = getattr(c, "use_sliding_window", c.model_type == "mistral") and getattr(c, "sliding_window", None)
+    windowed = (getattr(c, "use_sliding_window", c.model_type in ("mistral", "mixtral"))
+                and getattr(c, "sliding_window", None))
     if windowed or any(t != "full_attention" for t in (getattr(c, "layer_types", None) or [])):
         return "sliding-window attention"
     layer = model.model.layers[0]
     needed = ("q_proj", "k_proj", "v_proj", "o_proj")
-    if not all(hasattr(layer.self_attn, n) for n in needed) or not hasattr(layer.mlp, "gate_proj"):
+    if not all(hasattr(layer.self_attn, n) for n in needed) or not all(
+            hasattr(x.mlp, "gate_proj") or hasattr(x.mlp, "experts") for x in model.model.layers):
         return "its layers are not Llama's"
-    for group in ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-                  (layer.mlp.gate_proj, layer.mlp.up_proj)):
+    groups = [(a.q_proj, a.k_proj, a.v_proj) for a in (x.self_attn for x in model.model.layers)]
+    groups += [(x.mlp.gate_proj, x.mlp.up_proj) for x in model.model.layers if hasattr(x.mlp, "gate_proj")]
+    for group in groups:
         if len({m.bias is None for m in group}) > 1:
             return "projections fused together differ in having a bias"
     return None
@@ -127,11 +132,13 @@ class FastDecoder:
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
             qkv, qkv_bias = _fuse([a.q_proj, a.k_proj, a.v_proj])
-            gate_up, gate_up_bias = _fuse([m.gate_proj, m.up_proj])
+            dense = hasattr(m, "gate_proj")  # (else a mixture of experts' block, called as it is)
+            gate_up, gate_up_bias = _fuse([m.gate_proj, m.up_proj]) if dense else (None, None)
             self.layers.append((layer, qkv, qkv_bias, gate_up, gate_up_bias))
         a = model.model.layers[0].self_attn
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.head_dim, self.scaling = a.head_dim, a.scaling
+        self.rows_of: Tensor | None = None  # the last prefill's forward row for each row (its context's)
 
     @torch.inference_mode()
     def new_cache(self, rows: int, capacity: int) -> KVCache:
@@ -160,6 +167,7 @@ class FastDecoder:
         cache = self.new_cache(len(unique), max(capacity, ids.shape[1]))
         cache.mask[:, : ids.shape[1]] = torch.where(attention[first].bool(), 0.0, cache.masked)
         logits = self._forward(ids[first], positions[first], cache)
+        self.rows_of = inverse
         if not torch.equal(inverse, torch.arange(len(ids), device=ids.device)):  # (unique sorts the rows)
             cache.select(inverse)
             logits = logits.index_select(0, inverse)
@@ -226,7 +234,11 @@ class FastDecoder:
             cache.v[i][:, :, n0:n1] = v
             out = self._attend(self._rotate(q, cos, sin), cache.k[i][:, :, :n1], cache.v[i][:, :, :n1], mask)
             x = x + F.linear(out.transpose(1, 2).reshape(b, s, h_), attn.o_proj.weight, attn.o_proj.bias)
-            gate, up = F.linear(self._norm(layer.post_attention_layernorm, x), gu_w, gu_b).chunk(2, dim=-1)
+            h = self._norm(layer.post_attention_layernorm, x)
+            if gu_w is None:  # a mixture of experts' block
+                x = x + layer.mlp(h)
+                continue
+            gate, up = F.linear(h, gu_w, gu_b).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias)
         cache.n = n1
         last = self._norm(self.model.model.norm, x if every else x[:, -1])

@@ -35,6 +35,7 @@ from transformers import DynamicCache
 from relayrl.engine.adapter import AdapterMerge
 from relayrl.engine.base import Engine, EngineError, check_new, copy_weights
 from relayrl.engine.fast_decode import SUPPORTED, fast_decoder
+from relayrl.engine.row_routes import RowRoutes
 from relayrl.engine.speculative import Speculator, verify
 from relayrl.models import cache_kwarg, moe
 from relayrl.records import Completion, FinishReason, GenRequest
@@ -83,7 +84,7 @@ class HFEngine(Engine):
             speculator = None
         self._spec = speculator  # rollout.speculative: drafts verified in one forward (``speculative.py``)
         # a mixture of experts: the experts each token fed forward was routed to, on its completion (``models.moe``)
-        self._routes = moe.Recorder(model) if moe.replayable(model) else None
+        self._routes = RowRoutes(model) if moe.replayable(model) else None
         self.device = next(model.parameters()).device  # rollout.device: where it decodes (the CPU, or a GPU)
         # entered around each generate call (the continuous-batching engine pauses its own loop with it)
         self._guard = batch_guard or contextlib.nullcontext
@@ -402,7 +403,8 @@ class HFEngine(Engine):
         p = live[0].req.params
         if self._fast is not None:
             budget = max(r.req.params.max_new_tokens - len(r.tokens) for r in live)
-            logits, cache = self._fast.prefill(ids, att, pos, n + min(budget, 256))
+            with self._recording(live, [len(c) for c in ctx], lambda: self._fast.rows_of):
+                logits, cache = self._fast.prefill(ids, att, pos, n + min(budget, 256))
         else:
             cache = DynamicCache(config=self.model.config)
             with self._recording(live, [len(c) for c in ctx]):
@@ -456,26 +458,17 @@ class HFEngine(Engine):
                 if drawn is not None:
                     continue
             if self._fast is not None:
-                logits = self._fast.decode(tok, pos, cache)
+                with self._recording(live, [1] * len(live)):
+                    logits = self._fast.decode(tok, pos, cache)
                 continue
             att = torch.cat([att, att.new_ones(len(live), 1)], dim=1)
             with self._recording(live, [1] * len(live)):
                 logits = self.model(input_ids=tok[:, None], attention_mask=att, position_ids=pos[:, None],
                                     **{self._cache_kw: cache}, use_cache=True).logits[:, -1, :]
 
-    @contextlib.contextmanager
-    def _recording(self, live: list[_Row], real: list[int]):
-        """A forward of ``live``'s rows, left-padded, ``real[i]`` real tokens at the end of row i: with a mixture of
-        experts, each row's real tokens' routes appended to the row's."""
-        if self._routes is None:
-            yield
-            return
-        with self._routes.capture():
-            yield
-        got = self._routes.routes()
-        got = got.view(len(live), -1, *got.shape[1:])
-        for row, n, r in zip(live, real, got):
-            row.routes.append(r[r.shape[0] - n:])
+    def _recording(self, live: list[_Row], real: list[int], rows_of=None):
+        """A forward of ``live``'s rows: with a mixture of experts, their fed tokens' routes (``RowRoutes``)."""
+        return contextlib.nullcontext() if self._routes is None else self._routes.forward(live, real, rows_of)
 
     def _speculate(self, live: list[_Row], tok, pos, at, seeds, cache, p) -> tuple[list, list] | None:
         """Drafts for the live rows verified in one forward (``speculative.verify``, exact): the tokens and
@@ -487,7 +480,8 @@ class HFEngine(Engine):
             return None
         width = drafts.shape[1] + 1
         offsets = torch.arange(width, device=self.device)
-        logits = self._fast.verify(torch.cat([tok[:, None], drafts], 1), pos[:, None] + offsets, cache)
+        with contextlib.nullcontext() if self._routes is None else self._routes.captured():
+            logits = self._fast.verify(torch.cat([tok[:, None], drafts], 1), pos[:, None] + offsets, cache)
         scores = sampling_scores(logits, p.temperature, p.top_k, p.top_p)
 
         def draw(s, i):  # as plain decoding draws the token at that position (a seeded row: its own numbers)
@@ -495,6 +489,8 @@ class HFEngine(Engine):
 
         tokens, logprobs, accepted = verify(scores, drafts, lengths, draw)
         self._fast.reject(cache, accepted, width)
+        if self._routes is not None:  # (a mixture of experts: the routes of the tokens each row keeps)
+            self._routes.verified(live, width, accepted.tolist())
         self._spec.accepted([r[0] for r in rows], lengths, accepted, sources)
         self._spec.forward(len(live), sum(map(len, tokens)))
         return tokens, logprobs
