@@ -76,6 +76,8 @@ SYSTEMS = {
     "sync, the model's own decoding forward": ["run.mode=sync", "rollout.fast_decode=false"],
     "sync + budgets + dynamic sampling": ["run.mode=sync"] + BUDGET + DS,
     "relayrl async η=4": FAST,
+    "sync + speculative": ["run.mode=sync", "rollout.speculative=on"],  # (drafts: siblings, history; the defaults)
+    "async η=4 + speculative": FAST + ["rollout.speculative=on"],
     "async η=4 + dynamic sampling": FAST + DS,
     "async η=4 + selection": FAST + SELECT,
     "async η=4 + budgets": FAST + BUDGET,

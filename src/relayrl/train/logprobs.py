@@ -192,7 +192,7 @@ class Reading:
 
 def install_head(model, float32: bool) -> None:
     """Patch ``model``'s output projection: plain logits (``float32``: computed in float32 under
-    autocast, from the float32 weight it has, tied or its own) unless ``reading`` is on. The forward
+    autocast, from its weight, tied or its own, in float32: a bfloat16 base's cast) unless ``reading`` is on. The forward
     is bound to this module, so that a deep copy's is its copy's.
 
     What the model's forward does to the head's output after it (a scale, a softcap: ``head_transform``)
@@ -208,8 +208,8 @@ def install_head(model, float32: bool) -> None:
         if r is None:
             if not float32:
                 return F.linear(x, head.weight, head.bias)
-            with torch.autocast(x.device.type, enabled=False):
-                return F.linear(x.float(), head.weight, head.bias)
+            with torch.autocast(x.device.type, enabled=False):  # (.float(): a bfloat16 base's head, cast)
+                return F.linear(x.float(), head.weight.float(), None if head.bias is None else head.bias.float())
         if r.targets is None:
             return x[..., :0]
         lp, ent = chunked_logprobs(x, head.weight, head.bias, r.targets, r.temperature, r.top_k, r.top_p, r.chunk,
