@@ -181,6 +181,21 @@ def test_float32_head_under_bf16_autocast():
         torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
 
 
+def test_the_float32_head_of_a_bfloat16_base_casts_its_weight():
+    """A bfloat16 base (its head's weight bfloat16) asked for the float32 head: float32 logits from the weight cast,
+    not "expected m1 and m2 to have the same dtype" (benchmarks/trainer_memory.py --base-dtype bfloat16)."""
+    from relayrl.demo import model as demo_model
+    from tests.families import build
+
+    model = build("llama", demo_model.build_tokenizer(demo_model.RECIPE["seed"], 300)).bfloat16()
+    LP.install_head(model, float32=True)
+    head, x = model.get_output_embeddings(), torch.randn(3, 32).bfloat16()
+    with torch.autocast("cpu", torch.bfloat16):
+        z = head(x)
+    assert z.dtype == torch.float32
+    torch.testing.assert_close(z, F.linear(x.float(), head.weight.float()))
+
+
 # -- through the trainer -----------------------------------------------------------------------------------
 
 def _trainer(model, chunk, share, bf16=False, **algo):
