@@ -30,12 +30,8 @@ from common import machine_info, write_results  # noqa: E402
 
 from relayrl.config import load_config  # noqa: E402
 from relayrl.data.datasets import load_prompts  # noqa: E402
-from relayrl.models import (  # noqa: E402
-    encode_prompt,
-    load_policy,
-    load_tokenizer,
-    resolve_model_path,
-)
+from relayrl.models import load_policy, load_tokenizer, resolve_model_path  # noqa: E402
+from relayrl.models.prompts import encode_prompt  # noqa: E402
 from relayrl.engine.spec import build_local_engine, engine_spec  # noqa: E402
 from relayrl.records import GenRequest, SamplingParams  # noqa: E402
 

@@ -140,3 +140,19 @@ def test_the_whole_config_reaches_only_the_assembly():
                     getattr(node.annotation, "id", getattr(node.annotation, "value", None)) == "Config":
                 takers.add(m)
     assert takers <= ASSEMBLY, f"the whole Config reaches {sorted(takers - ASSEMBLY)}"
+
+
+def test_the_benchmarks_import_only_what_relayrl_has():
+    """Every name a benchmark (or example) imports from relayrl exists (benchmarks/engines.py imported
+    ``encode_prompt`` from ``relayrl.models`` after it moved, and stopped at its first line)."""
+    import importlib
+
+    missing = []
+    for f in sorted([*(SRC.parent / "benchmarks").glob("*.py"), *(SRC.parent / "examples").glob("*.py")]):
+        for n in ast.walk(ast.parse(f.read_text())):
+            if isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] == "relayrl":
+                mod = importlib.import_module(n.module)
+                for a in n.names:
+                    if not hasattr(mod, a.name) and importlib.util.find_spec(f"{n.module}.{a.name}") is None:
+                        missing.append(f"{f.name}: from {n.module} import {a.name}")
+    assert not missing, missing
