@@ -8,8 +8,8 @@ equal wall time: the solver's held-out accuracy.
 2. Per seed, one arm after the other (``run.threads=2`` each; ``--parallel`` seeds at once: keep 2 × that
    under the machine's cores): the curriculum for ``--steps`` steps, then plain GRPO (the demo's own config:
    ``builtin:demo``) saving a checkpoint every ``--save-every`` steps until it passes the curriculum's time.
-   (Run side by side, two runs of 2 threads on 2 cores starve each other unevenly: an earlier version did
-   that and gave plain GRPO 4-6 steps in the curriculum's time, where alone it trains ~1 step a second.)
+   (An earlier version ran the two side by side, 4 threads on 2 cores: both ran ~15x slower than alone, in
+   about the same proportion, so its step counts hold, but its times do not.)
 3. Equal wall time: the curriculum's training seconds T; plain GRPO's last checkpoint trained within T (its
    ``state.json``'s ``wall_seconds``).
 4. Each final checkpoint evaluated by ``relayrl eval`` on ``builtin:demo-eval`` (single-turn, ``reward.fn=math``):
