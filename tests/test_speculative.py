@@ -4,6 +4,7 @@ tokens of a five-token vocabulary), at T = 1, T = 0.7, top-k and top-p, for draf
 a lenient acceptance rule (SPEC-RL's) fails the same test; log-probs are the policy's; drafts come from
 siblings, earlier responses and the prompt."""
 
+import dataclasses
 import itertools
 import math
 
@@ -208,6 +209,23 @@ def test_drafts_come_from_siblings_earlier_responses_and_the_prompt():
     assert d[0].tolist() == [22, 23, 2] and src == ["history"]
 
 
+def test_a_lead_per_prompt_decodes_first_and_finished_siblings_stay_drafts():
+    from relayrl.engine.speculative import divide
+
+    assert divide(["a", "b", "a", "c", "b", "a"]) == [[0, 1, 3], [2, 4, 5]]  # the leads (singletons too), the rest
+    assert divide(["a", "b"]) == [[0, 1]] and divide([]) == [[]]
+    p, q = [10, 11, 12], [13, 14]
+    spec = Speculator(sources=("siblings",), max_draft=4, lead=True)
+    assert spec.batch([p, p, q]) == [[0, 2], [1]]
+    assert Speculator(sources=("history",), lead=True).batch([p, p]) == [[0, 1]]  # (no siblings: no lead)
+    spec.finished("a", p, [20, 21, 22, 23, 2], True)  # the lead ended: its response drafts for its siblings
+    spec.finished("c", q, [5, 6], False)  # (a response cut short is not a draft)
+    d, n, src = spec.drafts([("b", p, [20], 10), ("d", q, [5], 10)])
+    assert d[0].tolist() == [21, 22, 23, 2] and src == ["siblings", None] and n.tolist() == [4, 0]
+    spec.batch([q])  # another batch: the first one's finished responses are not its siblings
+    assert spec.drafts([("b", p, [20], 10)])[2] == [None]
+
+
 def _requests(tok, n, budget, seed0=None, temp=1.0, top_p=1.0):
     from relayrl.records import GenRequest, SamplingParams
 
@@ -253,6 +271,39 @@ def test_the_engine_emits_what_plain_decoding_does_with_the_policy_s_log_probs(t
     finally:
         plain.close()
         fast.close()
+
+
+def test_the_lead_s_response_drafts_for_its_siblings_and_changes_no_token(tiny):
+    """Seer's divided rollout: a lead per prompt decodes first; greedy siblings then take its whole response as
+    drafts (several tokens a forward), where lockstep siblings draft nothing; seeded sampled rows emit what plain
+    decoding does, lead or not."""
+    from relayrl.engine.hf import HFEngine
+    from relayrl.engine.speculative import Speculator, metrics
+
+    model, tok = tiny
+    plain = HFEngine(model, tok, fast_decode=True)
+    engines = {lead: HFEngine(model, tok, fast_decode=True, speculator=Speculator(("siblings",), 8, 256, lead=lead))
+               for lead in (False, True)}
+    try:
+        for temp in (0.0, 1.0):
+            reqs = lambda: _requests(tok, 4, 24, seed0=100, temp=temp) + [  # noqa: E731
+                dataclasses.replace(r, request_id=f"q{i}", prompt_ids=r.prompt_ids[:-3])
+                for i, r in enumerate(_requests(tok, 3, 24, seed0=200, temp=temp))]
+            want = plain.generate(reqs())
+            m = {}
+            for lead, eng in engines.items():
+                got = eng.generate(reqs())
+                assert [g.token_ids for g in got] == [w.token_ids for w in want]
+                for w, g in zip(want, got):
+                    assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4)
+                m[lead] = metrics(eng._spec.take())
+            assert m[False]["spec/drafted"] == 0, m  # in lockstep no sibling is ahead
+            if temp == 0:  # greedy siblings write their lead's response: every draft kept
+                assert m[True]["spec/accepted_siblings"] == m[True]["spec/drafted_siblings"] > 0, m
+                assert m[True]["spec/tokens_per_forward"] > 1.5, m  # (the leads: one a forward)
+    finally:
+        for eng in (plain, *engines.values()):
+            eng.close()
 
 
 def test_the_model_s_own_forward_turns_speculation_off_with_a_warning(tiny):

@@ -259,6 +259,9 @@ APPLIES_ONLY: dict[str, tuple[Callable[[BaseModel], bool], str, tuple[str, ...]]
     "rollout.speculative": (lambda c: c.rollout.engine == "hf", "with rollout.engine=hf", ("rollout.engine",)),
     "rollout.speculative_sources": _SPEC,
     "rollout.speculative_max_draft": _SPEC,
+    "rollout.speculative_lead": (lambda c: c.rollout.speculative == "on" and "siblings" in c.rollout.speculative_sources,
+                                 "with rollout.speculative=on and siblings among rollout.speculative_sources",
+                                 ("rollout.speculative", "rollout.speculative_sources")),
     "rollout.speculative_batch_tokens": _SPEC,
     "rollout.dtype": (lambda c: c.rollout.engine != "vllm", "with rollout.engine=hf or hf-cb (vLLM loads the "
                       "weights in model.dtype)", ("rollout.engine",)),

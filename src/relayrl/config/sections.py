@@ -284,6 +284,11 @@ class RolloutCfg(_Section):
         description="Where drafts come from (rollout.speculative=on): siblings, history, prompt. prompt (the row's "
         "own context: prompt lookup) pays on text that copies its context (tool results, code edits); on the demo "
         "14-37% of its drafts were kept and it cost 8-20% of the rollout's speed, so it is not in the default.")
+    speculative_lead: bool = Field(
+        False, description="Seer's divided rollout (rollout.speculative=on with siblings): one response of each "
+        "prompt in a batch decodes first, alone, and its whole text drafts for the others, which start when it ends "
+        "(its time counted in the rollout's). On the demo on 2 CPU cores it does not pay (docs/concepts/"
+        "speculative.md): off by default.")
     speculative_max_draft: int = Field(
         8, ge=1, le=64, description="Most draft tokens a row verifies in one forward (it starts at 4, doubles after "
         "a draft accepted whole, and falls to one past what was accepted otherwise).")

@@ -14,7 +14,8 @@ def make_engine(r, model, tokenizer, version: int = 0, driven: bool = False, ada
         from relayrl.engine.hf import HFEngine
         from relayrl.engine.speculative import Speculator
 
-        spec = (Speculator(r.speculative_sources, r.speculative_max_draft, r.speculative_batch_tokens)
+        spec = (Speculator(r.speculative_sources, r.speculative_max_draft, r.speculative_batch_tokens,
+                           lead=r.speculative_lead)
                 if r.speculative == "on" else None)
         return HFEngine(model, tokenizer, max_batch=r.max_batch, version=version, driven=driven,
                         fast_decode=r.fast_decode, adapter=adapter, speculator=spec)

@@ -37,7 +37,7 @@ from relayrl.engine.base import Engine, EngineError, check_new, copy_weights
 from relayrl.engine.fast_decode import SUPPORTED, fast_decoder
 from relayrl.engine.row_routes import RowRoutes
 from relayrl.engine.speculative import Speculator, verify
-from relayrl.models import cache_kwarg, moe
+from relayrl.models import cache_kwarg, moe, select_rows
 from relayrl.records import Completion, FinishReason, GenRequest
 from relayrl.algos.token_sampling import sample_tokens, sampling_scores
 
@@ -52,21 +52,6 @@ class _Row:
     @property
     def context(self) -> list[int]:
         return list(self.req.prompt_ids) + list(self.req.response_so_far) + self.tokens
-
-
-def select_rows(cache, idx: torch.Tensor, rows: int) -> None:
-    """Keep rows ``idx`` of a transformers cache of ``rows`` rows. ``batch_select_indices`` selects keys and
-    values; a hybrid model's layers (Falcon-H1's linear-attention and Mamba states, kept in dicts beside them)
-    are left whole by it in transformers 5.19, so every tensor still ``rows`` long is selected here too."""
-    cache.batch_select_indices(idx)
-    for layer in getattr(cache, "layers", []):
-        for name, value in vars(layer).items():
-            if torch.is_tensor(value) and value.dim() and value.shape[0] == rows:
-                setattr(layer, name, value.index_select(0, idx))
-            elif isinstance(value, dict):
-                for k, v in value.items():
-                    if torch.is_tensor(v) and v.dim() and v.shape[0] == rows:
-                        value[k] = v.index_select(0, idx)
 
 
 class HFEngine(Engine):
@@ -383,9 +368,15 @@ class HFEngine(Engine):
         for _ in self._steps(rows):
             pass
 
-    @torch.no_grad()
     def _steps(self, rows: list[_Row]) -> Iterator[None]:
-        """Decode ``rows`` until each finishes, yielding after every token."""
+        """Decode ``rows`` until each finishes, yielding after every token; with rollout.speculative_lead in the
+        parts ``Speculator.batch`` divides them into, one after the other (a lead per prompt first)."""
+        parts = self._spec.batch([r.req.prompt_ids for r in rows]) if self._spec is not None else [range(len(rows))]
+        for part in parts:
+            yield from self._decode([rows[i] for i in part])
+
+    @torch.no_grad()
+    def _decode(self, rows: list[_Row]) -> Iterator[None]:
         with self._cv:
             for row in rows:
                 if len(row.tokens) >= row.req.params.max_new_tokens:  # a zero budget returns at once

@@ -5,7 +5,9 @@ Drafts. A row's draft is what followed, elsewhere, the last tokens it has: the l
 ``max_n`` .. ``min_n`` tokens found in a source, and the tokens after that occurrence. Sources
 (``DraftStore``), all keyed by the row's prompt, none a model:
 
-    siblings  the other responses of the same prompt in the engine now (Seer's grouped drafts);
+    siblings  the other responses of the same prompt in the engine's batch, live ones ahead of the row and
+              finished ones (Seer's grouped drafts); with ``lead``, one row of each group decodes first, alone
+              (Seer's divided rollout: its whole response drafts for its siblings, which wait for it);
     history   the prompt's earlier responses (SPEC-RL's previous epoch), the last ``keep`` of each,
               ``max_tokens`` in all, the least recently used prompt forgotten first;
     prompt    the row's own context: its prompt and what it generated (prompt lookup).
@@ -169,15 +171,24 @@ class Speculator:
     since the last ``take``."""
 
     def __init__(self, sources: Sequence[str] = SOURCES, max_draft: int = 8, batch_tokens: int = 64, keep: int = 4,
-                 max_tokens: int = 200_000):
+                 max_tokens: int = 200_000, lead: bool = False):
         if max_draft < 1:
             raise ValueError(f"rollout.speculative_max_draft must be at least 1, got {max_draft}")
         self.store = DraftStore(sources, keep=keep, max_tokens=max_tokens)
-        self.max_draft, self.batch_tokens = max_draft, batch_tokens
+        self.max_draft, self.batch_tokens, self.lead = max_draft, batch_tokens, lead
+        self.group_done: dict[tuple, list[NgramIndex]] = {}  # prompt -> its responses finished in this batch
         self.k: dict[str, int] = {}  # request id -> its next draft length
         self.rows: dict[str, NgramIndex] = {}  # request id -> its prompt's end and response so far
         self.counts: dict[str, int] = {}
         self.lock = threading.Lock()  # (counted on the engine's thread, taken on the trainer's)
+
+    def batch(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        """A new batch of rows (``prompts``: each row's prompt ids): the finished responses kept as siblings are
+        its prompts' only, and the parts it decodes in, one after the other (``divide``: with ``lead``, one row of
+        each prompt first; else all at once)."""
+        keys = [self.store.key(p) for p in prompts]
+        self.group_done = {k: self.group_done.get(k, []) for k in keys}
+        return divide(keys) if self.lead and "siblings" in self.store.sources else [list(range(len(keys)))]
 
     def drafts(self, rows: Sequence[tuple[str, Sequence[int], Sequence[int], int]], device=None
                ) -> tuple[Tensor, Tensor, list[str | None]]:
@@ -197,7 +208,8 @@ class Speculator:
         out, sources = [], []
         for (rid, prompt, _, left), own in zip(rows, indexes):
             k = min(self.k.setdefault(rid, min(4, self.max_draft)), left - 1, cap)  # (room for the token drawn after)
-            ahead = [s for s in by_prompt[self.store.key(prompt)] if len(s.seq) > len(own.seq)]
+            key = self.store.key(prompt)
+            ahead = [s for s in by_prompt[key] if len(s.seq) > len(own.seq)] + self.group_done.get(key, [])
             d, src = self.store.draft(prompt, own, k, ahead) if k > 0 else ([], None)
             out.append(d)
             sources.append(src)
@@ -226,7 +238,10 @@ class Speculator:
         self.k.pop(request_id, None)
         own = self.rows.pop(request_id, None)
         if complete:  # (a response cut by a weight update goes on later: its end is kept then)
-            self.store.finished(prompt_ids, self._index(own, prompt_ids, response))
+            own = self._index(own, prompt_ids, response)
+            self.store.finished(prompt_ids, own)
+            if "siblings" in self.store.sources and self.store.key(prompt_ids) in self.group_done:
+                self.group_done[self.store.key(prompt_ids)].append(own)
 
     def _index(self, own: NgramIndex | None, prompt: Sequence[int], response: Sequence[int]) -> NgramIndex:
         """A row's index (``own``, or a new one) brought up to its whole ``response``."""
@@ -240,6 +255,18 @@ class Speculator:
         with self.lock:
             c, self.counts = self.counts, {}
         return c
+
+
+def divide(keys: Sequence) -> list[list[int]]:
+    """Seer's divided rollout: the rows (by their prompts' ``keys``) in the parts they decode in, one after the
+    other: the first row of each prompt (its lead), then the rest, which draft from their lead's whole response;
+    one part where no prompt has two rows."""
+    first: dict = {}
+    for i, k in enumerate(keys):
+        first.setdefault(k, i)
+    leads = sorted(first.values())
+    rest = [i for i in range(len(keys)) if first[keys[i]] != i]
+    return [leads, rest] if rest else [leads]
 
 
 def add_counts(into: dict[str, int], counts: dict[str, int]) -> dict[str, int]:

@@ -120,6 +120,21 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def select_rows(cache, idx: torch.Tensor, rows: int) -> None:
+    """Keep rows ``idx`` of a transformers cache of ``rows`` rows. ``batch_select_indices`` selects keys and
+    values; a hybrid model's layers (Falcon-H1's linear-attention and Mamba states, kept in dicts beside them)
+    are left whole by it in transformers 5.19, so every tensor still ``rows`` long is selected here too."""
+    cache.batch_select_indices(idx)
+    for layer in getattr(cache, "layers", []):
+        for name, value in vars(layer).items():
+            if torch.is_tensor(value) and value.dim() and value.shape[0] == rows:
+                setattr(layer, name, value.index_select(0, idx))
+            elif isinstance(value, dict):
+                for k, v in value.items():
+                    if torch.is_tensor(v) and v.dim() and v.shape[0] == rows:
+                        value[k] = v.index_select(0, idx)
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / T)[target] per position, in float32."""
     logits = logits.float()
