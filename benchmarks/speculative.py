@@ -12,14 +12,20 @@
 2. **The verification forward at Qwen2.5-0.5B's shape** (random weights): one forward over k + 1 tokens
    against k + 1 one-token decoding forwards, per batch size, after a ``--context`` of 64 tokens: the number that
    decides the gain on real models (a draft of k accepted whole costs the first, plain decoding the second).
+3. **Training for several epochs**: ``relayrl train`` over ``--train-prompts`` prompts (128: 16 steps an epoch)
+   for ``--train-epochs`` epochs, without speculation, with it (its default sources: siblings and history) and
+   with the lead as well (``rollout.speculative_lead``, Seer's divided rollout), ``--seeds`` seeds interleaved:
+   per epoch the rollout's seconds and tokens/s, the drafts made and kept (from history), tokens per forward.
+   Part 1's ``siblings + lead`` and ``all + lead`` settings count the lead's time in the rollout's.
 
-    python benchmarks/speculative.py                   # ~10 min on 2 quiet cores
+    python benchmarks/speculative.py                   # ~50 min on 2 quiet cores (part 3: ~35)
     python benchmarks/speculative.py --scale tiny      # check the script
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import time
@@ -31,8 +37,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine_info, write_results  # noqa: E402
 from trainer_scale import QWEN25_05B, SMALL  # noqa: E402
 
-SETTINGS = [("off", None), ("prompt", ["prompt"]), ("history", ["history"]), ("siblings", ["siblings"]),
-            ("all", ["siblings", "history", "prompt"])]
+ALL = ["siblings", "history", "prompt"]
+# (name, sources, rollout.speculative_lead)
+SETTINGS = [("off", None, False), ("prompt", ["prompt"], False), ("history", ["history"], False),
+            ("siblings", ["siblings"], False), ("siblings + lead", ["siblings"], True), ("all", ALL, False),
+            ("all + lead", ALL, True)]
+# part 3: relayrl train without and with speculation (its default sources), and with the lead
+TRAINING = [("off", []), ("on", ["rollout.speculative=on"]),
+            ("on + lead", ["rollout.speculative=on", "rollout.speculative_lead=true"])]
 
 
 def requests(tok, prompts, group: int, epoch: int, budget: int):
@@ -52,14 +64,16 @@ def rollout_rates(path: str, n_prompts: int, a) -> list[list[str]]:
     path = resolve_model_path(path)
     tok, model = load_tokenizer(path), load_policy(path).eval()
     prompts = load_prompts("builtin:demo", limit=n_prompts)
+    settings = [s for s in SETTINGS if s[0] in a.settings]
     engines = {name: HFEngine(model, tok, fast_decode=True, max_batch=256,
-                              speculator=Speculator(src, a.max_draft, a.batch_tokens) if src else None) for name, src in SETTINGS}
+                              speculator=Speculator(src, a.max_draft, a.batch_tokens, lead=lead) if src else None)
+               for name, src, lead in settings}
     warm = load_prompts("builtin:demo", limit=2 * n_prompts)[n_prompts:]  # (other prompts: history stays empty)
     for eng in engines.values():
         eng.generate(requests(tok, warm, a.group, -1, a.max_new_tokens))
         eng.take_spec()
-    rates = {name: [] for name, _ in SETTINGS}
-    counts = {name: {} for name, _ in SETTINGS}
+    rates = {name: [] for name, *_ in settings}
+    counts = {name: {} for name, *_ in settings}
     try:
         for epoch in range(a.epochs):
             for name, eng in engines.items():
@@ -74,13 +88,71 @@ def rollout_rates(path: str, n_prompts: int, a) -> list[list[str]]:
         for eng in engines.values():
             eng.close()
     rows = []
-    for name, _ in SETTINGS:
+    for name, *_ in settings:
         first, later = rates[name][0], statistics.median(rates[name][1:]) if a.epochs > 1 else float("nan")
         m = metrics(counts[name]) if counts[name] else {}
         accepted = f"{m['spec/accepted'] / max(1.0, m['spec/drafted']):.0%}" if m.get("spec/drafted") else "-"
         rows.append([a.label, str(n_prompts * a.group), name, f"{first:.0f}", f"{first / rates['off'][0]:.2f}x",
                      f"{later:.0f}", f"{later / statistics.median(rates['off'][1:]):.2f}x" if a.epochs > 1 else "-",
                      f"{m.get('spec/tokens_per_forward', 1.0):.2f}", accepted])
+    return rows
+
+
+def training_epochs(a) -> list[list[str]]:
+    """Part 3: ``relayrl train`` over ``--train-prompts`` prompts of the demo task for ``--train-epochs`` epochs
+    (8 prompts a step), without speculation, with it and with its lead, the same ``--seeds``; per setting and
+    epoch, over the seeds: the rollout's seconds (``time/generate`` summed over the epoch's steps), draft tokens
+    made and kept (and from history), tokens per forward; and the held-out accuracy after."""
+    import json
+    import subprocess
+    import tempfile
+
+    from relayrl.data.datasets import load_prompts
+
+    tmp = Path(a.train_dir or tempfile.mkdtemp(prefix="relayrl-speculative-"))
+    data = tmp / "prompts.jsonl"
+    with data.open("w") as f:
+        for p in load_prompts("builtin:demo", limit=a.train_prompts):
+            f.write(json.dumps({"id": p.id, "prompt": p.messages, "answer": p.answer, **p.metadata}) + "\n")
+    per_epoch = a.train_prompts // 8
+    print(f"  training runs in {tmp}", flush=True)
+    runs: dict[str, list[tuple[list[dict], dict]]] = {name: [] for name, _ in TRAINING}
+    for seed in range(a.seeds):
+        for name, overrides in TRAINING:  # (interleaved: the machine's drift falls on every setting)
+            out = tmp / f"{name.replace(' ', '')}-{seed}"
+            if not list(out.glob("*/summary.json")):  # (--train-dir: the runs already there are kept)
+                cmd = [sys.executable, "-m", "relayrl.cli", "train", f"data.path={data}", "rollout.prompts_per_step=8",
+                       f"run.steps={per_epoch * a.train_epochs}", f"run.seed={seed}", f"run.output_dir={out}",
+                       "run.progress=false", *overrides]
+                shutil.rmtree(out, ignore_errors=True)
+                subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=tmp)
+            run = next(out.iterdir())
+            steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            runs[name].append((steps, json.loads((run / "summary.json").read_text())))
+            print(f"  train {name}, seed {seed}: {sum(m['time/generate'] for m in steps):.1f} s of rollout, "
+                  f"held-out {runs[name][-1][1]['eval_accuracy_after']:.1%}", flush=True)
+    rows = []
+    for e in range(a.train_epochs):
+        off = None
+        for name, _ in TRAINING:
+            epoch = [[m for m in steps if e * per_epoch < m["step"] <= (e + 1) * per_epoch] for steps, _ in runs[name]]
+            secs = statistics.median(sum(m["time/generate"] for m in ms) for ms in epoch)
+            # (the runs' samples part where a verification forward's rounding moves a draw: tokens/s compares them)
+            rate = statistics.median(sum(m["generated_tokens"] for m in ms) / sum(m["time/generate"] for m in ms)
+                                     for ms in epoch)
+            off = off or rate
+            total = lambda key: sum(m.get(key, 0.0) for ms in epoch for m in ms)  # noqa: E731
+            kept = f"{total('spec/accepted') / total('spec/drafted'):.0%}" if total("spec/drafted") else "-"
+            history = (f"{total('spec/accepted_history') / total('spec/drafted_history'):.0%}"
+                       if total("spec/drafted_history") else "-")
+            tpf = statistics.mean(m.get("spec/tokens_per_forward", 1.0) for ms in epoch for m in ms)
+            rows.append([str(e + 1), name, f"{secs:.1f}", f"{rate:.0f}", f"{rate / off:.2f}x",
+                         f"{total('spec/drafted') / len(epoch):.0f}", kept, history, f"{tpf:.2f}", ""])
+    for name, _ in TRAINING:
+        acc = [s["eval_accuracy_after"] for _, s in runs[name]]
+        wall = statistics.median(s["wall_seconds"] for _, s in runs[name])
+        rows.append(["all", name, f"{statistics.median(sum(m['time/generate'] for m in st) for st, _ in runs[name]):.1f}",
+                     "", "", "", "", "", "", f"{', '.join(f'{x:.1%}' for x in acc)} (wall {wall:.0f} s)"])
     return rows
 
 
@@ -131,11 +203,17 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64, help="tokens in the cache before the measured forwards")
     ap.add_argument("--draft-lengths", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--parts", nargs="+", choices=["rollout", "verify"], default=["rollout", "verify"])
+    ap.add_argument("--settings", nargs="+", default=[s[0] for s in SETTINGS], help="part 1's settings")
+    ap.add_argument("--train-prompts", type=int, default=128)
+    ap.add_argument("--train-epochs", type=int, default=5)
+    ap.add_argument("--seeds", type=int, default=3, help="part 3's seeds")
+    ap.add_argument("--train-dir", help="part 3's folder (default: a new one); runs already in it are kept")
+    ap.add_argument("--parts", nargs="+", choices=["rollout", "verify", "train"], default=["rollout", "verify", "train"])
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args()
     if a.scale == "tiny":
         a.prompts, a.group, a.epochs, a.batches, a.draft_lengths, a.repeats = [1, 4], 4, 2, [2], [4], 2
+        a.train_prompts, a.train_epochs, a.seeds = 16, 2, 1
     torch.set_num_threads(torch.get_num_threads())
     models = ["builtin:demo"] + ([a.trained] if a.trained and Path(a.trained).exists() else [])
     if "rollout" in a.parts:
@@ -147,6 +225,12 @@ def main() -> None:
                       ["model", "rows", "drafts", "epoch 1 tokens/s", "vs off", "later epochs tokens/s", "vs off",
                        "tokens per forward", "draft tokens accepted"], rows,
                       {"machine": machine_info(), "args": vars(a)})
+    if "train" in a.parts:
+        write_results(Path(a.out), "speculative_training",
+                      ["epoch", "speculation", "rollout s (median over seeds)", "rollout tokens/s", "vs off",
+                       "draft tokens a seed",
+                       "kept", "kept from history", "tokens per forward", "held-out after (per seed)"],
+                      training_epochs(a), {"machine": machine_info(), "args": vars(a)})
     if "verify" in a.parts:
         write_results(Path(a.out), "speculative_verify",
                       ["batch", "k", "k+1 decoding forwards (ms)", "one verification forward (ms)", "ratio"],

@@ -399,3 +399,16 @@ def test_every_field_with_off_takes_it_unquoted(field, section, tmp_path):
     assert getattr(getattr(load_config(str(f), []), section), field.split(".")[1]) == "off"
     with pytest.raises(ConfigError, match="routing_replay"):
         load_config(None, ["algo.routing_replay=on"])  # (no `on` among its words: not silently r3)
+
+
+def test_speculation_in_vllm_is_prompt_lookup_only():
+    """vLLM's API takes an n-gram method over the prompt and the request's output: relayrl's prompt source. The
+    other sources, the lead and the verification budget are the hf engine's, refused by name with vLLM."""
+    ok = load_config(None, ["rollout.engine=vllm", "rollout.speculative=on", "rollout.speculative_sources=[prompt]"])
+    assert ok.rollout.speculative == "on"
+    with pytest.raises(ConfigError, match=r"drafts from the prompt only.*\['siblings', 'history'\]"):
+        load_config(None, ["rollout.engine=vllm", "rollout.speculative=on"])
+    with pytest.raises(ConfigError, match="rollout.speculative_batch_tokens is set, but it only applies with "
+                                          "rollout.speculative=on and rollout.engine=hf"):
+        load_config(None, ["rollout.engine=vllm", "rollout.speculative=on", "rollout.speculative_sources=[prompt]",
+                           "rollout.speculative_batch_tokens=128"])

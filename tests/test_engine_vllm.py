@@ -211,6 +211,44 @@ def test_async_front_streams_over_vllm(engine, demo):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU speculation runs: the gpu test below")
+def test_speculation_on_vllm_s_cpu_build_is_refused(demo):
+    """vLLM 0.32's CPU build drew speculative tokens as if from a uniform distribution (engine/vllm_spec.py): not
+    the policy's samples, so it is refused before vLLM starts."""
+    from relayrl.engine import EngineError
+    from relayrl.engine.vllm import VLLMEngine
+
+    with pytest.raises(EngineError, match="rollout.speculative=on with rollout.engine=vllm needs a CUDA GPU"):
+        VLLMEngine(demo[0], [1], max_model_len=512, speculative=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_speculative_decoding_in_vllm_keeps_the_policy_s_log_probs(engine, demo):
+    """rollout.speculative=on with vLLM on a GPU (not run on this project's CPU machines): its n-gram drafts (prompt
+    lookup) are made and kept, counted as relayrl's spec/... numbers; each emitted token's log-prob is still the
+    trainer's recompute, and greedy decoding emits what it does without drafts."""
+    from relayrl.engine.spec import eos_token_ids
+    from relayrl.engine.speculative import metrics
+    from relayrl.engine.vllm import VLLMEngine
+
+    path, model, tok = demo
+    spec = VLLMEngine(path, eos_token_ids(path, tok), dtype="float32", max_model_len=512, seed=0, speculative=8)
+    try:
+        prompts = [_prompt(tok, f"Sum mod 10: a={i % 10} b={(3 * i) % 10} c={i % 7}") for i in range(16)]
+        out = spec.generate([GenRequest(f"s{i}", p, SamplingParams(64, 1.0)) for i, p in enumerate(prompts)])
+        diffs = torch.cat([(_recompute(model, p, c.token_ids) - torch.tensor(c.logprobs)).abs()
+                           for p, c in zip(prompts, out)])
+        assert diffs.mean() < 1e-4 and diffs.max() < 1e-3, (diffs.mean(), diffs.max())
+        m = metrics(spec.take_spec())
+        assert m["spec/drafted"] > 0 and m["spec/accepted"] > 0 and m["spec/tokens_per_forward"] > 1, m
+        assert m["spec/drafted_prompt"] == m["spec/drafted"] and spec.take_spec() == {}
+        greedy = [GenRequest(f"g{i}", p, SamplingParams(48, 0.0)) for i, p in enumerate(prompts[:4])]
+        assert [c.token_ids for c in spec.generate(greedy)] == [c.token_ids for c in engine.generate(greedy)]
+    finally:
+        spec.close()
+
+
 def test_start_errors_are_clear(tmp_path, demo):
     from relayrl.engine import EngineError
     from relayrl.engine.vllm import VLLMEngine

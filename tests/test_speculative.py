@@ -222,7 +222,7 @@ def test_a_lead_per_prompt_decodes_first_and_finished_siblings_stay_drafts():
     spec.finished("c", q, [5, 6], False)  # (a response cut short is not a draft)
     d, n, src = spec.drafts([("b", p, [20], 10), ("d", q, [5], 10)])
     assert d[0].tolist() == [21, 22, 23, 2] and src == ["siblings", None] and n.tolist() == [4, 0]
-    spec.batch([q])  # another batch: the first one's finished responses are not its siblings
+    spec.batch([p])  # another batch, of the same prompt: the first one's responses are history's, not siblings
     assert spec.drafts([("b", p, [20], 10)])[2] == [None]
 
 

@@ -57,6 +57,11 @@ def check(c: BaseModel) -> None:
     _check_algo(c)
     if r.engine == "vllm" and c.model.lora.r:
         vllm_lora_rank(c.model.lora.r)
+    if r.engine == "vllm" and r.speculative == "on" and list(r.speculative_sources) != ["prompt"]:
+        raise ValueError(f"rollout.speculative=on with rollout.engine=vllm drafts from the prompt only (vLLM's "
+                         f"n-gram method: prompt lookup over the prompt and the request's own output); "
+                         f"rollout.speculative_sources={list(r.speculative_sources)}: set it to [prompt] (history "
+                         "and siblings are drafted in the hf engine; engine/vllm_spec.py says why not in vLLM)")
     _adapter_per_role(c)
     _expert_adapters(c)
     for field in inapplicable_set(c):
@@ -256,13 +261,16 @@ APPLIES_ONLY: dict[str, tuple[Callable[[BaseModel], bool], str, tuple[str, ...]]
     "data.selection_key": _SELECT,
     "data.selection_prior": _SELECT,
     "rollout.fast_decode": (lambda c: c.rollout.engine == "hf", "with rollout.engine=hf", ("rollout.engine",)),
-    "rollout.speculative": (lambda c: c.rollout.engine == "hf", "with rollout.engine=hf", ("rollout.engine",)),
+    "rollout.speculative": (lambda c: c.rollout.engine in ("hf", "vllm"), "with rollout.engine=hf or vllm",
+                            ("rollout.engine",)),
     "rollout.speculative_sources": _SPEC,
     "rollout.speculative_max_draft": _SPEC,
     "rollout.speculative_lead": (lambda c: c.rollout.speculative == "on" and "siblings" in c.rollout.speculative_sources,
                                  "with rollout.speculative=on and siblings among rollout.speculative_sources",
                                  ("rollout.speculative", "rollout.speculative_sources")),
-    "rollout.speculative_batch_tokens": _SPEC,
+    "rollout.speculative_batch_tokens": (lambda c: c.rollout.speculative == "on" and c.rollout.engine == "hf",
+                                         "with rollout.speculative=on and rollout.engine=hf",
+                                         ("rollout.speculative", "rollout.engine")),
     "rollout.dtype": (lambda c: c.rollout.engine != "vllm", "with rollout.engine=hf or hf-cb (vLLM loads the "
                       "weights in model.dtype)", ("rollout.engine",)),
     "rollout.device": (lambda c: c.rollout.engine != "vllm", "with rollout.engine=hf or hf-cb (vLLM places "

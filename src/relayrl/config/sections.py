@@ -274,7 +274,8 @@ class RolloutCfg(_Section):
         "prefilled once; checked against the model's forward when the engine starts). false, or any other model: the "
         "model's forward.")
     speculative: Literal["off", "on"] = Field(
-        "off", description="hf with rollout.fast_decode: exact speculative decoding. A row's draft is what followed "
+        "off", description="hf with rollout.fast_decode (vllm on a GPU: prompt lookup only, its n-gram method): exact "
+        "speculative decoding. A row's draft is what followed "
         "its last tokens in a sibling response of the same prompt that ran ahead, in the prompt's earlier responses "
         "(earlier epochs) or in its own context (prompt lookup); one forward verifies it, and each token is kept "
         "only where it equals the token drawn from the policy at that position, so every token has the policy's "

@@ -83,7 +83,8 @@ def build_local_engine(spec: EngineSpec, driven: bool = False, model=None, token
         return VLLMEngine(spec.weights, eos_token_ids(spec.weights, tokenizer), dtype=spec.dtype,
                           version=spec.version, max_model_len=spec.max_model_len, seed=spec.seed,
                           gpu_memory_utilization=r.vllm_gpu_memory_utilization, max_num_seqs=r.max_batch,
-                          sleep=r.vllm_sleep, lora=spec.lora, lora_versions=lora_versions(r), routes=spec.routes)
+                          sleep=r.vllm_sleep, lora=spec.lora, lora_versions=lora_versions(r), routes=spec.routes,
+                          speculative=r.speculative_max_draft if r.speculative == "on" else 0)
     from relayrl.models.devices import resolve_device
 
     adapter = None

@@ -183,11 +183,11 @@ class Speculator:
         self.lock = threading.Lock()  # (counted on the engine's thread, taken on the trainer's)
 
     def batch(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
-        """A new batch of rows (``prompts``: each row's prompt ids): the finished responses kept as siblings are
-        its prompts' only, and the parts it decodes in, one after the other (``divide``: with ``lead``, one row of
-        each prompt first; else all at once)."""
+        """A new batch of rows (``prompts``: each row's prompt ids): its rows' finished responses are kept as their
+        siblings' drafts until the next batch, and the parts it decodes in, one after the other (``divide``: with
+        ``lead``, one row of each prompt first; else all at once)."""
         keys = [self.store.key(p) for p in prompts]
-        self.group_done = {k: self.group_done.get(k, []) for k in keys}
+        self.group_done = {k: [] for k in keys}  # (an earlier batch's responses of the same prompt are history's)
         return divide(keys) if self.lead and "siblings" in self.store.sources else [list(range(len(keys)))]
 
     def drafts(self, rows: Sequence[tuple[str, Sequence[int], Sequence[int], int]], device=None

@@ -41,6 +41,7 @@ from typing import Iterable
 import torch
 
 from relayrl.engine.base import Engine, EngineError, check_new, take
+from relayrl.engine.vllm_spec import NO_CPU_SPECULATION, SpecCounts, speculative_config
 from relayrl.lora_weights import LoraSpec
 from relayrl.models import DTYPES
 from relayrl.records import Completion, FinishReason, GenRequest
@@ -87,7 +88,7 @@ class VLLMEngine(Engine):
     def __init__(self, model: str, eos_token_ids: list[int], dtype: str = "float32", version: int = 0,
                  max_model_len: int = 2048, seed: int = 0, gpu_memory_utilization: float = 0.5,
                  max_num_seqs: int = 256, enforce_eager: bool | None = None, sleep: bool = False,
-                 lora: LoraSpec | None = None, lora_versions: int = 2, routes: bool = False):
+                 lora: LoraSpec | None = None, lora_versions: int = 2, routes: bool = False, speculative: int = 0):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU build only; vLLM's default takes a lot
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # (per-update warnings would bury the run's own lines)
         try:
@@ -102,6 +103,8 @@ class VLLMEngine(Engine):
                               "GPU; on this machine use rollout.engine=hf, whose engine records them")
         if routes:
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+        if speculative and not torch.cuda.is_available():
+            raise EngineError(NO_CPU_SPECULATION)
         if sleep and not torch.cuda.is_available():
             raise EngineError("rollout.vllm_sleep=true: vLLM's sleep mode frees GPU memory for a trainer on the same "
                               "GPU, and this machine has no CUDA GPU; leave rollout.vllm_sleep=false")
@@ -117,6 +120,8 @@ class VLLMEngine(Engine):
         self._running = asyncio.Event()  # (set: not paused; requests start only then)
         self._running.set()
         self._lora = None  # (with lora: the AdapterVersions, once vLLM runs)
+        # rollout.speculative: vLLM's n-gram drafts (``vllm_spec``: relayrl's prompt source), counted from its stats
+        self._spec = SpecCounts() if speculative else None
         lora_args = {}
         if lora is not None:
             from relayrl.engine.vllm_lora import engine_args
@@ -131,7 +136,7 @@ class VLLMEngine(Engine):
         args = AsyncEngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                                enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
                                skip_tokenizer_init=True, gpu_memory_utilization=gpu_memory_utilization,
-                               max_num_seqs=max_num_seqs, disable_log_stats=True, enable_sleep_mode=sleep,
+                               max_num_seqs=max_num_seqs, disable_log_stats=not speculative, enable_sleep_mode=sleep,
                                use_tqdm_on_load=False,  # (a progress bar per weight update otherwise)
                                # CPU build: a seeded request (the evaluation's) whose prefill is split across
                                # steps kills the engine ("CPU Generator does not use offset": vLLM rewinds the
@@ -139,6 +144,7 @@ class VLLMEngine(Engine):
                                enable_chunked_prefill=None if torch.cuda.is_available() else False,
                                # a mixture of experts: each fed token's experts on the final output (R3's routes)
                                **({"enable_return_routed_experts": True} if routes else {}),
+                               **({"speculative_config": speculative_config(speculative)} if speculative else {}),
                                **lora_args)
         try:
             self._llm = self._call(self._start(args), timeout=900)
@@ -153,7 +159,7 @@ class VLLMEngine(Engine):
     async def _start(self, args):
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        return AsyncLLM.from_engine_args(args)
+        return AsyncLLM.from_engine_args(args, stat_loggers=[self._spec.logger()] if self._spec else None)
 
     def _call(self, coro, timeout: float | None = 600):
         """Run ``coro`` on the engine's loop and wait for its result."""
@@ -315,6 +321,10 @@ class VLLMEngine(Engine):
     async def _reload(self, folder: str) -> None:
         await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
         await self._llm.reset_prefix_cache()
+
+    def take_spec(self) -> dict[str, int]:
+        """Speculative decoding's counts since the last call (``speculative.metrics``; empty when off)."""
+        return self._spec.take() if self._spec is not None else {}
 
     def num_pending(self) -> int:
         with self._lock:
