@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from relayrl.algos.token_sampling import sample_tokens, sampling_scores
+from relayrl.records import FinishReason
 from relayrl.engine.speculative import DraftStore, NgramIndex, Speculator, next_draft_length, verify
 
 V, L, STATES = 5, 3, 97
@@ -301,6 +302,13 @@ def test_the_lead_s_response_drafts_for_its_siblings_and_changes_no_token(tiny):
             if temp == 0:  # greedy siblings write their lead's response: every draft kept
                 assert m[True]["spec/accepted_siblings"] == m[True]["spec/drafted_siblings"] > 0, m
                 assert m[True]["spec/tokens_per_forward"] > 1.5, m  # (the leads: one a forward)
+        # a sibling aborted while its lead decodes comes back at once, with no token
+        eng = engines[True]
+        reqs = _requests(tok, 3, 24, seed0=100)
+        got = {c.request_id: c for c in eng.generate(reqs, on_complete=lambda c: c.request_id == "r0" and
+                                                     eng.abort(["r1"]))}
+        assert got["r1"].finish_reason == FinishReason.ABORTED and got["r1"].token_ids == []
+        assert got["r2"].finish_reason != FinishReason.ABORTED and got["r2"].token_ids
     finally:
         for eng in (plain, *engines.values()):
             eng.close()

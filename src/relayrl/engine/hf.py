@@ -381,6 +381,8 @@ class HFEngine(Engine):
             for row in rows:
                 if len(row.tokens) >= row.req.params.max_new_tokens:  # a zero budget returns at once
                     self._finish(row, FinishReason.LENGTH)
+                elif row.req.request_id in self._aborted:  # (aborted while a lead decoded before it)
+                    self._finish(row, FinishReason.ABORTED)
         live = [r for r in rows if not r.done]
         if not live:
             return
