@@ -222,6 +222,25 @@ def test_speculation_on_vllm_s_cpu_build_is_refused(demo):
         VLLMEngine(demo[0], [1], max_model_len=512, speculative=8)
 
 
+def test_vllm_s_speculative_stats_become_relayrl_s_counts():
+    """vLLM's per-step scheduler stats (draft tokens, accepted, tokens generated) as the hf engine's spec/... counts:
+    a row's forward emits one token past the draft tokens it kept."""
+    from types import SimpleNamespace
+
+    from relayrl.engine.speculative import metrics
+    from relayrl.engine.vllm_spec import SpecCounts
+
+    counts = SpecCounts()
+    logger = counts.logger()(None)
+    logger.record(SimpleNamespace(spec_decoding_stats=SimpleNamespace(num_draft_tokens=12, num_accepted_tokens=6)),
+                  SimpleNamespace(num_generation_tokens=10))  # 4 rows: 6 draft tokens kept + 4 drawn
+    logger.record(SimpleNamespace(spec_decoding_stats=None), SimpleNamespace(num_generation_tokens=4))
+    m = metrics(counts.take())
+    assert m == {"spec/drafted": 12.0, "spec/accepted": 6.0, "spec/drafted_prompt": 12.0, "spec/accepted_prompt": 6.0,
+                 "spec/tokens_per_forward": 14 / 8}
+    assert counts.take() == {}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_speculative_decoding_in_vllm_keeps_the_policy_s_log_probs(engine, demo):

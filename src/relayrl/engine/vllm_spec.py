@@ -4,7 +4,7 @@ and how relayrl counts it.
 vLLM's n-gram proposer (``method="ngram"``) drafts from the request's own prompt and output: relayrl's ``prompt``
 source. Its drafts carry no probabilities, so its rejection sampler keeps a draft token x with probability p(x)
 and otherwise draws from p without x, renormalised: the rule for a deterministic draft (../spec/speculative.md
-A2), exact; the log-probs it returns are the emitted tokens' under the sampling distribution
+A2), exact where its kernels run (a GPU: below); the log-probs it returns are the emitted tokens' under the sampling distribution
 (``logprobs_mode="processed_logprobs"``), checked against the trainer's recompute by tests/test_engine_vllm.py.
 
 The other sources are not passed to vLLM. Its ``method="suffix"`` (a suffix tree over earlier outputs: history
