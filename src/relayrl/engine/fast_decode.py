@@ -194,9 +194,11 @@ class FastDecoder:
     def reject(cache: KVCache, accepted: Tensor, width: int) -> None:
         """After ``verify`` of ``width`` columns: a row attends to its last token and the ``accepted`` draft
         tokens after it, never again to the rest (their keys and values stay, masked: the rows' columns
-        are shared, so none is freed)."""
+        are shared). The columns past every row's accepted tokens are given back: the next forward writes
+        there (a cache as long as a batch's verified tokens, not its drafts, which every later step attends over)."""
         cols = torch.arange(width, device=accepted.device)
         cache.mask[:, cache.n - width : cache.n].masked_fill_(cols[None, :] > accepted[:, None], cache.masked)
+        cache.n -= width - 1 - int(accepted.max())
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """Attention of ``q`` [rows, heads, S, head dim] over the cache. One new token per row (S = 1,
