@@ -16,7 +16,8 @@
    for ``--train-epochs`` epochs, without speculation, with it (its default sources: siblings and history) and
    with the lead as well (``rollout.speculative_lead``, Seer's divided rollout), ``--seeds`` seeds interleaved:
    per epoch the rollout's seconds and tokens/s, the drafts made and kept (from history), tokens per forward.
-   Part 1's ``siblings + lead`` and ``all + lead`` settings count the lead's time in the rollout's.
+   Part 1's ``siblings + lead`` and ``all + lead`` settings count the lead's time in the rollout's; ``recent`` (every
+   prompt's last responses) drafts in epoch 1 too, from the warm-up prompts' responses.
 
     python benchmarks/speculative.py                   # ~50 min on 2 quiet cores (part 3: ~35)
     python benchmarks/speculative.py --scale tiny      # check the script
@@ -41,7 +42,7 @@ ALL = ["siblings", "history", "prompt"]
 # (name, sources, rollout.speculative_lead)
 SETTINGS = [("off", None, False), ("prompt", ["prompt"], False), ("history", ["history"], False),
             ("siblings", ["siblings"], False), ("siblings + lead", ["siblings"], True), ("all", ALL, False),
-            ("all + lead", ALL, True)]
+            ("all + lead", ALL, True), ("recent", ["recent"], False), ("all + recent", ALL + ["recent"], False)]
 # part 3: relayrl train without and with speculation (its default sources), and with the lead
 TRAINING = [("off", []), ("on", ["rollout.speculative=on"]),
             ("on + lead", ["rollout.speculative=on", "rollout.speculative_lead=true"])]
@@ -63,7 +64,8 @@ def rollout_rates(path: str, n_prompts: int, a) -> list[list[str]]:
 
     path = resolve_model_path(path)
     tok, model = load_tokenizer(path), load_policy(path).eval()
-    prompts = load_prompts("builtin:demo", limit=n_prompts)
+    # --fresh: new prompts every epoch (the default demo's rollouts: no prompt repeats), else the same ones
+    pool = load_prompts("builtin:demo", limit=n_prompts * (a.epochs + 2))
     settings = [s for s in SETTINGS if s[0] in a.settings]
     engines = {name: HFEngine(model, tok, fast_decode=True, max_batch=256,
                               speculator=Speculator(src, a.max_draft, a.batch_tokens, lead=lead) if src else None)
@@ -78,6 +80,7 @@ def rollout_rates(path: str, n_prompts: int, a) -> list[list[str]]:
         for epoch in range(a.epochs):
             for name, eng in engines.items():
                 torch.manual_seed(epoch)
+                prompts = pool[(epoch + 2) * n_prompts:(epoch + 3) * n_prompts] if a.fresh else pool[:n_prompts]
                 reqs = requests(tok, prompts, a.group, epoch, a.max_new_tokens)
                 t0 = time.perf_counter()
                 out = eng.generate(reqs)
@@ -196,6 +199,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, nargs="+", default=[1, 4, 32], help="prompts per batch (× --group rows)")
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--fresh", action="store_true", help="part 1: new prompts every epoch (none repeats, as in the "
+                    "default demo), not the same ones")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-draft", type=int, default=8)
     ap.add_argument("--batch-tokens", type=int, default=64, help="rollout.speculative_batch_tokens")

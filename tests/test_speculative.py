@@ -13,7 +13,8 @@ import torch
 
 from relayrl.algos.token_sampling import sample_tokens, sampling_scores
 from relayrl.records import FinishReason
-from relayrl.engine.speculative import DraftStore, NgramIndex, Speculator, next_draft_length, verify
+from relayrl.engine.speculative import (DraftStore, NgramIndex, Speculator, draw_positions, next_draft_length,
+                                        verify)
 
 V, L, STATES = 5, 3, 97
 
@@ -50,7 +51,7 @@ def speculative_sample(model, n, T, top_k, top_p, draft_of, rule=verify, gen=Non
     """n sequences of L tokens, every step a verification of a draft of 2 tokens from ``draft_of``
     (vectorised: ``draft_of(seqs, counts, gen)`` gives every live row's draft)."""
     seqs, counts, states = torch.full((n, L), -1), torch.zeros(n, dtype=torch.long), torch.full((n,), 3)
-    draw = (lambda s, i: sample_tokens(s)) if T > 0 else (lambda s, i: s.argmax(-1))
+    draw = lambda s: draw_positions(s, T)  # noqa: E731  (the engine's own draw)
     while (live := (counts < L).nonzero().squeeze(1)).numel():
         drafts = draft_of(model, seqs[live], counts[live], gen)  # [rows, 2]
         st, scores = states[live], []
@@ -130,7 +131,7 @@ def no_residual(scores, drafts, lengths, draw):
     probs, k = torch.softmax(scores, -1), drafts.shape[1]
     p_draft = probs[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
     kept = (torch.rand_like(p_draft) < p_draft).long().cumprod(1).sum(1)
-    drawn = torch.stack([draw(scores[:, i], i) for i in range(k + 1)], 1)
+    drawn = draw(scores)
     return [d[:a] + [t[a]] for d, a, t in zip(drafts.tolist(), kept.tolist(), drawn.tolist())], None, kept
 
 
@@ -142,7 +143,7 @@ def test_an_inexact_acceptance_rule_fails_the_same_test():
         probs = torch.softmax(scores, -1)
         p_draft = probs[:, :-1].gather(-1, drafts[..., None]).squeeze(-1)
         kept = (p_draft >= 0.2 * probs[:, :-1].max(-1).values).long().cumprod(1).sum(1)
-        drawn = torch.stack([draw(scores[:, i], i) for i in range(scores.shape[1])], 1)
+        drawn = draw(scores)
         tokens = [d[:a] + [t[a]] for d, a, t in zip(drafts.tolist(), kept.tolist(), drawn.tolist())]
         return tokens, None, kept
 
@@ -159,7 +160,7 @@ def test_greedy_accepts_exactly_the_argmax_and_seeded_rows_emit_what_plain_decod
     scores = torch.stack([model.logits(torch.tensor([s, s + 1])) for s in (5, 9, 11)], 1)  # [2, 3, V]
     best = scores.argmax(-1)
     drafts = torch.stack([best[:, 0], (best[:, 1] + 1) % V], 1)  # first right, second wrong
-    tokens, lps, acc = verify(scores, drafts, torch.tensor([2, 2]), lambda s, i: s.argmax(-1))
+    tokens, lps, acc = verify(scores, drafts, torch.tensor([2, 2]), lambda s: s.argmax(-1))
     assert acc.tolist() == [1, 1] and tokens == best[:, :2].tolist()
     logp = torch.log_softmax(scores, -1)
     assert torch.allclose(torch.tensor(lps), logp.gather(-1, best[..., None]).squeeze(-1)[:, :2])
@@ -167,9 +168,13 @@ def test_greedy_accepts_exactly_the_argmax_and_seeded_rows_emit_what_plain_decod
     seeds, at = torch.tensor([7, 8]), torch.tensor([4, 4])
     plain = [sample_tokens(scores[:, i], seeds, at + i) for i in range(3)]
     drafts = torch.stack([plain[0], plain[1]], 1)
-    tokens, _, acc = verify(scores, drafts, torch.tensor([2, 2]), lambda s, i: sample_tokens(s, seeds, at + i))
+
+    def draw(s):  # (the engine's seeded draw: each position's own numbers)
+        return draw_positions(s, 1.0, seeds, at)
+
+    tokens, _, acc = verify(scores, drafts, torch.tensor([2, 2]), draw)
     assert acc.tolist() == [2, 2] and tokens == torch.stack(plain, 1).tolist()  # the bonus too
-    tokens, _, acc = verify(scores, drafts, torch.tensor([0, 1]), lambda s, i: sample_tokens(s, seeds, at + i))
+    tokens, _, acc = verify(scores, drafts, torch.tensor([0, 1]), draw)
     assert acc.tolist() == [0, 1] and tokens == [[int(plain[0][0])], [int(plain[0][1]), int(plain[1][1])]]
 
 
@@ -180,7 +185,7 @@ def test_drafts_come_from_siblings_earlier_responses_and_the_prompt():
     assert NgramIndex([1, 2, 3], 1, 2).lookup([3], 2) == (0, [])  # nothing after it
     ix.extend([9])
     assert ix.lookup([5, 8], 2) == (2, [9])  # extended as the response grows
-    store = DraftStore(keep=2, max_tokens=12, min_n=1, max_n=3)
+    store = DraftStore(("siblings", "history", "prompt"), keep=2, max_tokens=12, min_n=1, max_n=3)
     prompt = [10, 11, 12]
     # at a response's first token the prompt's end is the tail: an earlier response is the draft
     store.finished(prompt, store.index(prompt, [20, 21, 22, 23]))
@@ -197,6 +202,16 @@ def test_drafts_come_from_siblings_earlier_responses_and_the_prompt():
     assert store.draft(prompt, store.index(prompt), 3)[0] == [26, 27] and store.tokens == 10
     store.finished([1], store.index([1], [5, 6]))  # 13 tokens: the least recently used prompt goes
     assert store.draft(prompt, store.index(prompt), 3) == ([], None) and store.tokens == 3
+    # every prompt's recent responses: another prompt's response drafts the text they share (here from the
+    # chat template's end, [11, 12]); 8 tokens kept, the index rebuilt from its last 8 past twice that
+    store = DraftStore(["recent"], min_n=1, max_n=3, recent_tokens=8)
+    store.finished(prompt, store.index(prompt, [20, 21, 22]))
+    assert store.draft([13, 11, 12], store.index([13, 11, 12]), 3) == ([20, 21, 22], "recent")
+    assert store.draft([13, 11, 12], store.index([13, 11, 12], [20, 21, 22]), 3) == ([], None)
+    store.finished([1, 2, 3], store.index([1, 2, 3], list(range(30, 37))))  # 16 tokens: all kept
+    assert store.draft([13, 11, 12], store.index([13, 11, 12]), 2) == ([20, 21], "recent")
+    store.finished([4], store.index([4], [40, 41]))  # past 16: the first response forgotten
+    assert store.draft([13, 11, 12], store.index([13, 11, 12]), 2) == ([], None) and len(store.recent.seq) == 11
     with pytest.raises(ValueError, match="unknown draft sources"):
         DraftStore(sources=("siblings", "model"))
     assert [next_draft_length(4, 4, 4, 8), next_draft_length(4, 4, 1, 8), next_draft_length(8, 8, 8, 8),

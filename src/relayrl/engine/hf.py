@@ -36,7 +36,7 @@ from relayrl.engine.adapter import AdapterMerge
 from relayrl.engine.base import Engine, EngineError, check_new, copy_weights
 from relayrl.engine.fast_decode import SUPPORTED, fast_decoder
 from relayrl.engine.row_routes import RowRoutes
-from relayrl.engine.speculative import Speculator, verify
+from relayrl.engine.speculative import Speculator, draw_positions, verify
 from relayrl.models import cache_kwarg, moe, select_rows
 from relayrl.records import Completion, FinishReason, GenRequest
 from relayrl.algos.token_sampling import sample_tokens, sampling_scores
@@ -476,11 +476,7 @@ class HFEngine(Engine):
         with contextlib.nullcontext() if self._routes is None else self._routes.captured():
             logits = self._fast.verify(torch.cat([tok[:, None], drafts], 1), pos[:, None] + offsets, cache)
         scores = sampling_scores(logits, p.temperature, p.top_k, p.top_p)
-
-        def draw(s, i):  # as plain decoding draws the token at that position (a seeded row: its own numbers)
-            return sample_tokens(s, seeds, at + i) if p.temperature > 0 else s.argmax(-1)
-
-        tokens, logprobs, accepted = verify(scores, drafts, lengths, draw)
+        tokens, logprobs, accepted = verify(scores, drafts, lengths, lambda s: draw_positions(s, p.temperature, seeds, at))
         self._fast.reject(cache, accepted, width)
         if self._routes is not None:  # (a mixture of experts: the routes of the tokens each row keeps)
             self._routes.verified(live, width, accepted.tolist())

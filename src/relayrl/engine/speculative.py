@@ -10,7 +10,9 @@ Drafts. A row's draft is what followed, elsewhere, the last tokens it has: the l
               (Seer's divided rollout: its whole response drafts for its siblings, which wait for it);
     history   the prompt's earlier responses (SPEC-RL's previous epoch), the last ``keep`` of each,
               ``max_tokens`` in all, the least recently used prompt forgotten first;
-    prompt    the row's own context: its prompt and what it generated (prompt lookup).
+    prompt    the row's own context: its prompt and what it generated (prompt lookup);
+    recent    every prompt's recent responses, ``recent_tokens`` in all (SuffixDecoding's global tree): the text a
+              task's responses share whatever the prompt (a format, a tool call's frame, the chat template's end).
 
 Verification, sample and compare: one forward over the row's last token and its draft x_1..x_k gives
 the sampling scores p_1..p_{k+1}, each conditioned on the draft before it. At each position i a token
@@ -37,7 +39,9 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-SOURCES = ("siblings", "history", "prompt")
+from relayrl.algos.token_sampling import sample_tokens
+
+SOURCES = ("siblings", "history", "prompt", "recent")
 
 
 class NgramIndex:
@@ -52,17 +56,23 @@ class NgramIndex:
         self.extend(tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
+        seq, ends, lo = self.seq, self.ends, self.min_n
         for t in tokens:
-            p = len(self.seq)  # the n-grams ending at p - 1 now have a token after them: t
-            for n in range(self.min_n, min(self.max_n, p) + 1):
-                self.ends[tuple(self.seq[p - n:p])] = p
-            self.seq.append(t)
+            p = len(seq)  # the n-grams ending at p - 1 now have a token after them: t
+            last = tuple(seq[max(0, p - self.max_n):])
+            for n in range(lo, len(last) + 1):
+                ends[last[-n:]] = p
+            seq.append(t)
+
+    def __len__(self) -> int:
+        return len(self.seq)
 
     def lookup(self, tail: Sequence[int], k: int) -> tuple[int, list[int]]:
         """(n, the up to ``k`` tokens after the most recent occurrence of ``tail``'s last n tokens), for the
         longest n found; (0, []) if none."""
-        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
-            end = self.ends.get(tuple(tail[-n:]))
+        tail = tuple(tail[-self.max_n:])
+        for n in range(len(tail), self.min_n - 1, -1):
+            end = self.ends.get(tail[-n:])
             if end is not None:
                 return n, self.seq[end:end + k]
         return 0, []
@@ -74,7 +84,7 @@ class DraftStore:
     first tokens follow the prompt's end)."""
 
     def __init__(self, sources: Sequence[str] = SOURCES, keep: int = 4, max_tokens: int = 200_000,
-                 min_n: int = 2, max_n: int = 8, prompts: int = 256):
+                 min_n: int = 2, max_n: int = 8, prompts: int = 256, recent_tokens: int = 20_000):
         bad = [s for s in sources if s not in SOURCES]
         if bad:
             raise ValueError(f"unknown draft sources {bad}; valid: {', '.join(SOURCES)}")
@@ -82,9 +92,10 @@ class DraftStore:
         # history: the last ``keep`` responses of each prompt, ``max_tokens`` in all (an index holds ~1 KB a token:
         # its n-grams), the least recently used prompt forgotten first
         self.max_tokens, self.tokens = max_tokens, 0
-        self.history: OrderedDict[tuple, deque[NgramIndex]] = OrderedDict()
+        self.history: OrderedDict[tuple, deque[NgramIndex | list[int]]] = OrderedDict()
         self.prompts = prompts  # whole prompts indexed for prompt lookup, the least recently used forgotten first
         self.prompt_index: OrderedDict[tuple, NgramIndex] = OrderedDict()
+        self.recent_tokens, self.recent = recent_tokens, NgramIndex(min_n=min_n, max_n=max_n)
 
     @staticmethod
     def key(prompt_ids: Sequence[int]) -> tuple:
@@ -95,18 +106,23 @@ class DraftStore:
         return NgramIndex(list(prompt_ids[-self.max_n:]) + list(response), self.min_n, self.max_n)
 
     def finished(self, prompt_ids: Sequence[int], index: NgramIndex) -> None:
-        """A response that ended (its ``index``): a draft for the prompt's later responses."""
+        """A response that ended (its ``index``): a draft for the prompt's later responses (and, with ``recent``,
+        for any prompt's)."""
+        if "recent" in self.sources:
+            if len(self.recent.seq) + len(index.seq) > 2 * self.recent_tokens:  # (rebuilt from its last half)
+                self.recent = NgramIndex(self.recent.seq[-self.recent_tokens:], self.min_n, self.max_n)
+            self.recent.extend(index.seq)
         if "history" not in self.sources:
             return
         key = self.key(prompt_ids)
         kept = self.history.pop(key, None) or deque()
-        kept.append(index)
+        kept.append(list(index.seq))  # (indexed when the prompt comes again: most prompts of a run never do)
         self.tokens += len(index.seq)
         if len(kept) > self.keep:
-            self.tokens -= len(kept.popleft().seq)
+            self.tokens -= len(kept.popleft())
         self.history[key] = kept
         while self.tokens > self.max_tokens and self.history:
-            self.tokens -= sum(len(i.seq) for i in self.history.popitem(last=False)[1])
+            self.tokens -= sum(map(len, self.history.popitem(last=False)[1]))
 
     def _prompt(self, prompt_ids: Sequence[int]) -> NgramIndex:
         key = self.key(prompt_ids)
@@ -122,14 +138,19 @@ class DraftStore:
         its last tokens, then the longest continuation."""
         if k <= 0:
             return [], None
-        tail = own.seq[-self.max_n:]
+        tail = tuple(own.seq[-self.max_n:])
         found: list[tuple[int, list[int], str]] = []
         if "siblings" in self.sources:
             found += [(*s.lookup(tail, k), "siblings") for s in siblings]
-        if "history" in self.sources:
-            found += [(*h.lookup(tail, k), "history") for h in reversed(self.history.get(self.key(prompt_ids), ()))]
+        if "history" in self.sources and (kept := self.history.get(self.key(prompt_ids))):
+            for i, h in enumerate(kept):
+                if isinstance(h, list):
+                    kept[i] = NgramIndex(h, self.min_n, self.max_n)
+            found += [(*h.lookup(tail, k), "history") for h in reversed(kept)]
         if "prompt" in self.sources:
             found += [(*own.lookup(tail, k), "prompt"), (*self._prompt(prompt_ids).lookup(tail, k), "prompt")]
+        if "recent" in self.sources:  # (last: a prompt's own sources win a tie)
+            found.append((*self.recent.lookup(tail, k), "recent"))
         n, d, src = max(found, key=lambda f: (f[0], len(f[1])), default=(0, [], None))
         return (d, src) if d else ([], None)
 
@@ -141,17 +162,29 @@ def next_draft_length(k: int, drafted: int, accepted: int, k_max: int) -> int:
     return min(k_max, 2 * k if accepted == drafted else max(1, accepted + 1))
 
 
-def verify(scores: Tensor, drafts: Tensor, lengths: Tensor, draw: Callable[[Tensor, int], Tensor]
+def draw_positions(scores: Tensor, temperature: float, seeds: Tensor | None = None, at: Tensor | None = None
+                   ) -> Tensor:
+    """A token per row and position [rows, k+1] from sampling ``scores`` [rows, k+1, vocab], each as plain decoding
+    draws one there (``verify``'s ``draw``): the argmax at temperature 0, every position at once when no row is
+    seeded, else position by position (a seeded row draws its own number at ``at`` + i)."""
+    if temperature == 0:
+        return scores.argmax(-1)
+    if seeds is None:
+        return sample_tokens(scores.flatten(0, 1)).view(scores.shape[:2])
+    return torch.stack([sample_tokens(scores[:, i], seeds, at + i) for i in range(scores.shape[1])], 1)
+
+
+def verify(scores: Tensor, drafts: Tensor, lengths: Tensor, draw: Callable[[Tensor], Tensor]
            ) -> tuple[list[list[int]], list[list[float]], Tensor]:
     """Sample and compare (module doc). ``scores`` [rows, k+1, vocab]: the sampling scores at the row's
     last token and at each draft token; ``drafts`` [rows, k] (padding past ``lengths`` ignored);
-    ``draw(scores_i, i)`` a token per row from scores [rows, vocab] at offset ``i`` (the engine's
-    sampler: seeded rows draw their own numbers at that position). Returns the tokens each row emits
-    (its accepted draft, then the token drawn at its first rejection or the bonus), their log-probs,
-    and the accepted counts."""
+    ``draw(scores)`` a token per row and position [rows, k+1], each from its scores as plain decoding draws
+    one (the engine's sampler: seeded rows draw their own numbers at each position). Returns the tokens
+    each row emits (its accepted draft, then the token drawn at its first rejection or the bonus), their
+    log-probs, and the accepted counts."""
     rows, width, _ = scores.shape
     logp = torch.log_softmax(scores.float(), dim=-1)
-    drawn = torch.stack([draw(scores[:, i], i) for i in range(width)], dim=1)  # [rows, k+1]
+    drawn = draw(scores)  # [rows, k+1]
     k = width - 1
     cols = torch.arange(k, device=scores.device)
     match = (drawn[:, :k] == drafts) & (cols[None, :] < lengths[:, None]) if k else drawn[:, :0].bool()
