@@ -42,7 +42,8 @@ ALL = ["siblings", "history", "prompt"]
 # (name, sources, rollout.speculative_lead)
 SETTINGS = [("off", None, False), ("prompt", ["prompt"], False), ("history", ["history"], False),
             ("siblings", ["siblings"], False), ("siblings + lead", ["siblings"], True), ("all", ALL, False),
-            ("all + lead", ALL, True), ("recent", ["recent"], False), ("all + recent", ALL + ["recent"], False)]
+            ("all + lead", ALL, True), ("recent", ["recent"], False), ("all + recent", ALL + ["recent"], False),
+            ("siblings + history", ["siblings", "history"], False)]  # (the last: rollout.speculative_sources' default)
 # part 3: relayrl train without and with speculation (its default sources), and with the lead
 TRAINING = [("off", []), ("on", ["rollout.speculative=on"]),
             ("on + lead", ["rollout.speculative=on", "rollout.speculative_lead=true"])]

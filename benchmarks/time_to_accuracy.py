@@ -78,6 +78,8 @@ SYSTEMS = {
     "relayrl async η=4": FAST,
     "sync + speculative": ["run.mode=sync", "rollout.speculative=on"],  # (drafts: siblings, history; the defaults)
     "async η=4 + speculative": FAST + ["rollout.speculative=on"],
+    "sync + speculative, recent": ["run.mode=sync", "rollout.speculative=on",
+                                   "rollout.speculative_sources=[siblings,history,recent]"],  # (every prompt's drafts)
     "async η=4 + dynamic sampling": FAST + DS,
     "async η=4 + selection": FAST + SELECT,
     "async η=4 + budgets": FAST + BUDGET,

@@ -286,8 +286,8 @@ class RolloutCfg(_Section):
         "row's own context: prompt lookup) pays on text that copies its context (tool results, code edits); on the "
         "demo 14-37% of its drafts were kept and it cost 8-20% of the rollout's speed. recent (every prompt's last "
         "responses, SuffixDecoding's global index: a format all responses share) drafts on prompts never seen "
-        "(1.9-2.4 tokens a forward on the demo) but on the demo model on 2 CPU cores its bookkeeping costs what "
-        "the forwards saved (0.95-1.11x). Neither is in the default.")
+        "(on the demo 2.7-3.5 tokens a forward at 8 rows, 1.2-2.0 at 64) but on the demo model on 2 CPU cores its "
+        "bookkeeping costs what the forwards saved (0.82-1.06x). Neither is in the default.")
     speculative_lead: bool = Field(
         False, description="Seer's divided rollout (rollout.speculative=on with siblings): one response of each "
         "prompt in a batch decodes first, alone, and its whole text drafts for the others, which start when it ends "

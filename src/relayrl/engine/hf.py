@@ -476,7 +476,8 @@ class HFEngine(Engine):
         with contextlib.nullcontext() if self._routes is None else self._routes.captured():
             logits = self._fast.verify(torch.cat([tok[:, None], drafts], 1), pos[:, None] + offsets, cache)
         scores = sampling_scores(logits, p.temperature, p.top_k, p.top_p)
-        tokens, logprobs, accepted = verify(scores, drafts, lengths, lambda s: draw_positions(s, p.temperature, seeds, at))
+        draw = lambda s: draw_positions(s, p.temperature, seeds, at)  # noqa: E731  (as plain decoding draws)
+        tokens, logprobs, accepted = verify(scores, drafts, lengths, draw)
         self._fast.reject(cache, accepted, width)
         if self._routes is not None:  # (a mixture of experts: the routes of the tokens each row keeps)
             self._routes.verified(live, width, accepted.tolist())
