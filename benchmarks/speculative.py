@@ -71,7 +71,7 @@ def rollout_rates(path: str, n_prompts: int, a) -> list[list[str]]:
     engines = {name: HFEngine(model, tok, fast_decode=True, max_batch=256,
                               speculator=Speculator(src, a.max_draft, a.batch_tokens, lead=lead) if src else None)
                for name, src, lead in settings}
-    warm = load_prompts("builtin:demo", limit=2 * n_prompts)[n_prompts:]  # (other prompts: history stays empty)
+    warm = pool[n_prompts:2 * n_prompts]  # (other prompts: history stays empty)
     for eng in engines.values():
         eng.generate(requests(tok, warm, a.group, -1, a.max_new_tokens))
         eng.take_spec()
