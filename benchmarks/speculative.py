@@ -64,7 +64,7 @@ def rollout_rates(path: str, n_prompts: int, a) -> list[list[str]]:
     from relayrl.models import load_policy, load_tokenizer, resolve_model_path
 
     path = resolve_model_path(path)
-    tok, model = load_tokenizer(path), load_policy(path).eval()
+    tok, model = load_tokenizer(path), load_policy(path).eval().to(a.device)
     # --fresh: new prompts every epoch (the default demo's rollouts: no prompt repeats), else the same ones
     pool = load_prompts("builtin:demo", limit=n_prompts * (a.epochs + 2))
     settings = [s for s in SETTINGS if s[0] in a.settings]
@@ -84,7 +84,7 @@ def rollout_rates(path: str, n_prompts: int, a) -> list[list[str]]:
                 prompts = pool[(epoch + 2) * n_prompts:(epoch + 3) * n_prompts] if a.fresh else pool[:n_prompts]
                 reqs = requests(tok, prompts, a.group, epoch, a.max_new_tokens)
                 t0 = time.perf_counter()
-                out = eng.generate(reqs)
+                out = eng.generate(reqs)  # (its lists come back from the device: the clock waits for the GPU)
                 rates[name].append(sum(len(c.token_ids) for c in out) / (time.perf_counter() - t0))
                 counts[name] = eng.take_spec()
                 print(f"  {path}, {len(reqs)} rows: epoch {epoch + 1} {name}: {rates[name][-1]:.0f} tokens/s", flush=True)
@@ -167,24 +167,29 @@ def verify_cost(a) -> list[list[str]]:
 
     torch.manual_seed(0)
     shape = SMALL if a.scale == "tiny" else QWEN25_05B
-    model = Qwen2ForCausalLM(Qwen2Config(**shape)).eval()
+    model = Qwen2ForCausalLM(Qwen2Config(**shape)).eval().to(a.device, getattr(torch, a.dtype))
     dec = FastDecoder(model)
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     rows = []
     for b in a.batches:
-        ids = torch.randint(10, shape["vocab_size"], (b, a.context))
-        att, pos = torch.ones_like(ids), torch.arange(a.context).expand(b, a.context)
+        ids = torch.randint(10, shape["vocab_size"], (b, a.context), device=a.device)
+        att, pos = torch.ones_like(ids), torch.arange(a.context, device=a.device).expand(b, a.context)
         for k in a.draft_lengths:
             plain, spec = [], []
             for _ in range(a.repeats + 1):  # (the first: warm-up)
                 n = a.context
                 _, cache = dec.prefill(ids, att, pos, n + 2 * (k + 1))
+                sync()
                 t0 = time.perf_counter()
                 for j in range(k + 1):
-                    dec.decode(ids[:, j], torch.full((b,), n + j), cache)
+                    dec.decode(ids[:, j], torch.full((b,), n + j, device=a.device), cache)
+                sync()
                 plain.append(time.perf_counter() - t0)
                 _, cache = dec.prefill(ids, att, pos, n + 2 * (k + 1))
+                sync()
                 t0 = time.perf_counter()
-                dec.verify(ids[:, : k + 1], n + torch.arange(k + 1).expand(b, k + 1), cache)
+                dec.verify(ids[:, : k + 1], n + torch.arange(k + 1, device=a.device).expand(b, k + 1), cache)
+                sync()
                 spec.append(time.perf_counter() - t0)
             p, s = statistics.median(plain[1:]), statistics.median(spec[1:])
             rows.append([str(b), str(k), f"{p * 1e3:.1f}", f"{s * 1e3:.1f}", f"{p / s:.2f}x"])
@@ -215,6 +220,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3, help="part 3's seeds")
     ap.add_argument("--train-dir", help="part 3's folder (default: a new one); runs already in it are kept")
     ap.add_argument("--parts", nargs="+", choices=["rollout", "verify", "train"], default=["rollout", "verify", "train"])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="parts 1 and 2 (part 3: the CPU)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="part 2's model")
+    ap.add_argument("--name", default="speculative", help="the results' file names: NAME_rollout, NAME_verify, ...")
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args()
     if a.scale == "tiny":
@@ -227,18 +235,18 @@ def main() -> None:
         for m in models:
             a.label = "builtin:demo" if m == "builtin:demo" else f"{m} (after RL)"
             rows += [r for n in a.prompts for r in rollout_rates(m, n, a)]
-        write_results(Path(a.out), "speculative_rollout",
+        write_results(Path(a.out), f"{a.name}_rollout",
                       ["model", "rows", "drafts", "epoch 1 tokens/s", "vs off", "later epochs tokens/s", "vs off",
                        "tokens per forward", "draft tokens accepted"], rows,
                       {"machine": machine_info(), "args": vars(a)})
     if "train" in a.parts:
-        write_results(Path(a.out), "speculative_training",
+        write_results(Path(a.out), f"{a.name}_training",
                       ["epoch", "speculation", "rollout s (median over seeds)", "rollout tokens/s", "vs off",
                        "draft tokens a seed",
                        "kept", "kept from history", "tokens per forward", "held-out after (per seed)"],
                       training_epochs(a), {"machine": machine_info(), "args": vars(a)})
     if "verify" in a.parts:
-        write_results(Path(a.out), "speculative_verify",
+        write_results(Path(a.out), f"{a.name}_verify",
                       ["batch", "k", "k+1 decoding forwards (ms)", "one verification forward (ms)", "ratio"],
                       verify_cost(a), {"machine": machine_info(), "args": vars(a)})
 

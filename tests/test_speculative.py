@@ -225,6 +225,30 @@ def test_drafts_come_from_siblings_earlier_responses_and_the_prompt():
     assert d[0].tolist() == [22, 23, 2] and src == ["history"]
 
 
+def _scan(seq, tail, k, min_n=2, max_n=8):
+    """The lookup by its definition: the longest end of ``tail`` that occurs with a token after it, its most recent
+    occurrence."""
+    tail = list(tail)[-max_n:]
+    for n in range(len(tail), min_n - 1, -1):
+        for end in range(len(seq) - 1, n - 1, -1):  # (seq[end]: the token after the n-gram)
+            if seq[end - n:end] == tail[-n:]:
+                return n, seq[end:end + k]
+    return 0, []
+
+
+def test_a_lookup_finds_what_a_scan_finds():
+    """The index (built in two parts, as a growing response is) answers as a scan of the sequence does."""
+    import random
+
+    g = random.Random(0)
+    for _ in range(2000):
+        seq = [g.randrange(3) for _ in range(g.randrange(0, 40))]
+        tail = [g.randrange(3) for _ in range(g.randrange(0, 11))]
+        index = NgramIndex(seq[:len(seq) // 2])
+        index.extend(seq[len(seq) // 2:])
+        assert index.lookup(tail, 3) == _scan(seq, tail, 3), (seq, tail)
+
+
 def test_a_lead_per_prompt_decodes_first_and_finished_siblings_stay_drafts():
     from relayrl.engine.speculative import divide
 
@@ -368,3 +392,35 @@ def test_a_run_with_speculation_reports_its_drafts_and_keeps_the_alarm_quiet(tmp
     assert sum(x["spec/accepted"] for x in m) > 0 and max(x.get("spec/tokens_per_forward", 1) for x in m) > 1.5
     mismatch = [x["logprob_mismatch_mean"] for x in m if x.get("logprob_mismatch_mean") is not None]
     assert mismatch and max(mismatch) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_drafts_change_no_token_and_the_log_probs_are_the_model_s(tiny_path):
+    """rollout.device=cuda with speculation: the drafts, their verification and every position's draw on the GPU;
+    seeded rows emit plain decoding's tokens there too, the second time several tokens a forward, with the log-probs
+    of a full forward (to the GPU's float rounding)."""
+    from relayrl.engine.hf import HFEngine
+    from relayrl.engine.speculative import Speculator, metrics
+    from relayrl.models import load_policy, load_tokenizer, token_logprobs
+
+    model, tok = load_policy(tiny_path).eval().to("cuda"), load_tokenizer(tiny_path)
+    plain, spec = HFEngine(model, tok, fast_decode=True), Speculator(max_draft=8)
+    fast = HFEngine(model, tok, fast_decode=True, speculator=spec)
+    try:
+        want = plain.generate(_requests(tok, 6, 40, seed0=100, temp=0.7, top_p=0.9))
+        for again in (False, True):  # the second time, the first time's responses are drafts
+            got = fast.generate(_requests(tok, 6, 40, seed0=100, temp=0.7, top_p=0.9))
+            assert [g.token_ids for g in got] == [w.token_ids for w in want]
+            m = metrics(spec.take())
+        assert m["spec/tokens_per_forward"] > 2, m
+        r = _requests(tok, 1, 24, seed0=7)[0]
+        c = fast.generate([r])[0]
+        ids = torch.tensor([r.prompt_ids + c.token_ids], device="cuda")
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[:, len(r.prompt_ids) - 1 : -1]
+        lp = token_logprobs(logits, ids[:, len(r.prompt_ids):])[0].cpu()
+        assert torch.allclose(lp, torch.tensor(c.logprobs), atol=1e-3)
+    finally:
+        plain.close()
+        fast.close()

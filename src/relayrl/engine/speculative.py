@@ -47,35 +47,44 @@ SOURCES = ("siblings", "history", "prompt", "recent")
 class NgramIndex:
     """A token sequence and, for each of its n-grams (``min_n`` ≤ n ≤ ``max_n``) with a token after it, where
     its most recent such occurrence ends: a draft is a dictionary lookup, not a scan. Extended as a response
-    grows."""
+    grows; its n-grams indexed when it is next looked up (a row's own index often never is)."""
 
     def __init__(self, tokens: Sequence[int] = (), min_n: int = 2, max_n: int = 8):
-        self.seq: list[int] = []
+        self.seq: list[int] = list(tokens)
         self.ends: dict[tuple[int, ...], int] = {}
-        self.min_n, self.max_n = min_n, max_n
-        self.extend(tokens)
+        self.min_n, self.max_n, self.indexed = min_n, max_n, 0
 
     def extend(self, tokens: Sequence[int]) -> None:
-        seq, ends, lo = self.seq, self.ends, self.min_n
-        for t in tokens:
-            p = len(seq)  # the n-grams ending at p - 1 now have a token after them: t
-            last = tuple(seq[max(0, p - self.max_n):])
+        self.seq.extend(tokens)
+
+    def _catch_up(self) -> None:
+        seq, ends, lo, hi = self.seq, self.ends, self.min_n, self.max_n
+        for p in range(max(self.indexed, lo), len(seq)):  # the n-grams ending at p - 1 have a token after them
+            last = tuple(seq[max(0, p - hi):p])
             for n in range(lo, len(last) + 1):
                 ends[last[-n:]] = p
-            seq.append(t)
+        self.indexed = len(seq)
 
     def __len__(self) -> int:
         return len(self.seq)
 
     def lookup(self, tail: Sequence[int], k: int) -> tuple[int, list[int]]:
         """(n, the up to ``k`` tokens after the most recent occurrence of ``tail``'s last n tokens), for the
-        longest n found; (0, []) if none."""
-        tail = tuple(tail[-self.max_n:])
-        for n in range(len(tail), self.min_n - 1, -1):
-            end = self.ends.get(tail[-n:])
-            if end is not None:
-                return n, self.seq[end:end + k]
-        return 0, []
+        longest n found; (0, []) if none. Where an n-gram occurs, so does every shorter end of it (with the same
+        token after it): a miss is one lookup (the shortest), the longest is found by bisection."""
+        if self.indexed < len(self.seq):
+            self._catch_up()
+        tail, ends = tuple(tail[-self.max_n:]), self.ends
+        lo, hi = self.min_n, len(tail)
+        if hi < lo or (end := ends.get(tail[-lo:])) is None:
+            return 0, []
+        while lo < hi:  # (ends[tail[-lo:]] is end; no n-gram longer than hi occurs)
+            mid = (lo + hi + 1) // 2
+            if (e := ends.get(tail[-mid:])) is None:
+                hi = mid - 1
+            else:
+                lo, end = mid, e
+        return lo, self.seq[end:end + k]
 
 
 class DraftStore:
@@ -92,20 +101,22 @@ class DraftStore:
         # history: the last ``keep`` responses of each prompt, ``max_tokens`` in all (an index holds ~1 KB a token:
         # its n-grams), the least recently used prompt forgotten first
         self.max_tokens, self.tokens = max_tokens, 0
-        self.history: OrderedDict[tuple, deque[NgramIndex | list[int]]] = OrderedDict()
+        self.history: OrderedDict[int, deque[NgramIndex]] = OrderedDict()
         self.prompts = prompts  # whole prompts indexed for prompt lookup, the least recently used forgotten first
-        self.prompt_index: OrderedDict[tuple, NgramIndex] = OrderedDict()
+        self.prompt_index: OrderedDict[int, NgramIndex] = OrderedDict()
         self.recent_tokens, self.recent = recent_tokens, NgramIndex(min_n=min_n, max_n=max_n)
 
     @staticmethod
-    def key(prompt_ids: Sequence[int]) -> tuple:
-        return tuple(prompt_ids)
+    def key(prompt_ids: Sequence[int]) -> int:
+        """A prompt's key: its hash (a dictionary hashes a tuple key again at every lookup, a prompt's hundreds of
+        tokens; two prompts of one hash would share drafts, which costs acceptance, never exactness)."""
+        return hash(tuple(prompt_ids))
 
     def index(self, prompt_ids: Sequence[int], response: Sequence[int] = ()) -> NgramIndex:
         """A new row's (or a finished response's) index."""
         return NgramIndex(list(prompt_ids[-self.max_n:]) + list(response), self.min_n, self.max_n)
 
-    def finished(self, prompt_ids: Sequence[int], index: NgramIndex) -> None:
+    def finished(self, prompt_ids: Sequence[int], index: NgramIndex, key: int | None = None) -> None:
         """A response that ended (its ``index``): a draft for the prompt's later responses (and, with ``recent``,
         for any prompt's)."""
         if "recent" in self.sources:
@@ -114,9 +125,9 @@ class DraftStore:
             self.recent.extend(index.seq)
         if "history" not in self.sources:
             return
-        key = self.key(prompt_ids)
+        key = self.key(prompt_ids) if key is None else key
         kept = self.history.pop(key, None) or deque()
-        kept.append(list(index.seq))  # (indexed when the prompt comes again: most prompts of a run never do)
+        kept.append(NgramIndex(index.seq, self.min_n, self.max_n))  # (indexed if the prompt comes again)
         self.tokens += len(index.seq)
         if len(kept) > self.keep:
             self.tokens -= len(kept.popleft())
@@ -124,31 +135,28 @@ class DraftStore:
         while self.tokens > self.max_tokens and self.history:
             self.tokens -= sum(map(len, self.history.popitem(last=False)[1]))
 
-    def _prompt(self, prompt_ids: Sequence[int]) -> NgramIndex:
-        key = self.key(prompt_ids)
+    def _prompt(self, prompt_ids: Sequence[int], key: int) -> NgramIndex:
         found = self.prompt_index.pop(key, None) or NgramIndex(prompt_ids, self.min_n, self.max_n)
         self.prompt_index[key] = found
         while len(self.prompt_index) > self.prompts:
             self.prompt_index.popitem(last=False)
         return found
 
-    def draft(self, prompt_ids: Sequence[int], own: NgramIndex, k: int, siblings: Sequence[NgramIndex] = ()
-              ) -> tuple[list[int], str | None]:
-        """The draft of up to ``k`` tokens for a row (``own``: its index) and its source: the longest match of
-        its last tokens, then the longest continuation."""
+    def draft(self, prompt_ids: Sequence[int], own: NgramIndex, k: int, siblings: Sequence[NgramIndex] = (),
+              key: int | None = None) -> tuple[list[int], str | None]:
+        """The draft of up to ``k`` tokens for a row (``own``: its index; ``key``: its prompt's, if known) and its
+        source: the longest match of its last tokens, then the longest continuation."""
         if k <= 0:
             return [], None
+        key = self.key(prompt_ids) if key is None else key
         tail = tuple(own.seq[-self.max_n:])
         found: list[tuple[int, list[int], str]] = []
         if "siblings" in self.sources:
             found += [(*s.lookup(tail, k), "siblings") for s in siblings]
-        if "history" in self.sources and (kept := self.history.get(self.key(prompt_ids))):
-            for i, h in enumerate(kept):
-                if isinstance(h, list):
-                    kept[i] = NgramIndex(h, self.min_n, self.max_n)
+        if "history" in self.sources and (kept := self.history.get(key)):
             found += [(*h.lookup(tail, k), "history") for h in reversed(kept)]
         if "prompt" in self.sources:
-            found += [(*own.lookup(tail, k), "prompt"), (*self._prompt(prompt_ids).lookup(tail, k), "prompt")]
+            found += [(*own.lookup(tail, k), "prompt"), (*self._prompt(prompt_ids, key).lookup(tail, k), "prompt")]
         if "recent" in self.sources:  # (last: a prompt's own sources win a tie)
             found.append((*self.recent.lookup(tail, k), "recent"))
         n, d, src = max(found, key=lambda f: (f[0], len(f[1])), default=(0, [], None))
@@ -209,9 +217,9 @@ class Speculator:
             raise ValueError(f"rollout.speculative_max_draft must be at least 1, got {max_draft}")
         self.store = DraftStore(sources, keep=keep, max_tokens=max_tokens)
         self.max_draft, self.batch_tokens, self.lead = max_draft, batch_tokens, lead
-        self.group_done: dict[tuple, list[NgramIndex]] = {}  # prompt -> its responses finished in this batch
+        self.group_done: dict[int, list[NgramIndex]] = {}  # prompt -> its responses finished in this batch
         self.k: dict[str, int] = {}  # request id -> its next draft length
-        self.rows: dict[str, NgramIndex] = {}  # request id -> its prompt's end and response so far
+        self.rows: dict[str, tuple[int, NgramIndex]] = {}  # request id -> its prompt's key, its end and response so far
         self.counts: dict[str, int] = {}
         self.lock = threading.Lock()  # (counted on the engine's thread, taken on the trainer's)
 
@@ -235,15 +243,16 @@ class Speculator:
                 len(rows), dtype=torch.long, device=device), [None] * len(rows)
         indexes, by_prompt = [], {}
         for rid, prompt, response, _ in rows:
-            own = self.rows[rid] = self._index(self.rows.get(rid), prompt, response)
-            indexes.append(own)
-            by_prompt.setdefault(self.store.key(prompt), []).append(own)
+            key, own = self.rows.get(rid) or (self.store.key(prompt), None)
+            own = self._index(own, prompt, response)
+            self.rows[rid] = key, own
+            indexes.append((key, own))
+            by_prompt.setdefault(key, []).append(own)
         out, sources = [], []
-        for (rid, prompt, _, left), own in zip(rows, indexes):
+        for (rid, prompt, _, left), (key, own) in zip(rows, indexes):
             k = min(self.k.setdefault(rid, min(4, self.max_draft)), left - 1, cap)  # (room for the token drawn after)
-            key = self.store.key(prompt)
             ahead = [s for s in by_prompt[key] if len(s.seq) > len(own.seq)] + self.group_done.get(key, [])
-            d, src = self.store.draft(prompt, own, k, ahead) if k > 0 else ([], None)
+            d, src = self.store.draft(prompt, own, k, ahead, key) if k > 0 else ([], None)
             out.append(d)
             sources.append(src)
         width = max(map(len, out), default=0)
@@ -269,12 +278,12 @@ class Speculator:
 
     def finished(self, request_id: str, prompt_ids: Sequence[int], response: Sequence[int], complete: bool) -> None:
         self.k.pop(request_id, None)
-        own = self.rows.pop(request_id, None)
+        key, own = self.rows.pop(request_id, None) or (self.store.key(prompt_ids), None)
         if complete:  # (a response cut by a weight update goes on later: its end is kept then)
             own = self._index(own, prompt_ids, response)
-            self.store.finished(prompt_ids, own)
-            if "siblings" in self.store.sources and self.store.key(prompt_ids) in self.group_done:
-                self.group_done[self.store.key(prompt_ids)].append(own)
+            self.store.finished(prompt_ids, own, key)
+            if "siblings" in self.store.sources and key in self.group_done:
+                self.group_done[key].append(own)
 
     def _index(self, own: NgramIndex | None, prompt: Sequence[int], response: Sequence[int]) -> NgramIndex:
         """A row's index (``own``, or a new one) brought up to its whole ``response``."""
