@@ -466,8 +466,8 @@ class HFEngine(Engine):
     def _speculate(self, live: list[_Row], tok, pos, at, seeds, cache, p) -> tuple[list, list] | None:
         """Drafts for the live rows verified in one forward (``speculative.verify``, exact): the tokens and
         log-probs each row emits; None when no row has a draft (a plain decoding step then)."""
-        rows = [(r.req.request_id, r.req.prompt_ids, list(r.req.response_so_far) + r.tokens,
-                 r.req.params.max_new_tokens - len(r.tokens)) for r in live]
+        rows = [(r.req.request_id, r.req.prompt_ids, r.req.response_so_far + r.tokens if r.req.response_so_far
+                 else r.tokens, r.req.params.max_new_tokens - len(r.tokens)) for r in live]
         drafts, lengths, sources = self._spec.drafts(rows, self.device)
         if not drafts.shape[1]:
             return None

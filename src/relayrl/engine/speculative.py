@@ -117,8 +117,8 @@ class DraftStore:
         return NgramIndex(list(prompt_ids[-self.max_n:]) + list(response), self.min_n, self.max_n)
 
     def finished(self, prompt_ids: Sequence[int], index: NgramIndex, key: int | None = None) -> None:
-        """A response that ended (its ``index``): a draft for the prompt's later responses (and, with ``recent``,
-        for any prompt's)."""
+        """A response that ended (its ``index``, kept as it is: not extended after): a draft for the prompt's later
+        responses (and, with ``recent``, for any prompt's)."""
         if "recent" in self.sources:
             if len(self.recent.seq) + len(index.seq) > 2 * self.recent_tokens:  # (rebuilt from its last half)
                 self.recent = NgramIndex(self.recent.seq[-self.recent_tokens:], self.min_n, self.max_n)
@@ -127,7 +127,7 @@ class DraftStore:
             return
         key = self.key(prompt_ids) if key is None else key
         kept = self.history.pop(key, None) or deque()
-        kept.append(NgramIndex(index.seq, self.min_n, self.max_n))  # (indexed if the prompt comes again)
+        kept.append(index)  # (its n-grams indexed if it is looked up: most prompts of a run never come again)
         self.tokens += len(index.seq)
         if len(kept) > self.keep:
             self.tokens -= len(kept.popleft())
@@ -154,7 +154,8 @@ class DraftStore:
         if "siblings" in self.sources:
             found += [(*s.lookup(tail, k), "siblings") for s in siblings]
         if "history" in self.sources and (kept := self.history.get(key)):
-            found += [(*h.lookup(tail, k), "history") for h in reversed(kept)]
+            # (a response of this batch is among the siblings too: looked up once)
+            found += [(*h.lookup(tail, k), "history") for h in reversed(kept) if not any(h is s for s in siblings)]
         if "prompt" in self.sources:
             found += [(*own.lookup(tail, k), "prompt"), (*self._prompt(prompt_ids, key).lookup(tail, k), "prompt")]
         if "recent" in self.sources:  # (last: a prompt's own sources win a tie)
@@ -263,8 +264,9 @@ class Speculator:
     def accepted(self, request_ids: Sequence[str], lengths: Tensor, accepted: Tensor,
                  sources: Sequence[str | None]) -> None:
         """A verification's outcome: each row's next draft length and the counts."""
-        counts = {"drafted": int(lengths.sum()), "accepted": int(accepted.sum())}
-        for rid, n, a, src in zip(request_ids, lengths.tolist(), accepted.tolist(), sources):
+        drafted, kept = lengths.tolist(), accepted.tolist()  # (one copy each from a GPU)
+        counts = {"drafted": sum(drafted), "accepted": sum(kept)}
+        for rid, n, a, src in zip(request_ids, drafted, kept, sources):
             self.k[rid] = next_draft_length(self.k.get(rid, 1), n, a, self.max_draft)
             if src is not None:
                 add_counts(counts, {f"drafted_{src}": n, f"accepted_{src}": a})
