@@ -9,9 +9,10 @@
    ``--trained`` (a checkpoint after RL, where responses are regular; default: ``runs/demo`` when it exists),
    at several batch sizes: a verification forward of many rows costs about what its tokens cost on a CPU, of
    few rows (an agent's turns, a rollout's long tail) about what one token does.
-2. **The verification forward at Qwen2.5-0.5B's shape** (random weights): one forward over k + 1 tokens
-   against k + 1 one-token decoding forwards, per batch size, after a ``--context`` of 64 tokens: the number that
-   decides the gain on real models (a draft of k accepted whole costs the first, plain decoding the second).
+2. **The verification forward at Qwen2.5-0.5B's shape** (random weights; ``--verify-model builtin:demo``: the demo
+   model): one forward over k + 1 tokens against k + 1 one-token decoding forwards, per batch size, after a
+   ``--context`` of 64 tokens: the number that decides the gain on real models (a draft of k accepted whole costs
+   the first, plain decoding the second).
 3. **Training for several epochs**: ``relayrl train`` over ``--train-prompts`` prompts (128: 16 steps an epoch)
    for ``--train-epochs`` epochs, without speculation, with it (its default sources: siblings and history) and
    with the lead as well (``rollout.speculative_lead``, Seer's divided rollout), ``--seeds`` seeds interleaved:
@@ -44,6 +45,7 @@ SETTINGS = [("off", None, False), ("prompt", ["prompt"], False), ("history", ["h
             ("siblings", ["siblings"], False), ("siblings + lead", ["siblings"], True), ("all", ALL, False),
             ("all + lead", ALL, True), ("recent", ["recent"], False), ("all + recent", ALL + ["recent"], False),
             ("siblings + history", ["siblings", "history"], False)]  # (the last: rollout.speculative_sources' default)
+EVERY = ", every draft"
 # part 3: relayrl train without and with speculation (its default sources), and with the lead
 TRAINING = [("off", []), ("on", ["rollout.speculative=on"]),
             ("on + lead", ["rollout.speculative=on", "rollout.speculative_lead=true"])]
@@ -67,10 +69,12 @@ def rollout_rates(path: str, n_prompts: int, a) -> list[list[str]]:
     tok, model = load_tokenizer(path), load_policy(path).eval().to(a.device)
     # --fresh: new prompts every epoch (the default demo's rollouts: no prompt repeats), else the same ones
     pool = load_prompts("builtin:demo", limit=n_prompts * (a.epochs + 2))
-    settings = [s for s in SETTINGS if s[0] in a.settings]
-    engines = {name: HFEngine(model, tok, fast_decode=True, max_batch=256,
-                              speculator=Speculator(src, a.max_draft, a.batch_tokens, lead=lead) if src else None)
-               for name, src, lead in settings}
+    # "NAME, every draft": NAME with every draft verified whole (the step's width not chosen: ``Widths``)
+    known = {name: (src, lead) for name, src, lead in SETTINGS}
+    settings = [(n, *known[n.removesuffix(EVERY)], n.endswith(EVERY)) for n in a.settings]
+    engines = {name: HFEngine(model, tok, fast_decode=True, max_batch=256, speculator=Speculator(
+                   src, a.max_draft, a.batch_tokens, lead=lead, choose=not every) if src else None)
+               for name, src, lead, every in settings}
     warm = pool[n_prompts:2 * n_prompts]  # (other prompts: history stays empty)
     for eng in engines.values():
         eng.generate(requests(tok, warm, a.group, -1, a.max_new_tokens))
@@ -166,13 +170,20 @@ def verify_cost(a) -> list[list[str]]:
     from relayrl.engine.fast_decode import FastDecoder
 
     torch.manual_seed(0)
-    shape = SMALL if a.scale == "tiny" else QWEN25_05B
-    model = Qwen2ForCausalLM(Qwen2Config(**shape)).eval().to(a.device, getattr(torch, a.dtype))
+    if a.verify_model:  # (a checkpoint: the demo model's 4 heads take the matrix-product attention, no grouped heads)
+        from relayrl.models import load_policy, resolve_model_path
+
+        model = load_policy(resolve_model_path(a.verify_model)).eval().to(a.device, getattr(torch, a.dtype))
+        vocab = model.config.vocab_size
+    else:
+        shape = SMALL if a.scale == "tiny" else QWEN25_05B
+        model = Qwen2ForCausalLM(Qwen2Config(**shape)).eval().to(a.device, getattr(torch, a.dtype))
+        vocab = shape["vocab_size"]
     dec = FastDecoder(model)
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     rows = []
     for b in a.batches:
-        ids = torch.randint(10, shape["vocab_size"], (b, a.context), device=a.device)
+        ids = torch.randint(10, vocab, (b, a.context), device=a.device)
         att, pos = torch.ones_like(ids), torch.arange(a.context, device=a.device).expand(b, a.context)
         for k in a.draft_lengths:
             plain, spec = [], []
@@ -213,8 +224,11 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--context", type=int, default=64, help="tokens in the cache before the measured forwards")
     ap.add_argument("--draft-lengths", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--verify-model", help="part 2's model (e.g. builtin:demo; default: Qwen2.5-0.5B's shape, "
+                    "random weights)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--settings", nargs="+", default=[s[0] for s in SETTINGS], help="part 1's settings")
+    ap.add_argument("--settings", nargs="+", default=[s[0] for s in SETTINGS], help="part 1's settings (a name with "
+                    "', every draft' after it: every draft verified whole, the step's width not chosen)")
     ap.add_argument("--train-prompts", type=int, default=128)
     ap.add_argument("--train-epochs", type=int, default=5)
     ap.add_argument("--seeds", type=int, default=3, help="part 3's seeds")

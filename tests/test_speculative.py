@@ -59,7 +59,7 @@ def speculative_sample(model, n, T, top_k, top_p, draft_of, rule=verify, gen=Non
             scores.append(sampling_scores(model.logits(st), T, top_k, top_p))
             if j < drafts.shape[1]:
                 st = model.step(st, drafts[:, j])
-        tokens, _, _ = rule(torch.stack(scores, 1), drafts, torch.full((len(live),), drafts.shape[1]), draw)
+        tokens, _, _ = rule(torch.stack(scores, 1), drafts.tolist(), draw)
         width = max(map(len, tokens))
         emitted = torch.tensor([t + [-1] * (width - len(t)) for t in tokens])
         for j in range(width):
@@ -125,9 +125,10 @@ def test_sequences_through_drafts_have_the_policy_s_distribution(T, top_k, top_p
         assert not chi_square_rejects(samples, probs), (draft, T, top_k, top_p)
 
 
-def no_residual(scores, drafts, lengths, draw):
+def no_residual(scores, drafts, draw):
     """The classic mistake: x accepted with probability p(x), and on rejection a token drawn from p with x
     left in (not the residual)."""
+    drafts = torch.tensor(drafts)
     probs, k = torch.softmax(scores, -1), drafts.shape[1]
     p_draft = probs[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
     kept = (torch.rand_like(p_draft) < p_draft).long().cumprod(1).sum(1)
@@ -139,8 +140,8 @@ def test_an_inexact_acceptance_rule_fails_the_same_test():
     """SPEC-RL's lenience (a draft token kept whenever the policy gives it at least a fifth of the top
     token's probability), or a rejection that draws from p with the draft token left in, biases the
     sequences: the chi-square test sees it."""
-    def lenient(scores, drafts, lengths, draw):
-        probs = torch.softmax(scores, -1)
+    def lenient(scores, drafts, draw):
+        drafts, probs = torch.tensor(drafts), torch.softmax(scores, -1)
         p_draft = probs[:, :-1].gather(-1, drafts[..., None]).squeeze(-1)
         kept = (p_draft >= 0.2 * probs[:, :-1].max(-1).values).long().cumprod(1).sum(1)
         drawn = draw(scores)
@@ -160,8 +161,8 @@ def test_greedy_accepts_exactly_the_argmax_and_seeded_rows_emit_what_plain_decod
     scores = torch.stack([model.logits(torch.tensor([s, s + 1])) for s in (5, 9, 11)], 1)  # [2, 3, V]
     best = scores.argmax(-1)
     drafts = torch.stack([best[:, 0], (best[:, 1] + 1) % V], 1)  # first right, second wrong
-    tokens, lps, acc = verify(scores, drafts, torch.tensor([2, 2]), lambda s: s.argmax(-1))
-    assert acc.tolist() == [1, 1] and tokens == best[:, :2].tolist()
+    tokens, lps, acc = verify(scores, drafts.tolist(), lambda s: s.argmax(-1))
+    assert acc == [1, 1] and tokens == best[:, :2].tolist()
     logp = torch.log_softmax(scores, -1)
     assert torch.allclose(torch.tensor(lps), logp.gather(-1, best[..., None]).squeeze(-1)[:, :2])
     # seeded: the token drawn at each position is the one plain decoding draws there, the draft aside
@@ -172,10 +173,10 @@ def test_greedy_accepts_exactly_the_argmax_and_seeded_rows_emit_what_plain_decod
     def draw(s):  # (the engine's seeded draw: each position's own numbers)
         return draw_positions(s, 1.0, seeds, at)
 
-    tokens, _, acc = verify(scores, drafts, torch.tensor([2, 2]), draw)
-    assert acc.tolist() == [2, 2] and tokens == torch.stack(plain, 1).tolist()  # the bonus too
-    tokens, _, acc = verify(scores, drafts, torch.tensor([0, 1]), draw)
-    assert acc.tolist() == [0, 1] and tokens == [[int(plain[0][0])], [int(plain[0][1]), int(plain[1][1])]]
+    tokens, _, acc = verify(scores, drafts.tolist(), draw)
+    assert acc == [2, 2] and tokens == torch.stack(plain, 1).tolist()  # the bonus too
+    tokens, _, acc = verify(scores, [[], drafts[1, :1].tolist()], draw)
+    assert acc == [0, 1] and tokens == [[int(plain[0][0])], [int(plain[0][1]), int(plain[1][1])]]
 
 
 def test_drafts_come_from_siblings_earlier_responses_and_the_prompt():
@@ -218,11 +219,48 @@ def test_drafts_come_from_siblings_earlier_responses_and_the_prompt():
             next_draft_length(4, 0, 0, 8)] == [8, 2, 8, 4]
     # the engine's view: rows of one prompt, their indexes kept as they grow, a finished one in history
     spec = Speculator(max_draft=4)
-    d, n, src = spec.drafts([("a", prompt, [20, 21, 22], 10), ("b", prompt, [20], 10)])
-    assert d[1].tolist()[:2] == [21, 22] and src[1] == "siblings" and n.tolist() == [0, 2]
+    d, src = spec.drafts([("a", prompt, [20, 21, 22], 10), ("b", prompt, [20], 10)])
+    assert d == [[], [21, 22]] and src == [None, "siblings"]
     spec.finished("a", prompt, [20, 21, 22, 23, 2], True)
-    d, n, src = spec.drafts([("b", prompt, [20, 21], 10)])
-    assert d[0].tolist() == [22, 23, 2] and src == ["history"]
+    d, src = spec.drafts([("b", prompt, [20, 21], 10)])
+    assert d == [[22, 23, 2]] and src == ["history"]
+
+
+def test_a_step_verifies_as_wide_as_its_drafts_pay_for():
+    """Widths: the cost line fitted from timed forwards, a source's keep rate, and the width with the most expected
+    tokens a second (hand-computed: 2 rows, one with a draft of 2 from a source keeping half its tokens)."""
+    from relayrl.engine.speculative import Widths
+
+    w = Widths(warmup=4)
+    assert w.width([2, 0], ["history", None]) == 3  # (before the warm-up: every draft whole)
+    for tokens in (1, 2, 3, 4, 8):
+        w.timed(tokens, 1.0 + 0.1 * tokens)
+    t0, t1 = w.line()
+    assert abs(t0 - 1.0) < 1e-9 and abs(t1 - 0.1) < 1e-9
+    assert w.alpha("history") == 0.5  # (the prior)
+    # width 1: 2 tokens / 1.2 s = 1.667; 2: (2 + 0.5) / 1.4 = 1.786; 3: (2 + 0.5 + 0.25) / 1.6 = 1.719
+    assert w.width([2, 0], ["history", None]) == 2
+    w.outcome("history", 2, 0)
+    w.outcome("history", 2, 0)  # α ≈ 1 / (1 + 3) (forgetting 0.5% an outcome): (2 + 0.25) / 1.4 = 1.607 < 1.667
+    kept, cut = 0.995 ** 2, 0.995 ** 2 + 0.995 + 1
+    assert abs(w.alpha("history") - kept / (kept + cut)) < 1e-12 and w.width([2, 0], ["history", None]) == 1
+    flat = Widths(warmup=4)  # (a forward as long whatever it feeds, as on a GPU: the widest)
+    for tokens in (1, 2, 3, 4):
+        flat.timed(tokens, 1.0)
+    assert flat.width([2, 0], ["history", None]) == 3
+    # the engine's view: a declined draft's first token compared with what the plain step drew
+    spec = Speculator(max_draft=4)
+    spec.widths = w  # one row: width 1, 1 / 1.1 s = 0.91; 2: 1.25 / 1.2 = 1.04; 3: 1.31 / 1.3 = 1.01
+    prompt = [1, 2, 3]
+    spec.finished("a", prompt, [20, 21, 22, 23, 2], True)
+    assert spec.drafts([("b", prompt, [20], 10)]) == ([[21]], ["history"])  # (its draft of 4 cut to 1)
+    spec.widths = steep = Widths(warmup=4)  # (a forward as long as its tokens: no draft at α = 1/2 pays)
+    for tokens in (1, 2, 3, 4):
+        steep.timed(tokens, 0.1 * tokens)
+    d, src = spec.drafts([("b", prompt, [20], 10)])
+    assert d == [[]] and src == [None] and spec.probes == [(21, "history")] and spec.take() == {"declined": 4}
+    spec.sampled([[21]])  # kept: a plain step drew the draft's first token
+    assert steep.kept["history"] == [1.0 * 0.995 + 1, 1.0 * 0.995] and spec.probes is None
 
 
 def _scan(seq, tail, k, min_n=2, max_n=8):
@@ -260,10 +298,10 @@ def test_a_lead_per_prompt_decodes_first_and_finished_siblings_stay_drafts():
     assert Speculator(sources=("history",), lead=True).batch([p, p]) == [[0, 1]]  # (no siblings: no lead)
     spec.finished("a", p, [20, 21, 22, 23, 2], True)  # the lead ended: its response drafts for its siblings
     spec.finished("c", q, [5, 6], False)  # (a response cut short is not a draft)
-    d, n, src = spec.drafts([("b", p, [20], 10), ("d", q, [5], 10)])
-    assert d[0].tolist() == [21, 22, 23, 2] and src == ["siblings", None] and n.tolist() == [4, 0]
+    d, src = spec.drafts([("b", p, [20], 10), ("d", q, [5], 10)])
+    assert d == [[21, 22, 23, 2], []] and src == ["siblings", None]
     spec.batch([p])  # another batch, of the same prompt: the first one's responses are history's, not siblings
-    assert spec.drafts([("b", p, [20], 10)])[2] == [None]
+    assert spec.drafts([("b", p, [20], 10)])[1] == [None]
 
 
 def _requests(tok, n, budget, seed0=None, temp=1.0, top_p=1.0):

@@ -298,12 +298,12 @@ class RolloutCfg(_Section):
         "a draft accepted whole, and falls to one past what was accepted otherwise).")
     speculative_batch_tokens: int = Field(
         64, ge=2, description="Most tokens one verification forward holds (live rows × (draft + 1)): fewer rows get "
-        "longer drafts, and with more than half this many rows decoding goes on without drafts. Past its knee a "
-        "forward costs what its tokens cost, so long drafts over many rows cost more than they save: on the demo "
-        "model on 2 CPU cores a forward of 9 tokens a row costs 1.3x one of 1 token at 1 row, 2.2x at 16 rows and "
-        "3.9x at 256 (docs/concepts/speculative.md). A GPU's knee is far higher: raise it there (on one H200 a "
-        "0.5B-shaped forward of 9 tokens a row cost what one of 1 token did, 1 to 256 rows; the demo after RL, "
-        "64 rows, 1.34x the rollout's speed at 64, 2.02x at 576).")
+        "longer drafts, and with more than half this many rows decoding goes on without drafts. Within it each "
+        "step takes the width its drafts pay for, from the measured cost of a forward and each source's kept "
+        "rate (docs/concepts/speculative.md), so a larger budget no longer costs where drafts are poor (the demo, "
+        "64 rows, new prompts, 2 CPU cores: 0.75-0.80x at 576 with every draft verified, 0.93-1.09x chosen). "
+        "Raise it on a GPU, where a wider forward costs about nothing (one H200, 0.5B shape: 9 tokens a row "
+        "as long as 1; the demo after RL, 64 rows, 1.34x the rollout's speed at 64, 2.02x at 576).")
 
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="hf/hf-cb: the dtype of the engine's copy of the policy ('auto': model.dtype). bfloat16 "

@@ -36,7 +36,7 @@ from relayrl.engine.adapter import AdapterMerge
 from relayrl.engine.base import Engine, EngineError, check_new, copy_weights
 from relayrl.engine.fast_decode import SUPPORTED, fast_decoder
 from relayrl.engine.row_routes import RowRoutes
-from relayrl.engine.speculative import Speculator, draw_positions, verify
+from relayrl.engine.speculative import Speculator, draw_positions, padded, verify
 from relayrl.models import cache_kwarg, moe, select_rows
 from relayrl.records import Completion, FinishReason, GenRequest
 from relayrl.algos.token_sampling import sample_tokens, sampling_scores
@@ -409,6 +409,7 @@ class HFEngine(Engine):
                              device=self.device) if seeded else None
         at = torch.tensor([len(c) for c in ctx], device=self.device)  # where in its context a row samples next
         drawn = None  # the tokens a verified draft emitted (speculative decoding), in place of sampling
+        started = None  # when the decoding forward began (speculative decoding: what a forward costs)
         while True:
             if drawn is None:
                 # (float32 scores whatever the engine's dtype, rollout.dtype: the log-probs are float32 values, from
@@ -419,6 +420,9 @@ class HFEngine(Engine):
                 drawn = [[t] for t in tok.tolist()], [[lp] for lp in lps.tolist()]
                 if self._spec is not None:
                     self._spec.forward(len(live), len(live))
+                    self._spec.sampled(drawn[0])
+                    if started is not None:
+                        self._spec.timed(len(live), time.perf_counter() - started)
             else:  # the last token each row emitted is the one fed next
                 tok = torch.tensor([t[-1] for t in drawn[0]], device=self.device)
             emitted = torch.tensor([len(t) for t in drawn[0]], device=self.device)
@@ -451,6 +455,7 @@ class HFEngine(Engine):
                 if drawn is not None:
                     continue
             if self._fast is not None:
+                started = time.perf_counter()
                 with self._recording(live, [1] * len(live)):
                     logits = self._fast.decode(tok, pos, cache)
                 continue
@@ -468,19 +473,21 @@ class HFEngine(Engine):
         log-probs each row emits; None when no row has a draft (a plain decoding step then)."""
         rows = [(r.req.request_id, r.req.prompt_ids, r.req.response_so_far + r.tokens if r.req.response_so_far
                  else r.tokens, r.req.params.max_new_tokens - len(r.tokens)) for r in live]
-        drafts, lengths, sources = self._spec.drafts(rows, self.device)
-        if not drafts.shape[1]:
+        drafts, sources = self._spec.drafts(rows)
+        width = max(map(len, drafts)) + 1
+        if width == 1:
             return None
-        width = drafts.shape[1] + 1
-        offsets = torch.arange(width, device=self.device)
+        started, offsets = time.perf_counter(), torch.arange(width, device=self.device)
         with contextlib.nullcontext() if self._routes is None else self._routes.captured():
-            logits = self._fast.verify(torch.cat([tok[:, None], drafts], 1), pos[:, None] + offsets, cache)
+            fed = torch.cat([tok[:, None], padded(drafts, self.device)], 1)
+            logits = self._fast.verify(fed, pos[:, None] + offsets, cache)
         scores = sampling_scores(logits, p.temperature, p.top_k, p.top_p)
         draw = lambda s: draw_positions(s, p.temperature, seeds, at)  # noqa: E731  (as plain decoding draws)
-        tokens, logprobs, accepted = verify(scores, drafts, lengths, draw)
+        tokens, logprobs, accepted = verify(scores, drafts, draw)
+        self._spec.timed(len(live) * width, time.perf_counter() - started)
         self._fast.reject(cache, accepted, width)
         if self._routes is not None:  # (a mixture of experts: the routes of the tokens each row keeps)
-            self._routes.verified(live, width, accepted.tolist())
-        self._spec.accepted([r[0] for r in rows], lengths, accepted, sources)
+            self._routes.verified(live, width, accepted)
+        self._spec.accepted([r[0] for r in rows], drafts, accepted, sources)
         self._spec.forward(len(live), sum(map(len, tokens)))
         return tokens, logprobs

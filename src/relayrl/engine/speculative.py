@@ -98,6 +98,7 @@ class DraftStore:
         if bad:
             raise ValueError(f"unknown draft sources {bad}; valid: {', '.join(SOURCES)}")
         self.sources, self.keep, self.min_n, self.max_n = tuple(sources), keep, min_n, max_n
+        self.anywhere = "prompt" in self.sources or "recent" in self.sources  # (sources every row has)
         # history: the last ``keep`` responses of each prompt, ``max_tokens`` in all (an index holds ~1 KB a token:
         # its n-grams), the least recently used prompt forgotten first
         self.max_tokens, self.tokens = max_tokens, 0
@@ -146,14 +147,15 @@ class DraftStore:
               key: int | None = None) -> tuple[list[int], str | None]:
         """The draft of up to ``k`` tokens for a row (``own``: its index; ``key``: its prompt's, if known) and its
         source: the longest match of its last tokens, then the longest continuation."""
-        if k <= 0:
-            return [], None
         key = self.key(prompt_ids) if key is None else key
+        kept = self.history.get(key) if "history" in self.sources else None
+        if k <= 0 or not (siblings or kept or self.anywhere):  # (a new prompt's rows in lockstep: nothing to look up)
+            return [], None
         tail = tuple(own.seq[-self.max_n:])
         found: list[tuple[int, list[int], str]] = []
         if "siblings" in self.sources:
             found += [(*s.lookup(tail, k), "siblings") for s in siblings]
-        if "history" in self.sources and (kept := self.history.get(key)):
+        if kept:
             # (a response of this batch is among the siblings too: looked up once)
             found += [(*h.lookup(tail, k), "history") for h in reversed(kept) if not any(h is s for s in siblings)]
         if "prompt" in self.sources:
@@ -183,37 +185,105 @@ def draw_positions(scores: Tensor, temperature: float, seeds: Tensor | None = No
     return torch.stack([sample_tokens(scores[:, i], seeds, at + i) for i in range(scores.shape[1])], 1)
 
 
-def verify(scores: Tensor, drafts: Tensor, lengths: Tensor, draw: Callable[[Tensor], Tensor]
-           ) -> tuple[list[list[int]], list[list[float]], Tensor]:
+def verify(scores: Tensor, drafts: Sequence[Sequence[int]], draw: Callable[[Tensor], Tensor]
+           ) -> tuple[list[list[int]], list[list[float]], list[int]]:
     """Sample and compare (module doc). ``scores`` [rows, k+1, vocab]: the sampling scores at the row's
-    last token and at each draft token; ``drafts`` [rows, k] (padding past ``lengths`` ignored);
-    ``draw(scores)`` a token per row and position [rows, k+1], each from its scores as plain decoding draws
-    one (the engine's sampler: seeded rows draw their own numbers at each position). Returns the tokens
-    each row emits (its accepted draft, then the token drawn at its first rejection or the bonus), their
-    log-probs, and the accepted counts."""
-    rows, width, _ = scores.shape
-    logp = torch.log_softmax(scores.float(), dim=-1)
+    last token and at each draft token; ``drafts``: each row's draft, at most k tokens; ``draw(scores)`` a token
+    per row and position [rows, k+1], each from its scores as plain decoding draws one (the engine's sampler:
+    seeded rows draw their own numbers at each position). Returns the tokens each row emits (its accepted
+    draft, then the token drawn at its first rejection or the bonus), their log-probs, and the accepted
+    counts. The drawn tokens and their log-probs are the step's only copies from a GPU: the drafts are compared
+    with them here, on the host, where the drafts were made."""
     drawn = draw(scores)  # [rows, k+1]
-    k = width - 1
-    cols = torch.arange(k, device=scores.device)
-    match = (drawn[:, :k] == drafts) & (cols[None, :] < lengths[:, None]) if k else drawn[:, :0].bool()
-    accepted = (match.long().cumprod(dim=1).sum(dim=1) if k else torch.zeros(rows, dtype=torch.long,
-                                                                                device=scores.device))
-    lps = logp.gather(-1, drawn[..., None]).squeeze(-1)
-    tokens, logprobs = [], []
-    for a, row, lp in zip(accepted.tolist(), drawn.tolist(), lps.tolist()):
+    lps = torch.log_softmax(scores.float(), dim=-1).gather(-1, drawn[..., None]).squeeze(-1)
+    tokens, logprobs, accepted = [], [], []
+    for draft, row, lp in zip(drafts, drawn.tolist(), lps.tolist()):
+        a = 0
+        while a < len(draft) and row[a] == draft[a]:
+            a += 1
         tokens.append(row[:a + 1])  # accepted draft tokens equal the drawn ones; then the first difference
         logprobs.append(lp[:a + 1])
+        accepted.append(a)
     return tokens, logprobs, accepted
+
+
+def padded(drafts: Sequence[Sequence[int]], device=None) -> Tensor:
+    """The drafts as one tensor [rows, the longest draft], padded with 0 (a verification forward's input)."""
+    width = max(map(len, drafts), default=0)
+    return torch.tensor([list(d) + [0] * (width - len(d)) for d in drafts], dtype=torch.long,
+                        device=device).view(len(drafts), width)
+
+
+class Widths:
+    """How wide a step's verification forward is (1: a plain decoding step), from what a forward costs and what
+    the drafts in hand are expected to keep; a budget (``batch_tokens``) alone verified every draft, where a few
+    rows' drafts cost a whole batch a forward twice as wide.
+
+    Cost: a forward's seconds as a line in the tokens it feeds, t0 + t1 · tokens, fitted by least squares over
+    about the last ``memory`` forwards, decoding and verifying alike (the rows of a batch finish one by one, so
+    plain decoding spans the token counts too: the line is learned without drafting). Keep: a source's draft
+    token is kept with probability α, its kept tokens over kept tokens plus drafts cut short (a geometric law),
+    counted from verifications and, on plain steps, from whether the token drawn is the draft's first. A row
+    whose draft is cut to w − 1 tokens then emits 1 + α + … + α^(w−1) tokens on average; the width with the most
+    tokens per second wins. Until ``warmup`` forwards are timed every draft is verified whole.
+
+    Exactness is untouched: the choice depends on the drafts and on earlier steps, never on the numbers this
+    step draws."""
+
+    def __init__(self, memory: int = 64, warmup: int = 16):
+        self.decay, self.warmup, self.timed_forwards = 1 - 1 / memory, warmup, 0
+        self.sums = [0.0] * 5  # (forgetting) n, Σ tokens, Σ seconds, Σ tokens², Σ tokens · seconds
+        self.kept: dict[str, list[float]] = {}  # source -> [kept draft tokens, drafts cut short]
+
+    def timed(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self.sums = [d * a + b for a, b in zip(self.sums, (1.0, tokens, seconds, tokens * tokens, tokens * seconds))]
+        self.timed_forwards += 1
+
+    def line(self) -> tuple[float, float] | None:
+        """(t0, t1), or None while too few forwards are timed or their token counts do not vary."""
+        n, x, y, xx, xy = self.sums
+        spread = n * xx - x * x
+        if self.timed_forwards < self.warmup or spread <= 1e-9 * n * xx:
+            return None
+        t1 = max(0.0, (n * xy - x * y) / spread)
+        return max(1e-9, (y - t1 * x) / n), t1
+
+    def outcome(self, source: str, drafted: int, accepted: int) -> None:
+        k = self.kept.setdefault(source, [1.0, 1.0])  # (before any: α = 1/2)
+        k[0] = 0.995 * k[0] + accepted
+        k[1] = 0.995 * k[1] + (accepted < drafted)
+
+    def alpha(self, source: str) -> float:
+        k = self.kept.get(source, (1.0, 1.0))
+        return k[0] / (k[0] + k[1])
+
+    def width(self, lengths: Sequence[int], sources: Sequence[str | None]) -> int:
+        """The width for rows whose drafts have ``lengths`` (from ``sources``): 1 + the draft tokens a row may feed."""
+        longest = max(lengths, default=0)
+        if (line := self.line()) is None or not longest:
+            return longest + 1
+        t0, t1 = line
+        rows, best, best_rate = len(lengths), 1, len(lengths) / (t0 + t1 * len(lengths))
+        power = {s: 1.0 for s in sources if s}
+        tokens = float(rows)
+        for j in range(1, longest + 1):  # (width j + 1: each row keeps up to j draft tokens)
+            for s in power:
+                power[s] *= self.alpha(s)
+            tokens += sum(power[s] for n, s in zip(lengths, sources) if s and n >= j)
+            rate = tokens / (t0 + t1 * rows * (j + 1))
+            if rate > best_rate:
+                best, best_rate = j + 1, rate
+        return best
 
 
 class Speculator:
     """The engine's drafts and their accounting: a draft per live row (``drafts``), its length adapted to
-    what the row accepted (``next_draft_length``), finished responses kept as history, and counts by source
-    since the last ``take``."""
+    what the row accepted (``next_draft_length``), the step's width chosen (``Widths``; ``choose=False``: every
+    draft verified), finished responses kept as history, and counts by source since the last ``take``."""
 
     def __init__(self, sources: Sequence[str] = SOURCES, max_draft: int = 8, batch_tokens: int = 64, keep: int = 4,
-                 max_tokens: int = 200_000, lead: bool = False):
+                 max_tokens: int = 200_000, lead: bool = False, choose: bool = True):
         if max_draft < 1:
             raise ValueError(f"rollout.speculative_max_draft must be at least 1, got {max_draft}")
         self.store = DraftStore(sources, keep=keep, max_tokens=max_tokens)
@@ -222,6 +292,8 @@ class Speculator:
         self.k: dict[str, int] = {}  # request id -> its next draft length
         self.rows: dict[str, tuple[int, NgramIndex]] = {}  # request id -> its prompt's key, its end and response so far
         self.counts: dict[str, int] = {}
+        self.widths = Widths() if choose else None
+        self.probes: list[tuple[int, str] | None] | None = None  # a plain step's drafts: (first token, source)
         self.lock = threading.Lock()  # (counted on the engine's thread, taken on the trainer's)
 
     def batch(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -232,16 +304,15 @@ class Speculator:
         self.group_done = {k: [] for k in keys}  # (an earlier batch's responses of the same prompt are history's)
         return divide(keys) if self.lead and "siblings" in self.store.sources else [list(range(len(keys)))]
 
-    def drafts(self, rows: Sequence[tuple[str, Sequence[int], Sequence[int], int]], device=None
-               ) -> tuple[Tensor, Tensor, list[str | None]]:
-        """``rows``: (request id, prompt ids, response so far, tokens it may still emit). Returns the drafts
-        [rows, k] (padded with 0 past each row's length), their lengths, and their sources. A verification
+    def drafts(self, rows: Sequence[tuple[str, Sequence[int], Sequence[int], int]]
+               ) -> tuple[list[list[int]], list[str | None]]:
+        """``rows``: (request id, prompt ids, response so far, tokens it may still emit). Returns each row's
+        draft (maybe empty) and its source. A verification
         forward holds at most ``batch_tokens`` tokens (rows × (k + 1)): past that the forward costs about what
         its tokens cost, and drafts that are often rejected would cost more than they save."""
         cap = self.batch_tokens // max(1, len(rows)) - 1
         if cap < 1:
-            return torch.zeros(len(rows), 0, dtype=torch.long, device=device), torch.zeros(
-                len(rows), dtype=torch.long, device=device), [None] * len(rows)
+            return [[] for _ in rows], [None] * len(rows)
         indexes, by_prompt = [], {}
         for rid, prompt, response, _ in rows:
             key, own = self.rows.get(rid) or (self.store.key(prompt), None)
@@ -256,22 +327,45 @@ class Speculator:
             d, src = self.store.draft(prompt, own, k, ahead, key) if k > 0 else ([], None)
             out.append(d)
             sources.append(src)
-        width = max(map(len, out), default=0)
-        drafts = torch.tensor([d + [0] * (width - len(d)) for d in out], dtype=torch.long, device=device)
-        lengths = torch.tensor([len(d) for d in out], dtype=torch.long, device=device)
-        return drafts.view(len(out), width), lengths, sources
+        self.probes = None
+        if self.widths is not None and any(out):
+            width = self.widths.width([len(d) for d in out], sources)
+            if width == 1:  # a plain step: what it draws is compared with the drafts' first tokens (``sampled``)
+                self.probes = [(d[0], src) if d else None for d, src in zip(out, sources)]
+                with self.lock:
+                    add_counts(self.counts, {"declined": sum(map(len, out))})
+                return [[] for _ in out], [None] * len(out)
+            out = [d[:width - 1] for d in out]
+        return out, sources
 
-    def accepted(self, request_ids: Sequence[str], lengths: Tensor, accepted: Tensor,
+    def accepted(self, request_ids: Sequence[str], drafts: Sequence[Sequence[int]], accepted: Sequence[int],
                  sources: Sequence[str | None]) -> None:
         """A verification's outcome: each row's next draft length and the counts."""
-        drafted, kept = lengths.tolist(), accepted.tolist()  # (one copy each from a GPU)
-        counts = {"drafted": sum(drafted), "accepted": sum(kept)}
-        for rid, n, a, src in zip(request_ids, drafted, kept, sources):
+        lengths = [len(d) for d in drafts]
+        counts = {"drafted": sum(lengths), "accepted": sum(accepted)}
+        for rid, n, a, src in zip(request_ids, lengths, accepted, sources):
             self.k[rid] = next_draft_length(self.k.get(rid, 1), n, a, self.max_draft)
             if src is not None:
                 add_counts(counts, {f"drafted_{src}": n, f"accepted_{src}": a})
+                if self.widths is not None:
+                    self.widths.outcome(src, n, a)
         with self.lock:
             add_counts(self.counts, counts)
+
+    def sampled(self, tokens: Sequence[Sequence[int]]) -> None:
+        """A plain step's tokens (a token a row): where ``drafts`` declined to verify, each draft's first token
+        kept or not (the same event a verification would have seen)."""
+        probes, self.probes = self.probes, None
+        if probes is not None and self.widths is not None:
+            for probe, t in zip(probes, tokens):
+                if probe is not None:
+                    self.widths.outcome(probe[1], 1, int(t[0] == probe[0]))
+
+    def timed(self, tokens: int, seconds: float) -> None:
+        """A decoding or verification forward of ``tokens`` tokens (rows × width) took ``seconds``, its tokens
+        drawn and copied to the host."""
+        if self.widths is not None:
+            self.widths.timed(tokens, seconds)
 
     def forward(self, rows: int, emitted: int) -> None:
         """A decoding forward over ``rows`` rows that emitted ``emitted`` tokens (a verification or not)."""
