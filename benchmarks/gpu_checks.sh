@@ -18,7 +18,8 @@
 # engines (generated tokens/s on the GPU), startup (an engine process's start, phase by phase), trainer (one step of a
 # Qwen2.5-0.5B-shaped model, fp32 and bf16), speculative (the verification forward against k decoding forwards at the
 # 0.5B shape in bf16; the demo's rollout tokens/s with drafts, on new prompts and, with TRAINED=<a checkpoint after
-# RL>, on the same prompts again). TTA_SYSTEMS and TTA_NAME choose tta's systems and its results' name.
+# RL>, on the same prompts again; each step's width chosen, and every draft verified, within SPEC_BATCH_TOKENS, 576).
+# TTA_SYSTEMS and TTA_NAME choose tta's systems and its results' name.
 set -u
 OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"
@@ -57,10 +58,12 @@ print(\"transformers\", transformers.__version__); import relayrl.run.loop, pyar
     speculative) spec=(python3 benchmarks/speculative.py --device cuda --out "$OUT" --name speculative_gpu)
       stage spec_verify 120 "${spec[@]}" --parts verify --dtype bfloat16 --batches 1 16 64 256 --draft-lengths 2 4 8 \
         --repeats 5
-      stage spec_fresh 150 "${spec[@]}_fresh" --parts rollout --trained "" --fresh --epochs 6 --prompts 1 8 32 \
-        --settings off "siblings + history" recent "all + recent" --batch-tokens "${SPEC_BATCH_TOKENS:-64}"
-      stage spec_again 150 "${spec[@]}_again" --parts rollout --trained "${TRAINED:-}" --epochs 4 --prompts 1 8 32 \
-        --settings off "siblings + history" all "all + recent" --batch-tokens "${SPEC_BATCH_TOKENS:-64}" ;;
+      stage spec_fresh 180 "${spec[@]}_fresh" --parts rollout --trained "" --fresh --epochs 6 --prompts 1 8 32 \
+        --settings off "siblings + history" recent "all + recent" "all + recent, every draft" \
+        --batch-tokens "${SPEC_BATCH_TOKENS:-576}"
+      stage spec_again 180 "${spec[@]}_again" --parts rollout --trained "${TRAINED:-}" --epochs 4 --prompts 1 8 32 \
+        --settings off "siblings + history" all "all + recent" "all + recent, every draft" \
+        --batch-tokens "${SPEC_BATCH_TOKENS:-576}" ;;
     *) echo "unknown stage $s" ;;
   esac
 done

@@ -80,6 +80,9 @@ SYSTEMS = {
     "async η=4 + speculative": FAST + ["rollout.speculative=on"],
     "sync + speculative, recent": ["run.mode=sync", "rollout.speculative=on",
                                    "rollout.speculative_sources=[siblings,history,recent]"],  # (every prompt's drafts)
+    "sync + speculative, recent, 576": ["run.mode=sync", "rollout.speculative=on",  # (the width chosen within 576)
+                                        "rollout.speculative_sources=[siblings,history,recent]",
+                                        "rollout.speculative_batch_tokens=576"],
     "async η=4 + dynamic sampling": FAST + DS,
     "async η=4 + selection": FAST + SELECT,
     "async η=4 + budgets": FAST + BUDGET,
