@@ -259,7 +259,7 @@ def test_a_step_verifies_as_wide_as_its_drafts_pay_for():
         steep.timed(tokens, 0.1 * tokens)
     d, src = spec.drafts([("b", prompt, [20], 10)])
     assert d == [[]] and src == [None] and spec.probes == [(21, "history")] and spec.take() == {"declined": 4}
-    spec.sampled([[21]])  # kept: a plain step drew the draft's first token
+    spec.plain([[21]], None)  # kept: a plain step drew the draft's first token
     assert steep.kept["history"] == [1.0 * 0.995 + 1, 1.0 * 0.995] and spec.probes is None
 
 

@@ -418,11 +418,8 @@ class HFEngine(Engine):
                 tok = sample_tokens(scores, seeds, at) if p.temperature > 0 else scores.argmax(-1)
                 lps = torch.log_softmax(scores, dim=-1).gather(1, tok[:, None]).squeeze(1)
                 drawn = [[t] for t in tok.tolist()], [[lp] for lp in lps.tolist()]
-                if self._spec is not None:
-                    self._spec.forward(len(live), len(live))
-                    self._spec.sampled(drawn[0])
-                    if started is not None:
-                        self._spec.timed(len(live), time.perf_counter() - started)
+                if self._spec is not None:  # (counted, timed from ``started``, the declined drafts probed)
+                    self._spec.plain(drawn[0], started)
             else:  # the last token each row emitted is the one fed next
                 tok = torch.tensor([t[-1] for t in drawn[0]], device=self.device)
             emitted = torch.tensor([len(t) for t in drawn[0]], device=self.device)

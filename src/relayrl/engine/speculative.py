@@ -33,6 +33,7 @@ records.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict, deque
 from typing import Callable, Sequence
 
@@ -330,7 +331,7 @@ class Speculator:
         self.probes = None
         if self.widths is not None and any(out):
             width = self.widths.width([len(d) for d in out], sources)
-            if width == 1:  # a plain step: what it draws is compared with the drafts' first tokens (``sampled``)
+            if width == 1:  # a plain step: what it draws is compared with the drafts' first tokens (``plain``)
                 self.probes = [(d[0], src) if d else None for d, src in zip(out, sources)]
                 with self.lock:
                     add_counts(self.counts, {"declined": sum(map(len, out))})
@@ -352,9 +353,13 @@ class Speculator:
         with self.lock:
             add_counts(self.counts, counts)
 
-    def sampled(self, tokens: Sequence[Sequence[int]]) -> None:
-        """A plain step's tokens (a token a row): where ``drafts`` declined to verify, each draft's first token
-        kept or not (the same event a verification would have seen)."""
+    def plain(self, tokens: Sequence[Sequence[int]], started: float | None) -> None:
+        """A plain decoding step's tokens (a token a row), its forward begun at ``started`` (None: a prefill's):
+        counted, timed, and, where ``drafts`` declined to verify, each draft's first token kept or not (the same
+        event a verification would have seen)."""
+        self.forward(len(tokens), len(tokens))
+        if started is not None:
+            self.timed(len(tokens), time.perf_counter() - started)
         probes, self.probes = self.probes, None
         if probes is not None and self.widths is not None:
             for probe, t in zip(probes, tokens):
