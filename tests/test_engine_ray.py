@@ -114,6 +114,36 @@ def test_pause_holds_across_a_restart(local_ray, tiny, tiny_path):
         eng.close()
 
 
+def test_an_actor_s_drafts_and_their_counts(local_ray, tiny, tiny_path):
+    """rollout.speculative in an actor: an earlier response given to it (a resume's) drafts for the prompt's next
+    response, and its spec/... counts come back to the trainer's side."""
+    import dataclasses
+
+    from relayrl.engine.hf import HFEngine
+    from relayrl.engine.ray_engine import RayEngine
+    from relayrl.engine.spec import EngineSpec
+
+    model, tok = tiny
+    req = _req(tok, "r", 8)
+    req = dataclasses.replace(req, params=dataclasses.replace(req.params, temperature=0.0))
+    local = HFEngine(model, tok)
+    try:
+        (greedy,) = local.generate([req])  # (what the actor will decode: its drafts are kept whole)
+    finally:
+        local.close()
+    spec = EngineSpec(RolloutCfg(speculative="on"), tiny_path, tiny_path, "float32", threads=1, seed=0,
+                      max_model_len=512)
+    eng = RayEngine(spec, "test-engine-s")
+    try:
+        assert eng.remember([(req.prompt_ids, greedy.token_ids)]) == 1
+        (c,) = eng.generate([req])
+        counts = eng.take_spec()
+        assert c.token_ids == greedy.token_ids and counts["accepted_history"] > 0 and counts["row_forwards"] > 0
+        assert eng.take_spec() == {}  # (since the last call)
+    finally:
+        eng.close()
+
+
 def test_reward_workers_in_a_ray_actor(local_ray):
     """run.backend=ray's verifier pool: scores as locally, failures counted on this side, a bad
     reward.fn the same error as locally."""

@@ -118,6 +118,11 @@ class Engine(abc.ABC):
     def close(self) -> None:
         pass
 
+    def remember(self, responses: list[tuple[list[int], list[int]]]) -> int:
+        """Earlier responses, (prompt ids, response ids) oldest first, as drafts (``rollout.speculative``'s history
+        and recent, after a resume); returns how many were kept. An engine without such drafts keeps none."""
+        return 0
+
     def generate(self, requests: list[GenRequest], on_complete: Callable[[Completion], None] | None = None
                  ) -> list[Completion]:
         """Submit and wait for all; results in request order. ``on_complete`` is called with each

@@ -182,6 +182,12 @@ class HFEngine(Engine):
         """Speculative decoding's counts since the last call (``speculative.metrics``; empty when off)."""
         return self._spec.take() if self._spec is not None else {}
 
+    def remember(self, responses: list[tuple[list[int], list[int]]]) -> int:
+        if self._spec is None:
+            return 0
+        with self.pause():  # (its store is the decoding thread's)
+            return self._spec.remember(responses)
+
     def num_pending(self) -> int:
         with self._cv:
             return len(self._pending)

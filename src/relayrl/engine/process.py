@@ -91,6 +91,8 @@ def _serve(spec: EngineSpec, parent: int, shared: dict, cmd, out, ack) -> None:
             elif op == "load":
                 engine.load_weights(shared, arg)
                 ack.put(("loaded", arg))
+            elif op == "remember":
+                ack.put(("remembered", engine.remember(arg)))
             elif op == "pause":
                 paused.enter_context(engine.pause())
                 ack.put(("paused", None))
@@ -212,6 +214,10 @@ class ProcessEngine(Engine):
         self._cmd.put(("load", version))
         self._expect("loaded")
         self._version = version
+
+    def remember(self, responses: list[tuple[list[int], list[int]]]) -> int:
+        self._cmd.put(("remember", responses))
+        return self._expect("remembered")
 
     def take_spec(self) -> dict[str, int]:
         """The child engine's speculative-decoding counts received since the last call."""

@@ -58,6 +58,12 @@ class EngineActor:
     def num_pending(self) -> int:
         return self.engine.num_pending()
 
+    def remember(self, responses: list) -> int:
+        return self.engine.remember(responses)
+
+    def take_spec(self) -> dict[str, int]:
+        return self.engine.take_spec() if hasattr(self.engine, "take_spec") else {}
+
     def close(self) -> None:
         self._paused.close()
         self.engine.close()
@@ -237,6 +243,14 @@ class RayEngine(Engine):
     def num_pending(self) -> int:
         with self._lock:
             return len(self._owed)
+
+    def remember(self, responses: list[tuple[list[int], list[int]]]) -> int:
+        """(kept by this actor: a restarted one has only what it decodes after)"""
+        return self._call("remember", responses) or 0
+
+    def take_spec(self) -> dict[str, int]:
+        """The actor's speculative-decoding counts since the last call (a dead actor's are lost with it)."""
+        return self._call("take_spec") or {}
 
     def close(self) -> None:
         self._stop.set()

@@ -127,6 +127,10 @@ class EngineRouter(Engine):
         with self._lock:
             return len(self._owner)
 
+    def remember(self, responses: list[tuple[list[int], list[int]]]) -> int:
+        """Every engine keeps them all: a prompt's next groups may go to any."""
+        return max((e.remember(responses) for e in self.engines), default=0)
+
     def loads(self) -> list[int]:
         with self._lock:
             return list(self._load)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -43,6 +43,7 @@ from torch import Tensor
 from relayrl.algos.token_sampling import sample_tokens
 
 SOURCES = ("siblings", "history", "prompt", "recent")
+HISTORY_TOKENS = 200_000  # history's size: an index holds ~1 KB a token (its n-grams)
 
 
 class NgramIndex:
@@ -93,15 +94,15 @@ class DraftStore:
     ones (history); each an ``NgramIndex`` of the prompt's last ``max_n`` tokens and the response (a response's
     first tokens follow the prompt's end)."""
 
-    def __init__(self, sources: Sequence[str] = SOURCES, keep: int = 4, max_tokens: int = 200_000,
+    def __init__(self, sources: Sequence[str] = SOURCES, keep: int = 4, max_tokens: int = HISTORY_TOKENS,
                  min_n: int = 2, max_n: int = 8, prompts: int = 256, recent_tokens: int = 20_000):
         bad = [s for s in sources if s not in SOURCES]
         if bad:
             raise ValueError(f"unknown draft sources {bad}; valid: {', '.join(SOURCES)}")
         self.sources, self.keep, self.min_n, self.max_n = tuple(sources), keep, min_n, max_n
         self.anywhere = "prompt" in self.sources or "recent" in self.sources  # (sources every row has)
-        # history: the last ``keep`` responses of each prompt, ``max_tokens`` in all (an index holds ~1 KB a token:
-        # its n-grams), the least recently used prompt forgotten first
+        # history: the last ``keep`` responses of each prompt, ``max_tokens`` in all, the least recently used prompt
+        # forgotten first
         self.max_tokens, self.tokens = max_tokens, 0
         self.history: OrderedDict[int, deque[NgramIndex]] = OrderedDict()
         self.prompts = prompts  # whole prompts indexed for prompt lookup, the least recently used forgotten first
@@ -284,7 +285,7 @@ class Speculator:
     draft verified), finished responses kept as history, and counts by source since the last ``take``."""
 
     def __init__(self, sources: Sequence[str] = SOURCES, max_draft: int = 8, batch_tokens: int = 64, keep: int = 4,
-                 max_tokens: int = 200_000, lead: bool = False, choose: bool = True):
+                 max_tokens: int = HISTORY_TOKENS, lead: bool = False, choose: bool = True):
         if max_draft < 1:
             raise ValueError(f"rollout.speculative_max_draft must be at least 1, got {max_draft}")
         self.store = DraftStore(sources, keep=keep, max_tokens=max_tokens)
@@ -385,6 +386,17 @@ class Speculator:
             self.store.finished(prompt_ids, own, key)
             if "siblings" in self.store.sources and key in self.group_done:
                 self.group_done[key].append(own)
+
+    def remember(self, responses: Iterable[tuple[Sequence[int], Sequence[int]]]) -> int:
+        """Earlier responses, (prompt ids, response ids) oldest first, kept as if just finished: history and
+        ``recent`` across a resume (``run.resume.restore_drafts``, from the rollout records). Returns how many."""
+        if not {"history", "recent"} & set(self.store.sources):
+            return 0
+        n = 0
+        for prompt, response in responses:
+            self.store.finished(prompt, self.store.index(prompt, response))
+            n += 1
+        return n
 
     def _index(self, own: NgramIndex | None, prompt: Sequence[int], response: Sequence[int]) -> NgramIndex:
         """A row's index (``own``, or a new one) brought up to its whole ``response``."""

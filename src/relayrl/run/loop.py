@@ -24,7 +24,8 @@ from relayrl.run import model_card
 from relayrl.run.build import Components, build, follower_trainer, load_data, make_rollout, response_budget
 from relayrl.run.checkpoint import CheckpointWriter, RunState, restore_rng
 from relayrl.run.evaluation import episode_stats
-from relayrl.run.resume import ResumeError, check_compatible, data_fingerprint, prepare_run_dir, start_state
+from relayrl.run.resume import (ResumeError, check_compatible, data_fingerprint, prepare_run_dir, restore_drafts,
+                                start_state)
 from relayrl.tracking import MetricsLog, ProgressBar, RunReport, Timers, Trackers
 from relayrl.tracking.rollouts import RolloutLog
 from relayrl.tracking.timeline import Timeline
@@ -102,6 +103,8 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
     metrics = RunReport(cfg.run, run_dir, resolved_tree(cfg), state, log)  # metrics.jsonl, the trackers of run.report_to, curves.png
     trained_log = MetricsLog(run_dir / "trained_prompts.jsonl", resume_step=state.step)
     rollouts = RolloutLog(run_dir, cfg.run.save_rollouts, state.step, c.tokenizer)  # rollouts/step_N.jsonl.gz
+    if ckpt:
+        restore_drafts(cfg, c.engine, state.step, log)  # (rollout.speculative: earlier responses as drafts)
     timers, t_start, tl = Timers(), time.perf_counter() - state.wall_seconds, Timeline()
     startup = evaluating - entered  # loading, engines, workers (not the evaluation before training)
     writer = CheckpointWriter(run_dir, c.policy, c.tokenizer, cfg.run.keep_checkpoints, c.trainer.full_state_dict,

@@ -112,3 +112,21 @@ def prepare_run_dir(run_dir: Path, fresh: bool) -> None:
         for name in ("metrics.jsonl", "trained_prompts.jsonl", "summary.json", "timeline.json", "timeline.png",
                      "curves.png"):
             (run_dir / name).unlink(missing_ok=True)
+
+
+def restore_drafts(cfg: Config, engine, step: int, log) -> None:
+    """A resumed run's engines get the responses of the rollout records up to ``step`` as drafts
+    (``rollout.speculative``'s history and recent, otherwise rebuilt only as the run generates again)."""
+    r = cfg.rollout
+    if r.speculative != "on" or not {"history", "recent"} & set(r.speculative_sources):
+        return
+    from relayrl.engine.speculative import HISTORY_TOKENS
+    from relayrl.tracking.rollouts import recorded_responses
+
+    responses, damaged = recorded_responses(cfg.run_dir, step, HISTORY_TOKENS)
+    for why in damaged:
+        log(f"[yellow]speculative drafts: a rollout record left out, unreadable: {why}", highlight=False)
+    if not responses and not cfg.run.save_rollouts:
+        log("speculative drafts: no rollout records (run.save_rollouts=0): history starts empty")
+        return
+    log(f"speculative drafts: {engine.remember(responses)} earlier responses from the rollout records")

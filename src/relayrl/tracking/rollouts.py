@@ -116,6 +116,31 @@ def read_step(path: Path) -> list[dict]:
         return [json.loads(ln) for ln in f if ln.strip()]
 
 
+def recorded_responses(run_dir: Path, upto: int, max_tokens: int) -> tuple[list[tuple[list[int], list[int]]], list[str]]:
+    """The newest responses of the records of steps ≤ ``upto``, about ``max_tokens`` tokens of them, as (prompt
+    ids, response ids) oldest first: each one decode from its prompt to its end (single-turn, stopped or at its
+    budget); and why each file left out could not be read."""
+    out: list[tuple[list[int], list[int]]] = []
+    damaged: list[str] = []
+    tokens = 0
+    for step, path in sorted(recorded_steps(run_dir).items(), reverse=True):
+        if step > upto:
+            continue
+        if tokens >= max_tokens:
+            break
+        try:
+            records = read_step(path)
+        except (OSError, EOFError, ValueError) as e:  # (a gzip or JSON error: the file left out, the others read)
+            damaged.append(f"{path}: {e}")
+            continue
+        for r in reversed(records):
+            if (isinstance(r, dict) and r.get("prompt_ids") and r.get("response_ids") and "turns" not in r
+                    and "mask" not in r and r.get("finish_reason") in ("stop", "length")):
+                out.append((r["prompt_ids"], r["response_ids"]))
+                tokens += len(r["response_ids"])
+    return out[::-1], damaged
+
+
 class RolloutLog:
     """Writes the records of every ``every``-th step (0: none). ``resume_step``: the checkpoint's step
     (0 on a fresh start): the records of later steps, a dead attempt's, are deleted."""
