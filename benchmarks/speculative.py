@@ -19,6 +19,9 @@
    per epoch the rollout's seconds and tokens/s, the drafts made and kept (from history), tokens per forward.
    Part 1's ``siblings + lead`` and ``all + lead`` settings count the lead's time in the rollout's; ``recent`` (every
    prompt's last responses) drafts in epoch 1 too, from the warm-up prompts' responses.
+4. **Across a resume** (``--parts resume``, not in the default parts): the second epoch of part 3's run with
+   speculation, uninterrupted and resumed after the first, with its rollout records (history rebuilt from them)
+   and without.
 
     python benchmarks/speculative.py                   # ~50 min on 2 quiet cores (part 3: ~35)
     python benchmarks/speculative.py --scale tiny      # check the script
@@ -106,6 +109,70 @@ def rollout_rates(path: str, n_prompts: int, a) -> list[list[str]]:
     return rows
 
 
+def train_data(a) -> tuple[Path, Path]:
+    """Parts 3 and 4's folder (``--train-dir`` or a new one) and their prompts, the demo task's first
+    ``--train-prompts``."""
+    import json
+    import tempfile
+
+    from relayrl.data.datasets import load_prompts
+
+    tmp = Path(a.train_dir or tempfile.mkdtemp(prefix="relayrl-speculative-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    data = tmp / "prompts.jsonl"
+    with data.open("w") as f:
+        for p in load_prompts("builtin:demo", limit=a.train_prompts):
+            f.write(json.dumps({"id": p.id, "prompt": p.messages, "answer": p.answer, **p.metadata}) + "\n")
+    return tmp, data
+
+
+def resumed_epoch(a) -> list[list[str]]:
+    """Part 4: a run of two epochs over ``--train-prompts`` prompts with speculation (its default sources), and the
+    same run stopped after its first epoch and resumed, with its rollout records (history rebuilt from them) and
+    without (its rollouts folder removed: history empty); per setting, over ``--seeds`` seeds, the second epoch's
+    drafts from history and tokens per forward."""
+    import json
+    import subprocess
+
+    tmp, data = train_data(a)
+    per_epoch = a.train_prompts // 8
+    results: dict[str, list[list[dict]]] = {"uninterrupted": [], "resumed with its records": [],
+                                            "resumed without records": []}
+
+    def train(out: Path, steps: int, *extra: str) -> None:
+        cmd = [sys.executable, "-m", "relayrl.cli", "train", f"data.path={data}", "rollout.prompts_per_step=8",
+               f"run.steps={steps}", f"run.save_every={per_epoch}", f"run.output_dir={out}", "run.name=r",
+               "run.progress=false", "rollout.speculative=on", "data.eval_path=null", *extra]
+        subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=tmp)
+
+    for seed in range(a.seeds):
+        whole, cut, bare = (tmp / f"resume-{name}-{seed}" for name in ("whole", "cut", "bare"))
+        for d in (whole, cut, bare):
+            shutil.rmtree(d, ignore_errors=True)
+        train(whole, 2 * per_epoch, f"run.seed={seed}")
+        train(cut, per_epoch, f"run.seed={seed}")
+        shutil.copytree(cut, bare)
+        shutil.rmtree(bare / "r" / "rollouts")
+        for d in (cut, bare):
+            train(d, 2 * per_epoch, f"run.seed={seed}", "--resume")
+        for name, d in zip(results, (whole, cut, bare)):
+            steps = [json.loads(x) for x in (d / "r" / "metrics.jsonl").read_text().splitlines()]
+            results[name].append([m for m in steps if m["step"] > per_epoch])
+        print(f"  resume, seed {seed}: done", flush=True)
+    rows = []
+    for name, runs in results.items():
+        total = lambda key: sum(m.get(key, 0.0) for ms in runs for m in ms)  # noqa: E731
+        rate = statistics.median(sum(m["generated_tokens"] for m in ms) / sum(m["time/generate"] for m in ms)
+                                 for ms in runs)
+        kept = f"{total('spec/accepted_history') / total('spec/drafted_history'):.0%}" if total(
+            "spec/drafted_history") else "-"
+        first = statistics.mean(ms[0].get("spec/tokens_per_forward", 1.0) for ms in runs)
+        rows.append([name, f"{total('spec/drafted_history') / len(runs):.0f}", kept, f"{first:.2f}",
+                     f"{statistics.mean(m.get('spec/tokens_per_forward', 1.0) for ms in runs for m in ms):.2f}",
+                     f"{rate:.0f}"])
+    return rows
+
+
 def training_epochs(a) -> list[list[str]]:
     """Part 3: ``relayrl train`` over ``--train-prompts`` prompts of the demo task for ``--train-epochs`` epochs
     (8 prompts a step), without speculation, with it and with its lead, the same ``--seeds``; per setting and
@@ -113,15 +180,8 @@ def training_epochs(a) -> list[list[str]]:
     made and kept (and from history), tokens per forward; and the held-out accuracy after."""
     import json
     import subprocess
-    import tempfile
 
-    from relayrl.data.datasets import load_prompts
-
-    tmp = Path(a.train_dir or tempfile.mkdtemp(prefix="relayrl-speculative-"))
-    data = tmp / "prompts.jsonl"
-    with data.open("w") as f:
-        for p in load_prompts("builtin:demo", limit=a.train_prompts):
-            f.write(json.dumps({"id": p.id, "prompt": p.messages, "answer": p.answer, **p.metadata}) + "\n")
+    tmp, data = train_data(a)
     per_epoch = a.train_prompts // 8
     print(f"  training runs in {tmp}", flush=True)
     runs: dict[str, list[tuple[list[dict], dict]]] = {name: [] for name, _ in TRAINING}
@@ -233,7 +293,8 @@ def main() -> None:
     ap.add_argument("--train-epochs", type=int, default=5)
     ap.add_argument("--seeds", type=int, default=3, help="part 3's seeds")
     ap.add_argument("--train-dir", help="part 3's folder (default: a new one); runs already in it are kept")
-    ap.add_argument("--parts", nargs="+", choices=["rollout", "verify", "train"], default=["rollout", "verify", "train"])
+    ap.add_argument("--parts", nargs="+", choices=["rollout", "verify", "train", "resume"],
+                    default=["rollout", "verify", "train"])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="parts 1 and 2 (part 3: the CPU)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="part 2's model")
     ap.add_argument("--name", default="speculative", help="the results' file names: NAME_rollout, NAME_verify, ...")
@@ -259,6 +320,11 @@ def main() -> None:
                        "draft tokens a seed",
                        "kept", "kept from history", "tokens per forward", "held-out after (per seed)"],
                       training_epochs(a), {"machine": machine_info(), "args": vars(a)})
+    if "resume" in a.parts:
+        write_results(Path(a.out), f"{a.name}_resume",
+                      ["epoch 2 of a run", "draft tokens from history a seed", "kept", "tokens per forward, its "
+                       "first step", "tokens per forward", "rollout tokens/s (median over seeds)"],
+                      resumed_epoch(a), {"machine": machine_info(), "args": vars(a)})
     if "verify" in a.parts:
         write_results(Path(a.out), f"{a.name}_verify",
                       ["batch", "k", "k+1 decoding forwards (ms)", "one verification forward (ms)", "ratio"],
