@@ -222,8 +222,14 @@ def test_drafts_come_from_siblings_earlier_responses_and_the_prompt():
     d, src = spec.drafts([("a", prompt, [20, 21, 22], 10), ("b", prompt, [20], 10)])
     assert d == [[], [21, 22]] and src == [None, "siblings"]
     spec.finished("a", prompt, [20, 21, 22, 23, 2], True)
-    d, src = spec.drafts([("b", prompt, [20, 21], 10)])
-    assert d == [[22, 23, 2]] and src == ["history"]
+    d, src = spec.drafts([("b", prompt, [20, 21], 10), ("c", prompt, [20, 21], 10)])
+    # (b kept to the text its draft came from, a's, found as a sibling's: it goes on there, with no lookup; c looks
+    # a's response up in history)
+    assert d == [[22, 23, 2], [22, 23, 2]] and src == ["siblings", "history"] and spec.follow["b"][0] is spec.follow[
+        "c"][0]
+    spec.store.history.clear()  # (followed, the text is no lookup's: b goes on in it; where b leaves it, no draft)
+    assert spec.drafts([("b", prompt, [20, 21, 22], 10)]) == ([[23, 2]], ["siblings"])
+    assert spec.drafts([("b", prompt, [20, 21, 22, 9], 10)]) == ([[]], [None]) and "b" not in spec.follow
 
 
 def test_a_step_verifies_as_wide_as_its_drafts_pay_for():
@@ -263,11 +269,11 @@ def test_a_step_verifies_as_wide_as_its_drafts_pay_for():
     assert steep.kept["history"] == [1.0 * 0.995 + 1, 1.0 * 0.995] and spec.probes is None
 
 
-def _scan(seq, tail, k, min_n=2, max_n=8):
-    """The lookup by its definition: the longest end of ``tail`` that occurs with a token after it, its most recent
-    occurrence."""
-    tail = list(tail)[-max_n:]
-    for n in range(len(tail), min_n - 1, -1):
+def _scan(seq, tail, k, lengths=(2, 4, 8)):
+    """The lookup by its definition: the longest end of ``tail`` that occurs with a token after it (of the lengths
+    an index holds), its most recent occurrence."""
+    tail = list(tail)[-max(lengths):]
+    for n in [n for n in reversed(lengths) if n <= len(tail)]:
         for end in range(len(seq) - 1, n - 1, -1):  # (seq[end]: the token after the n-gram)
             if seq[end - n:end] == tail[-n:]:
                 return n, seq[end:end + k]

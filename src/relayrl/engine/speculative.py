@@ -2,14 +2,15 @@
 docs/concepts/speculative.md, from ../spec/speculative.md A2–A3).
 
 Drafts. A row's draft is what followed, elsewhere, the last tokens it has: the longest of its last
-``max_n`` .. ``min_n`` tokens found in a source, and the tokens after that occurrence. Sources
-(``DraftStore``), all keyed by the row's prompt, none a model:
+``max_n``, 4 or ``min_n`` tokens found in a source, and the tokens after that occurrence; while the row emits
+that text, it goes on drafting from there (``Speculator._follow``: no lookup). Sources (``DraftStore``), all keyed
+by the row's prompt, none a model, looked up in this order:
 
+    history   the prompt's earlier responses (SPEC-RL's previous epoch), the last ``keep`` of each,
+              ``max_tokens`` in all, the least recently used prompt forgotten first;
     siblings  the other responses of the same prompt in the engine's batch, live ones ahead of the row and
               finished ones (Seer's grouped drafts); with ``lead``, one row of each group decodes first, alone
               (Seer's divided rollout: its whole response drafts for its siblings, which wait for it);
-    history   the prompt's earlier responses (SPEC-RL's previous epoch), the last ``keep`` of each,
-              ``max_tokens`` in all, the least recently used prompt forgotten first;
     prompt    the row's own context: its prompt and what it generated (prompt lookup);
     recent    every prompt's recent responses, ``recent_tokens`` in all (SuffixDecoding's global tree): the text a
               task's responses share whatever the prompt (a format, a tool call's frame, the chat template's end).
@@ -43,50 +44,65 @@ from torch import Tensor
 from relayrl.algos.token_sampling import sample_tokens
 
 SOURCES = ("siblings", "history", "prompt", "recent")
-HISTORY_TOKENS = 200_000  # history's size: an index holds ~1 KB a token (its n-grams)
+LENGTHS: dict[tuple[int, int], tuple[int, ...]] = {}  # (min_n, max_n) -> the n-gram lengths an index holds
+HISTORY_TOKENS = 200_000  # history's size: an index holds ~0.5 KB a token (its n-grams)
 
 
 class NgramIndex:
-    """A token sequence and, for each of its n-grams (``min_n`` ≤ n ≤ ``max_n``) with a token after it, where
-    its most recent such occurrence ends: a draft is a dictionary lookup, not a scan. Extended as a response
-    grows; its n-grams indexed when it is next looked up (a row's own index often never is)."""
+    """A token sequence and, for each of its n-grams with a token after it (n in ``lengths``: ``min_n``, ``max_n``
+    and the powers of 2 between), where its most recent such occurrence ends: a draft is a dictionary lookup, not a
+    scan. Extended as a response grows; its n-grams indexed when it is next looked up (a row's own index often never
+    is). Indexing is the drafts' largest cost (a dictionary entry per token and length), hence a few lengths, not
+    every one: a match is as long as the longest length found, where the text agrees further back or not."""
 
     def __init__(self, tokens: Sequence[int] = (), min_n: int = 2, max_n: int = 8):
         self.seq: list[int] = list(tokens)
         self.ends: dict[tuple[int, ...], int] = {}
         self.min_n, self.max_n, self.indexed = min_n, max_n, 0
+        self.lengths = LENGTHS.get((min_n, max_n)) or LENGTHS.setdefault((min_n, max_n), tuple(sorted(
+            {min_n, max_n} | {2 ** i for i in range(1, max_n.bit_length()) if min_n < 2 ** i < max_n})))
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.seq.extend(tokens)
 
     def _catch_up(self) -> None:
-        seq, ends, lo, hi = self.seq, self.ends, self.min_n, self.max_n
-        for p in range(max(self.indexed, lo), len(seq)):  # the n-grams ending at p - 1 have a token after them
-            last = tuple(seq[max(0, p - hi):p])
-            for n in range(lo, len(last) + 1):
-                ends[last[-n:]] = p
-        self.indexed = len(seq)
+        """Index the n-grams seq[p - n:p] (a token after them, at p) for the positions p not yet indexed, each
+        length's in one pass of ``zip`` (its tuples made in C); a later occurrence overwrites an earlier one."""
+        seq, ends, stop = self.seq, self.ends, len(self.seq)
+        for n in self.lengths:
+            first = max(self.indexed, n)
+            if first < stop:
+                ends.update(zip(zip(*[seq[first - n + i:stop - n + i] for i in range(n)]), range(first, stop)))
+        self.indexed = stop
 
     def __len__(self) -> int:
         return len(self.seq)
 
-    def lookup(self, tail: Sequence[int], k: int) -> tuple[int, list[int]]:
-        """(n, the up to ``k`` tokens after the most recent occurrence of ``tail``'s last n tokens), for the
-        longest n found; (0, []) if none. Where an n-gram occurs, so does every shorter end of it (with the same
-        token after it): a miss is one lookup (the shortest), the longest is found by bisection."""
+    def find(self, tail: Sequence[int]) -> tuple[int, int]:
+        """(n, where the most recent occurrence of ``tail``'s last n tokens ends), for the longest n of ``lengths``
+        found; (0, 0) if none. Where an n-gram occurs, so does every shorter end of it (with the same token after
+        it): a miss is one lookup (the shortest), the longest is found by bisection."""
         if self.indexed < len(self.seq):
             self._catch_up()
-        tail, ends = tuple(tail[-self.max_n:]), self.ends
-        lo, hi = self.min_n, len(tail)
-        if hi < lo or (end := ends.get(tail[-lo:])) is None:
-            return 0, []
-        while lo < hi:  # (ends[tail[-lo:]] is end; no n-gram longer than hi occurs)
+        ends, lengths = self.ends, self.lengths
+        tail = tuple(tail[-self.max_n:])
+        lo, hi = 0, len(lengths) - 1  # (indexes into lengths)
+        while hi >= 0 and lengths[hi] > len(tail):
+            hi -= 1
+        if hi < 0 or (end := ends.get(tail[-lengths[0]:])) is None:
+            return 0, 0
+        while lo < hi:  # (ends[tail[-lengths[lo]:]] is end; none longer than lengths[hi] occurs)
             mid = (lo + hi + 1) // 2
-            if (e := ends.get(tail[-mid:])) is None:
+            if (e := ends.get(tail[-lengths[mid]:])) is None:
                 hi = mid - 1
             else:
                 lo, end = mid, e
-        return lo, self.seq[end:end + k]
+        return lengths[lo], end
+
+    def lookup(self, tail: Sequence[int], k: int) -> tuple[int, list[int]]:
+        """(n, the up to ``k`` tokens after ``find``'s occurrence); (0, []) if none."""
+        n, end = self.find(tail)
+        return n, self.seq[end:end + k] if n else []
 
 
 class DraftStore:
@@ -145,27 +161,46 @@ class DraftStore:
             self.prompt_index.popitem(last=False)
         return found
 
+    def _sources(self, prompt_ids, key, own, siblings, kept):
+        """The indexes a row's draft is looked up in, in order, with their source's name: history first (its
+        indexes are built once, when first looked up; a live sibling's grows every step, so a match that history
+        makes whole leaves the siblings' n-grams unindexed)."""
+        for h in reversed(kept or ()):
+            if not any(h is s for s in siblings):  # (a response of this batch is among the siblings too: looked up once)
+                yield h, "history"
+        if "siblings" in self.sources:
+            yield from ((s, "siblings") for s in siblings)
+        if "prompt" in self.sources:
+            yield own, "prompt"
+            yield self._prompt(prompt_ids, key), "prompt"
+        if "recent" in self.sources:  # (last: a prompt's own sources win a tie)
+            yield self.recent, "recent"
+
     def draft(self, prompt_ids: Sequence[int], own: NgramIndex, k: int, siblings: Sequence[NgramIndex] = (),
               key: int | None = None) -> tuple[list[int], str | None]:
         """The draft of up to ``k`` tokens for a row (``own``: its index; ``key``: its prompt's, if known) and its
         source: the longest match of its last tokens, then the longest continuation."""
+        d, src, _, _ = self.found(prompt_ids, own, k, siblings, key)
+        return d, src
+
+    def found(self, prompt_ids: Sequence[int], own: NgramIndex, k: int, siblings: Sequence[NgramIndex] = (),
+              key: int | None = None) -> tuple[list[int], str | None, NgramIndex | None, int]:
+        """``draft``'s draft and source, and the index it is in and where in its sequence it begins."""
         key = self.key(prompt_ids) if key is None else key
         kept = self.history.get(key) if "history" in self.sources else None
         if k <= 0 or not (siblings or kept or self.anywhere):  # (a new prompt's rows in lockstep: nothing to look up)
-            return [], None
+            return [], None, None, 0
         tail = tuple(own.seq[-self.max_n:])
-        found: list[tuple[int, list[int], str]] = []
-        if "siblings" in self.sources:
-            found += [(*s.lookup(tail, k), "siblings") for s in siblings]
-        if kept:
-            # (a response of this batch is among the siblings too: looked up once)
-            found += [(*h.lookup(tail, k), "history") for h in reversed(kept) if not any(h is s for s in siblings)]
-        if "prompt" in self.sources:
-            found += [(*own.lookup(tail, k), "prompt"), (*self._prompt(prompt_ids, key).lookup(tail, k), "prompt")]
-        if "recent" in self.sources:  # (last: a prompt's own sources win a tie)
-            found.append((*self.recent.lookup(tail, k), "recent"))
-        n, d, src = max(found, key=lambda f: (f[0], len(f[1])), default=(0, [], None))
-        return (d, src) if d else ([], None)
+        best: tuple[int, int, NgramIndex | None, int, str | None] = (0, 0, None, 0, None)
+        for index, src in self._sources(prompt_ids, key, own, siblings, kept):
+            n, end = index.find(tail)
+            room = min(k, len(index.seq) - end) if n else 0  # (the draft's length)
+            if (n, room) > best[:2]:  # (the first of the longest: history's and a prompt's own sources win a tie)
+                best = n, room, index, end, src
+                if n == len(tail) and room == k:  # (none can be longer: the others are not looked up)
+                    break
+        n, room, index, end, src = best
+        return (index.seq[end:end + room], src, index, end) if room else ([], None, None, 0)
 
 
 def next_draft_length(k: int, drafted: int, accepted: int, k_max: int) -> int:
@@ -293,6 +328,8 @@ class Speculator:
         self.group_done: dict[int, list[NgramIndex]] = {}  # prompt -> its responses finished in this batch
         self.k: dict[str, int] = {}  # request id -> its next draft length
         self.rows: dict[str, tuple[int, NgramIndex]] = {}  # request id -> its prompt's key, its end and response so far
+        # request id -> where its last draft was found: the index, the draft's start there, the row's length then, source
+        self.follow: dict[str, tuple[NgramIndex, int, int, str]] = {}
         self.counts: dict[str, int] = {}
         self.widths = Widths() if choose else None
         self.probes: list[tuple[int, str] | None] | None = None  # a plain step's drafts: (first token, source)
@@ -304,6 +341,7 @@ class Speculator:
         ``lead``, one row of each prompt first; else all at once)."""
         keys = [self.store.key(p) for p in prompts]
         self.group_done = {k: [] for k in keys}  # (an earlier batch's responses of the same prompt are history's)
+        self.follow.clear()  # (an earlier batch's drafts are looked up again)
         return divide(keys) if self.lead and "siblings" in self.store.sources else [list(range(len(keys)))]
 
     def drafts(self, rows: Sequence[tuple[str, Sequence[int], Sequence[int], int]]
@@ -325,8 +363,12 @@ class Speculator:
         out, sources = [], []
         for (rid, prompt, _, left), (key, own) in zip(rows, indexes):
             k = min(self.k.setdefault(rid, min(4, self.max_draft)), left - 1, cap)  # (room for the token drawn after)
-            ahead = [s for s in by_prompt[key] if len(s.seq) > len(own.seq)] + self.group_done.get(key, [])
-            d, src = self.store.draft(prompt, own, k, ahead, key) if k > 0 else ([], None)
+            d, src = self._follow(rid, own, k) if k > 0 else ([], None)
+            if k > 0 and not d:
+                ahead = [s for s in by_prompt[key] if len(s.seq) > len(own.seq)] + self.group_done.get(key, [])
+                d, src, index, end = self.store.found(prompt, own, k, ahead, key)
+                if index is not None:
+                    self.follow[rid] = index, end, len(own.seq), src
             out.append(d)
             sources.append(src)
         self.probes = None
@@ -339,6 +381,19 @@ class Speculator:
                 return [[] for _ in out], [None] * len(out)
             out = [d[:width - 1] for d in out]
         return out, sources
+
+    def _follow(self, rid: str, own: NgramIndex, k: int) -> tuple[list[int], str | None]:
+        """The row's draft where every token it emitted since its last draft was found is the text after that
+        draft's place (a sibling's, an earlier response's): the text's next ``k`` tokens, with no lookup (and a
+        sibling's n-grams left unindexed). ([], None) where the row left that text or came to its end."""
+        if (f := self.follow.pop(rid, None)) is None:
+            return [], None
+        index, at, length, src = f
+        at += len(own.seq) - length
+        if at < len(index.seq) and index.seq[at - len(own.seq) + length:at] == own.seq[length:]:
+            self.follow[rid] = index, at, len(own.seq), src
+            return index.seq[at:at + k], src
+        return [], None
 
     def accepted(self, request_ids: Sequence[str], drafts: Sequence[Sequence[int]], accepted: Sequence[int],
                  sources: Sequence[str | None]) -> None:
@@ -380,6 +435,7 @@ class Speculator:
 
     def finished(self, request_id: str, prompt_ids: Sequence[int], response: Sequence[int], complete: bool) -> None:
         self.k.pop(request_id, None)
+        self.follow.pop(request_id, None)
         key, own = self.rows.pop(request_id, None) or (self.store.key(prompt_ids), None)
         if complete:  # (a response cut by a weight update goes on later: its end is kept then)
             own = self._index(own, prompt_ids, response)
