@@ -13,8 +13,8 @@ import torch
 
 from relayrl.algos.token_sampling import sample_tokens, sampling_scores
 from relayrl.records import FinishReason
-from relayrl.engine.speculative import (DraftStore, NgramIndex, Speculator, draw_positions, next_draft_length,
-                                        verify)
+from relayrl.engine.drafts import DraftStore, NgramIndex
+from relayrl.engine.speculative import Speculator, draw_positions, next_draft_length, verify
 
 V, L, STATES = 5, 3, 97
 

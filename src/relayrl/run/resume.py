@@ -120,7 +120,7 @@ def restore_drafts(cfg: Config, engine, step: int, log) -> None:
     r = cfg.rollout
     if r.speculative != "on" or not {"history", "recent"} & set(r.speculative_sources):
         return
-    from relayrl.engine.speculative import HISTORY_TOKENS
+    from relayrl.engine.drafts import HISTORY_TOKENS
     from relayrl.tracking.rollouts import recorded_responses
 
     responses, damaged = recorded_responses(cfg.run_dir, step, HISTORY_TOKENS)
