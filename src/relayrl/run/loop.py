@@ -96,6 +96,7 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
         c.trainer.load_state_dict(trainer_state)
         restore_rng(trainer_state)
         log(f"resumed from {ckpt} (step {state.step}, {state.samples} samples)")
+        restore_drafts(cfg, c.engine, state.step, log)  # (rollout.speculative: earlier responses as drafts)
     evaluating = time.perf_counter()
     if state.eval_before is None and c.eval_prompts:
         state.eval_before = c.evaluate(cfg, "before training")
@@ -103,8 +104,6 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
     metrics = RunReport(cfg.run, run_dir, resolved_tree(cfg), state, log)  # metrics.jsonl, the trackers of run.report_to, curves.png
     trained_log = MetricsLog(run_dir / "trained_prompts.jsonl", resume_step=state.step)
     rollouts = RolloutLog(run_dir, cfg.run.save_rollouts, state.step, c.tokenizer)  # rollouts/step_N.jsonl.gz
-    if ckpt:
-        restore_drafts(cfg, c.engine, state.step, log)  # (rollout.speculative: earlier responses as drafts)
     timers, t_start, tl = Timers(), time.perf_counter() - state.wall_seconds, Timeline()
     startup = evaluating - entered  # loading, engines, workers (not the evaluation before training)
     writer = CheckpointWriter(run_dir, c.policy, c.tokenizer, cfg.run.keep_checkpoints, c.trainer.full_state_dict,
