@@ -243,6 +243,11 @@ def test_a_step_verifies_as_wide_as_its_drafts_pay_for():
         w.timed(tokens, 1.0 + 0.1 * tokens)
     t0, t1 = w.line()
     assert abs(t0 - 1.0) < 1e-9 and abs(t1 - 0.1) < 1e-9
+    held_up = Widths(warmup=4)  # (a stalled forward counts as 3 predicted: 3 · 1.8 s for 8 tokens, not 100 s)
+    for tokens, seconds in ((1, 1.1), (2, 1.2), (3, 1.3), (4, 1.4), (8, 100.0)):
+        held_up.timed(tokens, seconds)
+    d = held_up.decay
+    assert abs(held_up.sums[2] - (d ** 4 * 1.1 + d ** 3 * 1.2 + d * d * 1.3 + d * 1.4 + 5.4)) < 1e-9
     assert w.alpha("history") == 0.5  # (the prior)
     # width 1: 2 tokens / 1.2 s = 1.667; 2: (2 + 0.5) / 1.4 = 1.786; 3: (2 + 0.5 + 0.25) / 1.6 = 1.719
     assert w.width([2, 0], ["history", None]) == 2

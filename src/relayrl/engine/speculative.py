@@ -92,18 +92,21 @@ class Widths:
     token is kept with probability α, its kept tokens over kept tokens plus drafts cut short (a geometric law),
     counted from verifications and, on plain steps, from whether the token drawn is the draft's first. A row
     whose draft is cut to w − 1 tokens then emits 1 + α + … + α^(w−1) tokens on average; the width with the most
-    tokens per second wins. Until ``warmup`` forwards are timed every draft is verified whole.
+    tokens per second wins. Until ``warmup`` forwards are timed every draft is verified whole; after, a forward
+    timed at more than 3 times the line's prediction counts as 3 times it.
 
     Exactness is untouched: the choice depends on the drafts and on earlier steps, never on the numbers this
     step draws."""
 
     def __init__(self, memory: int = 64, warmup: int = 16):
-        self.decay, self.warmup, self.timed_forwards = 1 - 1 / memory, warmup, 0
+        self.decay, self.warmup, self.timed_forwards, self.outlier = 1 - 1 / memory, warmup, 0, 3.0
         self.sums = [0.0] * 5  # (forgetting) n, Σ tokens, Σ seconds, Σ tokens², Σ tokens · seconds
         self.kept: dict[str, list[float]] = {}  # source -> [kept draft tokens, drafts cut short]
 
     def timed(self, tokens: int, seconds: float) -> None:
-        d = self.decay
+        if (line := self.line()) is not None:  # (a forward held up, by a collection or the machine's other work, counts
+            seconds = min(seconds, self.outlier * (line[0] + line[1] * tokens))  # as at most 3 predicted: one
+        d = self.decay  # stall no longer tilts the line for the next ``memory`` forwards)
         self.sums = [d * a + b for a, b in zip(self.sums, (1.0, tokens, seconds, tokens * tokens, tokens * seconds))]
         self.timed_forwards += 1
 
