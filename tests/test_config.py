@@ -129,6 +129,24 @@ def test_fields_the_mode_ignores_are_rejected_when_set(overrides, field, when):
     assert f"{field} is set, but it only applies" in str(e.value) and when in str(e.value)
 
 
+def test_a_files_field_the_command_line_leaves_without_effect_is_dropped(tmp_path):
+    """``relayrl train examples/agent_demo.yaml data.eval_path=null``: the file's eval.size no longer applies and
+    cannot be unset from the command line, so it is dropped (before: "eval.size is set ... remove it"); set on the
+    command line itself, or where the command line decided nothing, it is still refused."""
+    f = tmp_path / "c.yaml"
+    f.write_text("run:\n  mode: async\n  steps: 5\ndata:\n  eval_path: builtin:demo-eval\neval:\n  size: 7\n"
+                 "rollout:\n  max_staleness: 3\n")
+    cfg = load_config(str(f), ["data.eval_path=null", "run.mode=sync"])
+    assert cfg.data.eval_path is None and "size" not in cfg.eval.model_fields_set and cfg.run.steps == 5
+    assert "max_staleness" not in cfg.rollout.model_fields_set
+    assert load_config(str(f), ["data.eval_path=null"]).rollout.max_staleness == 3  # (still async: it applies)
+    with pytest.raises(ConfigError, match="eval.size is set, but it only applies"):
+        load_config(str(f), ["data.eval_path=null", "eval.size=7"])
+    f.write_text("data:\n  eval_path: null\neval:\n  size: 7\n")
+    with pytest.raises(ConfigError, match="eval.size is set, but it only applies"):
+        load_config(str(f), ["run.steps=3"])
+
+
 @pytest.mark.parametrize("overrides", [
     ["run.mode=async", "rollout.max_staleness=4"],
     ["rollout.partial=true", "rollout.over_provision=2"],

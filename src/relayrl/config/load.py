@@ -226,9 +226,40 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
         texts[tuple(parts)], origin[tuple(parts)] = item.split("=", 1)[1].strip(), "command line"
     _coerce(tree, texts, origin)
     try:
-        return Config.model_validate(tree)
+        return Config.model_validate(_without_moot(tree, origin))
     except ValidationError as e:
         raise ConfigError("invalid configuration: " + "; ".join(_describe(x, origin) for x in e.errors())) from None
+
+
+def _without_moot(tree: dict, origin: dict[tuple, str]) -> dict:
+    """``tree`` less the fields a file (or a recorded config) set that the command line's choices leave without
+    effect (``APPLIES_ONLY``; ``relayrl train examples/agent_demo.yaml data.eval_path=null``: the file's
+    eval.size): the check refuses a field set where it does nothing, and one the user cannot unset from the
+    command line is not theirs to remove. A field the command line set itself is still refused."""
+    import copy
+
+    said = {leaf for leaf, where in origin.items() if where == "command line"}
+    moot = [leaf for field, (_, _, deciding) in APPLIES_ONLY.items()
+            if (leaf := tuple(field.split("."))) in origin and leaf not in said
+            and any(tuple(d.split(".")) in said for d in deciding)]
+    if not moot:
+        return tree
+
+    def drop(leaves) -> dict:
+        out = copy.deepcopy(tree)
+        for leaf in leaves:
+            body = out
+            for part in leaf[:-1]:
+                body = body.get(part) if isinstance(body, dict) else None
+            if isinstance(body, dict):
+                body.pop(leaf[-1], None)
+        return out
+
+    try:
+        cfg = Config.model_validate(drop(moot))
+    except ValidationError:  # (the whole tree's validation names what is wrong)
+        return tree
+    return drop([leaf for leaf in moot if not APPLIES_ONLY[".".join(leaf)][0](cfg)])
 
 
 def recorded_tree(dump: dict) -> dict:

@@ -118,8 +118,9 @@ def read_step(path: Path) -> list[dict]:
 
 def recorded_responses(run_dir: Path, upto: int, max_tokens: int) -> tuple[list[tuple[list[int], list[int]]], list[str]]:
     """The newest responses of the records of steps ≤ ``upto``, about ``max_tokens`` tokens of them, as (prompt
-    ids, response ids) oldest first: each one decode from its prompt to its end (single-turn, stopped or at its
-    budget); and why each file left out could not be read."""
+    ids, response ids) oldest first, each stopped or at its budget; and why each file left out could not be read.
+    An episode of several turns comes whole, its environment's tokens with it: what the engine's history held at
+    its last turn's end (every turn is a request for the episode's prompt continuing its response so far)."""
     out: list[tuple[list[int], list[int]]] = []
     damaged: list[str] = []
     tokens = 0
@@ -134,8 +135,8 @@ def recorded_responses(run_dir: Path, upto: int, max_tokens: int) -> tuple[list[
             damaged.append(f"{path}: {e}")
             continue
         for r in reversed(records):
-            if (isinstance(r, dict) and r.get("prompt_ids") and r.get("response_ids") and "turns" not in r
-                    and "mask" not in r and r.get("finish_reason") in ("stop", "length")):
+            if (isinstance(r, dict) and r.get("prompt_ids") and r.get("response_ids")
+                    and r.get("finish_reason") in ("stop", "length")):
                 out.append((r["prompt_ids"], r["response_ids"]))
                 tokens += len(r["response_ids"])
     return out[::-1], damaged
