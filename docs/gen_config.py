@@ -27,7 +27,10 @@ Generated from the schema (`relayrl.config.Config`, fields in `src/relayrl/confi
 One typed, validated config, two levels deep (`section.key`; a section's own section, `model.lora`, three). Load order: defaults < a YAML file <
 dotted command-line overrides (`relayrl train my.yaml trainer.lr=1e-5`). A misspelled key, a wrong
 type, a value out of range, or a field set where the chosen mode or engine ignores it (the
-**Applies** line below) fails before any work starts, one line naming the field, exit status 2.
+**Applies** line below) fails before any work starts, one line naming the field, exit status 2. A field a
+YAML file sets that a command-line override leaves without effect is dropped instead
+(`relayrl train examples/agent_demo.yaml data.eval_path=null`: the file's `eval.size`): it cannot be unset
+from the command line.
 `relayrl train --help` prints the same fields in the terminal.
 """
 
