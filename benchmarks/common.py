@@ -35,6 +35,21 @@ def machine_info() -> dict:
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
 
 
+def results_dir(out: str | None, check: bool = False) -> Path:
+    """Where a script writes its tables: ``--out``, else a new temporary folder for a run that only checks the
+    script (its tiny scale: the committed results in benchmarks/results are not overwritten by it), else
+    benchmarks/results (beside this file, from whatever folder the script runs)."""
+    if out is not None:
+        return Path(out)
+    if check:
+        import tempfile
+
+        path = Path(tempfile.mkdtemp(prefix="relayrl-benchmark-check-"))
+        print(f"a check of the script: its tables go to {path} (benchmarks/results is left as it is)", flush=True)
+        return path
+    return Path(__file__).resolve().parent / "results"
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_info, write_results  # noqa: E402
+from common import machine_info, results_dir, write_results  # noqa: E402
 from trainer_scale import QWEN3_30B_A3B  # noqa: E402
 
 TINY = dict(QWEN3_30B_A3B, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_experts=8,
@@ -103,7 +103,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", help="the results' folder (default: benchmarks/results; --shapes tiny alone: a temporary "
+                    "one)")
     ap.add_argument("--name", default="moe_replay")
     a = ap.parse_args()
     cases = [(s, lambda s=s: build(shape_of(s), False), lambda s=s: build(shape_of(s), True), shape_of(s)["vocab_size"])
@@ -135,7 +136,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     header = ["model", "tokens routed apart (off)", "mismatch mean / max, off", "mismatch mean / max, r3",
               "dense of its shape, mean / max"]
-    write_results(Path(a.out), a.name, header, rows, data)
+    out = results_dir(a.out, check=a.shapes == ["tiny"] and not a.model)  # (a check of the script)
+    write_results(out, a.name, header, rows, data)
 
 
 if __name__ == "__main__":

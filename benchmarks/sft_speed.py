@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_info, write_results  # noqa: E402
+from common import machine_info, results_dir, write_results  # noqa: E402
 from trainer_memory import SCALES, make_batch, prime_optimizer  # noqa: E402
 
 
@@ -116,14 +116,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--demo-steps", type=int, default=12)
     ap.add_argument("--name", default="sft_speed")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", help="the results' folder (default: benchmarks/results; --scale tiny: a temporary one)")
     a = ap.parse_args()
     rows = shape_rows(a)
     print(rows, flush=True)
     rows += demo_rows(a)
     header = ["system", "tokens a step", "seconds a step (median)", "tokens/s", "speed vs relayrl train's step "
               "(demo rows: vs padded)"]
-    write_results(Path(a.out), a.name, header, rows, {"machine": machine_info(), "args": vars(a)})
+    write_results(results_dir(a.out, check=a.scale == "tiny"), a.name, header, rows,
+                  {"machine": machine_info(), "args": vars(a)})
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_info, write_results  # noqa: E402
+from common import machine_info, results_dir, write_results  # noqa: E402
 from trainer_scale import QWEN25_05B, SMALL  # noqa: E402
 
 ALL = ["siblings", "history", "prompt"]
@@ -298,8 +298,9 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="parts 1 and 2 (part 3: the CPU)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="part 2's model")
     ap.add_argument("--name", default="speculative", help="the results' file names: NAME_rollout, NAME_verify, ...")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", help="the results' folder (default: benchmarks/results; --scale tiny: a temporary one)")
     a = ap.parse_args()
+    out = results_dir(a.out, check=a.scale == "tiny")
     if a.scale == "tiny":
         a.prompts, a.group, a.epochs, a.batches, a.draft_lengths, a.repeats = [1, 4], 4, 2, [2], [4], 2
         a.train_prompts, a.train_epochs, a.seeds = 16, 2, 1
@@ -310,23 +311,23 @@ def main() -> None:
         for m in models:
             a.label = "builtin:demo" if m == "builtin:demo" else f"{m} (after RL)"
             rows += [r for n in a.prompts for r in rollout_rates(m, n, a)]
-        write_results(Path(a.out), f"{a.name}_rollout",
+        write_results(out, f"{a.name}_rollout",
                       ["model", "rows", "drafts", "epoch 1 tokens/s", "vs off", "later epochs tokens/s", "vs off",
                        "tokens per forward", "draft tokens accepted"], rows,
                       {"machine": machine_info(), "args": vars(a)})
     if "train" in a.parts:
-        write_results(Path(a.out), f"{a.name}_training",
+        write_results(out, f"{a.name}_training",
                       ["epoch", "speculation", "rollout s (median over seeds)", "rollout tokens/s", "vs off",
                        "draft tokens a seed",
                        "kept", "kept from history", "tokens per forward", "held-out after (per seed)"],
                       training_epochs(a), {"machine": machine_info(), "args": vars(a)})
     if "resume" in a.parts:
-        write_results(Path(a.out), f"{a.name}_resume",
+        write_results(out, f"{a.name}_resume",
                       ["epoch 2 of a run", "draft tokens from history a seed", "kept", "tokens per forward, its "
                        "first step", "tokens per forward", "rollout tokens/s (median over seeds)"],
                       resumed_epoch(a), {"machine": machine_info(), "args": vars(a)})
     if "verify" in a.parts:
-        write_results(Path(a.out), f"{a.name}_verify",
+        write_results(out, f"{a.name}_verify",
                       ["batch", "k", "k+1 decoding forwards (ms)", "one verification forward (ms)", "ratio"],
                       verify_cost(a), {"machine": machine_info(), "args": vars(a)})
 

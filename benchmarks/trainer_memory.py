@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_info, write_results  # noqa: E402
+from common import machine_info, results_dir, write_results  # noqa: E402
 from trainer_scale import LLAMA31_8B, QWEN3_30B_A3B, QWEN25_05B, SMALL  # noqa: E402
 
 SCALES = {"0.5b": QWEN25_05B, "tiny": SMALL, **{f"30b-a3b-{n}l": dict(QWEN3_30B_A3B, num_hidden_layers=n) for n in (1, 2, 4, 8)},
@@ -293,7 +293,8 @@ def main() -> None:
     ap.add_argument("--base-dtype", choices=["float32", "bfloat16"], default="float32",
                     help="the model's weights' dtype (model.dtype); bfloat16 with --lora-r: a LoRA step on a bfloat16 "
                     "base, its adapter in float32 (PEFT's)")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", help="the results' folder (default: benchmarks/results; --model-scale tiny: a "
+                    "temporary one)")
     ap.add_argument("--name", default="trainer_memory")
     a = ap.parse_args()
     if a.limit_gib is None:
@@ -336,7 +337,7 @@ def main() -> None:
     unit = "GPU max_memory_allocated" if a.device == "cuda" else "CPU peak RSS"
     data["note"] = f"peak: {unit}; model {a.model_scale}; cells: peak GiB, tokens/s of the last of {a.steps} steps"
     print(data["note"])
-    write_results(Path(a.out), a.name, header, rows, data)
+    write_results(results_dir(a.out, check=a.model_scale.startswith("tiny")), a.name, header, rows, data)
 
 
 def growth_span(lengths: list[int]) -> tuple[int, int] | None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_info, write_results  # noqa: E402
+from common import machine_info, results_dir, write_results  # noqa: E402
 
 # Qwen2.5-0.5B's shape (its config.json), and a small one for checking the script on a CPU
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=1024, help="longest sequence, prompt included")
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
     ap.add_argument("--small", action="store_true", help="a tiny model of the same family (checks the script)")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", help="the results' folder (default: benchmarks/results; --small: a temporary one)")
     ap.add_argument("--name", default="trainer_scale")
     a = ap.parse_args()
     if a.small:
@@ -116,8 +116,9 @@ def main() -> None:
         print(rows[-1], flush=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    write_results(Path(a.out), a.name, ["dtype", "parameters", "batch", "tokens", "step s", "tokens/s trained",
-                                        "peak GPU GiB", "full state dict s", "loss"], rows, data)
+    write_results(results_dir(a.out, check=a.small), a.name,
+                  ["dtype", "parameters", "batch", "tokens", "step s", "tokens/s trained", "peak GPU GiB",
+                   "full state dict s", "loss"], rows, data)
 
 
 if __name__ == "__main__":

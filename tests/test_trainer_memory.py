@@ -66,3 +66,16 @@ def test_the_script_end_to_end_at_tiny_scale(tmp_path):
     assert r["tokens"] == 2 * 160 and r["rows"] == 2 and r["peak_gib"] > r["cpu_rss_before_model_gib"] > 0
     padded = [n for n in rows if "padded" in n]
     assert padded and "padding" in rows[padded[0]][0] and any("packed" in n for n in rows)
+
+
+def test_a_check_of_a_benchmark_leaves_the_committed_results_alone(tmp_path, monkeypatch):
+    """``--scale tiny`` and the like (a check of the script) wrote over benchmarks/results' tables: their folder
+    is a new temporary one now; a measurement's is benchmarks/results beside the scripts, from any folder."""
+    _module()
+    import common
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    checked = common.results_dir(None, check=True)
+    assert checked.parent == tmp_path and checked.is_dir() and not any(checked.iterdir())
+    monkeypatch.chdir(tmp_path)
+    assert common.results_dir(None) == BENCH / "results" and common.results_dir("x") == Path("x")
