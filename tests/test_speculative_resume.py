@@ -74,6 +74,9 @@ def test_a_resumed_run_drafts_from_the_responses_before_its_checkpoint(tmp_path,
     assert "speculative drafts: 16 earlier responses from the rollout records" in out.getvalue()
     m = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in m] == [1, 2, 3]
+    run = json.loads((cfg.run_dir / "summary.json").read_text())["speculative"]  # (the run's, across the resume)
+    assert run["drafted"] == sum(x["spec/drafted"] for x in m) > sum(x["spec/drafted"] for x in m[2:])
+    assert run["accepted"] == sum(x["spec/accepted"] for x in m)
     if mode == "sync":
         assert m[2].get("spec/drafted_history", 0) > 0
 

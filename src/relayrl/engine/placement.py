@@ -129,9 +129,10 @@ def engine_counters(engine) -> dict:
             "engine_requeued_total": sum(getattr(e, "requeued", 0) for e in engines)}
 
 
-def spec_metrics(engine, on: bool) -> dict:
+def spec_metrics(engine, on: bool, total: dict | None = None) -> dict:
     """Speculative decoding's ``spec/...`` metrics since the last call, summed over a router's engines (none
-    with ``rollout.speculative=off``; zeros in a step whose engines drafted nothing)."""
+    with ``rollout.speculative=off``; zeros in a step whose engines drafted nothing); their counts are added to
+    ``total`` (the run's, ``RunState.speculative``)."""
     from relayrl.engine.speculative import add_counts, metrics
 
     if not on:
@@ -140,4 +141,6 @@ def spec_metrics(engine, on: bool) -> dict:
     for e in getattr(engine, "engines", [engine]):
         take = getattr(e, "take_spec", None)
         add_counts(counts, take() if take is not None else {})
+    if total is not None:
+        add_counts(total, counts)
     return metrics(counts)

@@ -319,6 +319,18 @@ def add_counts(into: dict[str, int], counts: dict[str, int]) -> dict[str, int]:
     return into
 
 
+def run_summary(counts: dict[str, int]) -> tuple[dict, str] | None:
+    """A run's speculation in its summary.json and a line of its log, from its counts (None: no forward counted)."""
+    if not counts.get("row_forwards"):
+        return None
+    drafted, accepted = counts.get("drafted", 0), counts.get("accepted", 0)
+    tpf = counts["emitted"] / counts["row_forwards"]
+    kept = f" ({accepted / drafted:.0%})" if drafted else ""
+    return ({"drafted": drafted, "accepted": accepted, "declined": counts.get("declined", 0),
+             "tokens_per_forward": round(tpf, 3)},
+            f"speculative decoding: {tpf:.2f} tokens a forward; {accepted:,} of {drafted:,} draft tokens kept{kept}")
+
+
 def metrics(counts: dict[str, int]) -> dict[str, float]:
     """A step's ``spec/...`` metrics from its counts: tokens drafted and accepted (and by source), and the tokens
     a row emitted per decoding forward (1 without speculation)."""

@@ -54,6 +54,7 @@ class RunState:
     failures: dict = field(default_factory=dict)  # episodes left out, by kind (relayrl.failures), cumulative
     groups_made: int = 0  # groups created so far: their ids stay unique across resumes
     role_baselines: dict = field(default_factory=dict)  # algo.advantage=rae: each game and role's running baseline
+    speculative: dict = field(default_factory=dict)  # rollout.speculative: the run's counts (drafted, accepted, ...)
     config: dict = field(default_factory=dict)  # the resolved config the run was started with
     data_fingerprint: str = ""  # of the training prompts: a resume must see the same data
 

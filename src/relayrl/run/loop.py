@@ -16,6 +16,7 @@ from relayrl.config import Config, dump_config, resolved_tree
 from relayrl.engine import EngineError
 from relayrl.engine.base import PolicyMismatch
 from relayrl.engine.placement import engine_counters, spec_metrics
+from relayrl.engine.speculative import run_summary
 from relayrl.records import Group, group_to_dict
 from relayrl.rollout.filter_watch import FilterWatch
 from relayrl.rollout.groups import flatten, versions_behind
@@ -140,7 +141,7 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                                                              trained_at=state.version - 1))
                 m = record_step(cfg, c, state, groups, generated, {**train_metrics, **idle, **source.metrics(), **dynamic,
                                 **c.sampler.metrics(), **engine_counters(c.engine),
-                                **spec_metrics(c.engine, cfg.rollout.speculative == "on"),
+                                **spec_metrics(c.engine, cfg.rollout.speculative == "on", state.speculative),
                                 **failures.metrics(failed, state.failures),
                                 **(c.runner.scoring.take_times() if c.runner.scoring else {})},
                                 timers.pop(), metrics, source)
@@ -274,9 +275,13 @@ def finish(cfg: Config, c: Components, state: RunState, log, startup: float | No
     if "win_rate" in (after or before or {}):  # a multi-agent environment: against its scripted player
         summary.update({f"eval_{k}_{when}": e.get(k) if e else None for k in ("win_rate", "win_rate_greedy")
                         for when, e in (("before", before), ("after", after))})
+    if spec := run_summary(state.speculative):  # (rollout.speculative=on)
+        summary["speculative"] = spec[0]
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     model_card.finalize(cfg.run_dir, resolved_tree(cfg), state, after)  # the last checkpoint's card: accuracy after
     log(f"[bold]done[/bold]: {state.step} steps, {state.samples} samples, {state.wall_seconds:.0f}s")
+    if spec:
+        log(spec[1])
     if before and after and "win_rate" not in after:
         log(f"held-out accuracy: {before['accuracy']:.1%} → {after['accuracy']:.1%} "
             f"(greedy {before['accuracy_greedy']:.1%} → {after['accuracy_greedy']:.1%})")
