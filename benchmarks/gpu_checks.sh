@@ -19,7 +19,11 @@
 # Qwen2.5-0.5B-shaped model, fp32 and bf16), speculative (the verification forward against k decoding forwards at the
 # 0.5B shape in bf16; the demo's rollout tokens/s with drafts, on new prompts and, with TRAINED=<a checkpoint after
 # RL>, on the same prompts again; each step's width chosen, and every draft verified, within SPEC_BATCH_TOKENS, 576).
-# TTA_SYSTEMS and TTA_NAME choose tta's systems and its results' name.
+# TTA_SYSTEMS and TTA_NAME choose tta's systems and its results' name; speculation's time to accuracy on a GPU:
+#   TTA_SYSTEMS="relayrl sync|sync + speculative, 576|relayrl async η=4|async η=4 + speculative, 576" \
+#   TTA_NAME=tta_gpu_speculative bash benchmarks/gpu_checks.sh tta
+# (at the default budget, 64 tokens a verification forward, a step of more than 32 live rows decodes plainly: the
+# default demo's 64 rows draft only in their batch's tail)
 set -u
 OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"

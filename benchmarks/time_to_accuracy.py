@@ -83,6 +83,9 @@ SYSTEMS = {
     "sync + speculative, recent, 576": ["run.mode=sync", "rollout.speculative=on",  # (the width chosen within 576)
                                         "rollout.speculative_sources=[siblings,history,recent]",
                                         "rollout.speculative_batch_tokens=576"],
+    "sync + speculative, 576": ["run.mode=sync", "rollout.speculative=on",  # (the default sources; a GPU's budget:
+                                "rollout.speculative_batch_tokens=576"],  # 64 rows × 9, the width chosen in it)
+    "async η=4 + speculative, 576": FAST + ["rollout.speculative=on", "rollout.speculative_batch_tokens=576"],
     "async η=4 + dynamic sampling": FAST + DS,
     "async η=4 + selection": FAST + SELECT,
     "async η=4 + budgets": FAST + BUDGET,
