@@ -104,9 +104,11 @@ class Widths:
         self.kept: dict[str, list[float]] = {}  # source -> [kept draft tokens, drafts cut short]
 
     def timed(self, tokens: int, seconds: float) -> None:
-        if (line := self.line()) is not None:  # (a forward held up, by a collection or the machine's other work, counts
-            seconds = min(seconds, self.outlier * (line[0] + line[1] * tokens))  # as at most 3 predicted: one
-        d = self.decay  # stall no longer tilts the line for the next ``memory`` forwards)
+        # A forward held up (a collection, the machine's other work) counts as at most ``outlier`` times the line's
+        # prediction: one stall no longer tilts the line for the next ``memory`` forwards.
+        if (line := self.line()) is not None:
+            seconds = min(seconds, self.outlier * (line[0] + line[1] * tokens))
+        d = self.decay
         self.sums = [d * a + b for a, b in zip(self.sums, (1.0, tokens, seconds, tokens * tokens, tokens * seconds))]
         self.timed_forwards += 1
 
