@@ -1,6 +1,7 @@
 """Loading models and tokenizers: clear errors for a bad path, raw prompts for base models, the
 prompt-length check."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,22 @@ def test_missing_model_path_names_field_and_path(tmp_path, load, field):
         load(missing)
     assert str(e.value) == f"{field}={missing!r}: cannot load the {'model' if load is load_policy else 'tokenizer'}: " \
         "no such file or directory"
+
+
+def test_a_run_folder_not_made_yet_is_not_looked_up_on_the_hub(tmp_path, monkeypatch):
+    """``runs/proposer-sft`` before the guide's ``relayrl sft`` made it: with a ``runs`` folder here it is a local
+    path and fails at once (before: the hub asked five times a file, 46 s offline, then "couldn't connect to
+    huggingface.co"); a deeper path too; an ``org/name`` with no such folder here still goes to the hub, and its
+    error says it is no folder here either."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # (the hub's answer at once, on any machine)
+    (tmp_path / "runs").mkdir()
+    for path in ("runs/proposer-sft", "a/b/c"):
+        with pytest.raises(ModelError, match=f"^model.path='{path}': cannot load the tokenizer: no such file or directory$"):
+            load_tokenizer(path)
+    with pytest.raises(ModelError, match=rf"^model.path='nobody/none': cannot load the model: .*\(nor is it a folder "
+                                         rf"here, in {re.escape(str(tmp_path))}\)$"):
+        load_policy("nobody/none")
 
 
 @pytest.mark.parametrize("files, needle", [

@@ -30,8 +30,12 @@ def _reason(e: BaseException) -> str:
 
 
 def _missing_local(path: str) -> bool:
-    """A path that is plainly local (not a hub id) and is not there."""
-    return path.startswith(("/", "./", "../", "~")) and not Path(os.path.expanduser(path)).exists()
+    """A path that is plainly local and is not there: not a hub id's ``name`` or ``org/name`` shape (it starts with
+    /, ./, ../ or ~, or has more parts), or its first part is a folder here (``runs/sft`` with a ``runs`` folder: a
+    run not made yet, where the hub would be asked, with retries, for a model that cannot be there)."""
+    parts = path.split("/")
+    local = path.startswith(("/", "./", "../", "~")) or len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir())
+    return local and not Path(os.path.expanduser(path)).exists()
 
 
 # what a local folder must hold for each kind of load (transformers' own message for a folder
@@ -58,7 +62,8 @@ def load_checked(loader, path: str, field: str, what: str, **kw):
     try:
         return loader(path, **kw)
     except Exception as e:
-        raise ModelError(f"{field}={path!r}: cannot load the {what}: {_reason(e)}") from None
+        here = "" if local.exists() else f" (nor is it a folder here, in {Path.cwd()})"
+        raise ModelError(f"{field}={path!r}: cannot load the {what}: {_reason(e)}{here}") from None
 
 
 def resolve_model_path(path: str, log=print, field: str = "model.path") -> str:
