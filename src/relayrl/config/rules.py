@@ -88,7 +88,7 @@ def _expert_adapters(c: BaseModel) -> None:
 
 def _adapter_per_role(c: BaseModel) -> None:
     """model.lora.per_role: a multi-agent environment's roles, each its own adapter, which the hf engine (merging the
-    adapter of each batch's role) and vLLM (an adapter per request) serve (FSDP2 gathers one adapter)."""
+    adapter of each batch's role) and vLLM (an adapter per request) serve."""
     if not (c.model.lora.r and c.model.lora.per_role):
         return
     if c.env.name is None:
@@ -97,8 +97,6 @@ def _adapter_per_role(c: BaseModel) -> None:
     if c.rollout.engine not in ("hf", "vllm"):
         raise ValueError(f"model.lora.per_role=true needs rollout.engine=hf or vllm (here {c.rollout.engine}): the "
                          "engines that serve one adapter per role")
-    if c.trainer.fsdp:
-        raise ValueError("model.lora.per_role=true does not combine with trainer.fsdp yet: train on one process")
 
 
 def vllm_lora_rank(r: int) -> int:

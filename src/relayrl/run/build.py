@@ -317,7 +317,9 @@ def follower_trainer(cfg: Config) -> Trainer:
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     base = resolve_model_path(cfg.model.path, log=lambda *a, **k: None)
-    policy, _ = load_adapter(cfg, load_policy(base, cfg.model.dtype), None)  # (rank 0's weights come by broadcast)
+    # (model.lora.per_role: the environment's roles, whose adapters rank 0's policy holds)
+    roles = adapter_roles(cfg, env_factory(cfg.env, cfg.rollout.group_size)) if cfg.model.lora.per_role else ()
+    policy, _ = load_adapter(cfg, load_policy(base, cfg.model.dtype), None, roles)  # (rank 0's weights: by broadcast)
     ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 and not cfg.model.lora.r else None
     return make_trainer(cfg, policy, ref)
 

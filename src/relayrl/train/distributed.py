@@ -98,11 +98,14 @@ def setup(device: torch.device) -> Group:
     return Group(dist.get_rank(), dist.get_world_size(), device)
 
 
-def shard(model: torch.nn.Module) -> torch.nn.Module:
+def shard(model: torch.nn.Module, unused: bool = False) -> torch.nn.Module:
     """FSDP2 in place, on the model already on its device: rank 0's weights on every rank first (a
     resumed rank 0 loaded the checkpoint, the others the base model), then ``fully_shard`` on each decoder layer (the
     model's ``_no_split_modules``) and on the root. Gradients are summed over ranks (the loss is
-    normalised by global counts); bf16 weights are reduced in fp32."""
+    normalised by global counts); bf16 weights are reduced in fp32. ``unused``: a pass may leave trainable
+    parameters out (an adapter per role: each micro-batch runs under its role's, and two ranks' micro-batches
+    may be of two roles), so every backward reduces every trainable parameter's gradient, zeros where it had
+    none, or the ranks' reductions would not match."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     with torch.no_grad():
@@ -120,6 +123,7 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+            m.set_reduce_scatter_unused_params(unused, recurse=False)
     return model
 
 

@@ -46,7 +46,7 @@ def prepare(model, ref, tcfg: TrainerCfg, readout: Readout, device: torch.device
         if m is not None:
             m.to(device)
             if dp:
-                distributed.shard(m)
+                distributed.shard(m, unused=bool(lora.adapter_names(m)))
     return dp
 
 

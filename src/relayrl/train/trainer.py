@@ -322,6 +322,7 @@ class Trainer:
                 mini, old, ref, keep = (mini.select(rows), None if old is None else old[r], None if ref is None else ref[r],
                                         None if keep is None else keep[r])
             sums = self.accumulate(mini, old, ref, num_tokens, num_seqs, version, keep=keep)
+            self._no_gradient_for_idle_adapters(mini)
             skipped += len(chunk) - mini.size
             if old_logp is None:  # measured in the training forward
                 mismatch.append((sums["mismatch_sum"], sums["mismatch_max"], sums["mismatch_tokens"]))
@@ -333,6 +334,17 @@ class Trainer:
                 totals[k] = totals.get(k, 0.0) + v / len(chunks)
         totals["rows_skipped"] = skipped
         return totals, mismatch, {**est_metrics, **prev_check}, batch
+
+    def _no_gradient_for_idle_adapters(self, mini: TrainBatch) -> None:
+        """FSDP with an adapter per role: every backward reduced every adapter's gradient, zeros for one a rank did
+        not use (``distributed.shard``'s ``unused``); an adapter no row of the mini-batch used has none, as in one
+        process, so the optimiser leaves it and its moments alone."""
+        if self.dp is None or not self.adapters or mini.adapter is None:
+            return
+        idle = set(self.adapters) - {self.adapters[i] for i in mini.adapter.unique().tolist()}
+        for name, p in self.model.named_parameters():
+            if any(f".lora_A.{a}." in name or f".lora_B.{a}." in name for a in idle):
+                p.grad = None
 
     def apply_gradients(self, lr_scale: float = 1.0) -> dict:
         """The optimiser step on the gradients accumulated: clipped to trainer.grad_clip, the learning rate
