@@ -43,7 +43,10 @@ def test_a_run_folder_not_made_yet_is_not_looked_up_on_the_hub(tmp_path, monkeyp
     huggingface.co"); a deeper path too; an ``org/name`` with no such folder here still goes to the hub, and its
     error says it is no folder here either."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # (the hub's answer at once, on any machine)
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # (the hub's answer at once, on any machine: read at its import)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     (tmp_path / "runs").mkdir()
     for path in ("runs/proposer-sft", "a/b/c"):
         with pytest.raises(ModelError, match=f"^model.path='{path}': cannot load the tokenizer: no such file or directory$"):
