@@ -225,6 +225,8 @@ def test_what_is_not_an_adapter_of_the_spec_is_refused(engine, demo, adapters):
         engine.load_weights({**sd, k: torch.zeros(4, sd[k].shape[1])}, v + 1)
     with pytest.raises(EngineError, match="without both lora_A and lora_B"):
         engine.load_weights({n: t for n, t in sd.items() if "lora_B" not in n or ".0." not in n}, v + 1)
+    with pytest.raises(EngineError, match="the vLLM engine was sent no adapter tensors"):
+        engine.load_weights({}, v + 1)
     assert engine.version == v and engine.adapters()["folders"] == engine.adapters()["versions"]
 
 

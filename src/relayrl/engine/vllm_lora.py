@@ -107,7 +107,7 @@ class AdapterVersions:
         """The update's adapter (one per role) checked and written to fresh folders (on the caller's thread: no
         generation waits)."""
         try:
-            per = by_adapter(state_dict)
+            per = by_adapter(state_dict) if state_dict else {None: {}}  # (none: ``check_adapter`` says so)
         except ValueError as e:
             raise EngineError(f"model.lora: {e}") from None
         if self.current and (None in per) != (None in self.current):
