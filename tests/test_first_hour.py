@@ -4,6 +4,7 @@ named, Ctrl-C, and the messages and pictures around them."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -349,3 +350,25 @@ def test_threads_default_to_the_cores_neighbours_leave_free(monkeypatch):
     assert placement.threads(RolloutCfg(), RunCfg(mode="async")) == (True, 1, 1)  # split between engine and trainer
     monkeypatch.setattr(placement, "_cpu_times", lambda: pytest.fail("run.threads set: nothing to measure"))
     assert placement.threads(RolloutCfg(), RunCfg(threads=2)) == (False, 0, 2)
+
+
+# ---------------------------------------------------------------- held-out prompts go with their data
+
+
+def test_data_of_ones_own_is_never_evaluated_on_the_demos_prompts(tiny_path, tmp_path, capsys):
+    from pathlib import Path
+
+    assert load_config(None, []).data.eval_path == "builtin:demo-eval"  # the demo's data, its held-out set
+    assert load_config(None, ["data.path=builtin:agent-demo"]).data.eval_path == "builtin:agent-demo-eval"
+    assert load_config(None, ["data.path=mine.jsonl"]).data.eval_path is None
+    assert load_config(None, ["data.path=mine.jsonl", "data.eval_path=test.jsonl"]).data.eval_path == "test.jsonl"
+    rows = str(Path(__file__).parent / "data_small.jsonl")
+    assert main(["train", f"model.path={tiny_path}", f"data.path={rows}", "reward.fn=exact", "run.steps=1",
+                 "rollout.max_new_tokens=4", "rollout.prompts_per_step=2", "rollout.group_size=2", "run.progress=false",
+                 f"run.output_dir={tmp_path}", "run.name=own"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"no held-out evaluation: data.path={rows} is data of your own and data.eval_path is not set" in out
+    assert "eval before" not in out and not (tmp_path / "own" / "eval.json").exists()
+    summary = json.loads((tmp_path / "own" / "summary.json").read_text())
+    assert summary["eval_accuracy_before"] is None and summary["eval_accuracy_after"] is None
+    assert "demo-eval" not in json.dumps(summary)

@@ -225,6 +225,7 @@ def test_the_routers_aux_loss_when_asked_moves_the_routers(tok):
 
 
 @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")  # (_capture_grads)
+@pytest.mark.slow
 def test_two_fsdp_ranks_replay_routes_as_one_process_does(tok, tmp_path):
     """trainer.fsdp=true on a mixture of experts with r3: each rank replays its micro-batches' routes, the routing
     diff's live forward runs on every rank; loss, metrics, gradient and weights of two gloo ranks = one process's."""
@@ -245,9 +246,15 @@ def test_two_fsdp_ranks_replay_routes_as_one_process_does(tok, tmp_path):
     assert any(".mlp.gate." in k and g.abs().sum() > 0 for k, g in ref["grads"][0].items())  # the routers learn
     _close(got["metrics"], ref["metrics"], "metrics", 1e-4, 1e-6)
     _close(got["grads"], ref["grads"], "grads", 1e-4, 1e-6)
-    # (the experts' gradients agree to 1e-6, summed in another order; Adam's first step at lr 1e-2 divides a
-    # near-zero gradient by its own size, which lifts that to ~2e-6 in the weights: as test_distributed's chunked head)
-    _close(got["weights"], ref["weights"], "weights", 0, 1e-5)
+    # (the experts' gradients agree to 1e-6, summed in another order; Adam's first step moves a weight by
+    # lr·g/(|g|+eps): an element whose gradient is near 0 moves by anything up to lr, decided by the order of the
+    # sum — 2.5e-5 apart measured when the run's thread count differed, the suite on two processes. Where the
+    # gradient is not near 0 the step is lr·sign(g), the same on both sides: there the weights agree to 1e-5.)
+    for k, w in ref["weights"].items():
+        g, diff = ref["grads"][0].get(k), (got["weights"][k].float() - w.float()).abs()
+        assert diff.max() <= 1.01 * tkw["lr"], k  # no weight moved further than Adam's first step can
+        firm = g.abs() > 1e-4 if g is not None else torch.ones_like(diff, dtype=torch.bool)
+        assert not firm.any() or diff[firm].max() < 1e-5, (k, diff[firm].max())
 
 
 def test_a_multi_turn_episode_keeps_a_route_for_every_token_it_fed_and_replays_them(chatml_tokenizer):

@@ -147,6 +147,7 @@ def test_a_failing_match_is_each_of_its_trajectories_counted_failure(chatml_toke
     assert runner.error_count >= 1 and message in runner.errors[0]
 
 
+@pytest.mark.slow
 def test_the_self_play_example_runs_and_reports_win_rates(tmp_path):
     """examples/self_play.yaml end to end (from the agent demo's model, no warm start: 2 steps, async):
     both sides trained, the win rates in metrics and summary.json."""

@@ -115,6 +115,7 @@ def test_config_errors_are_one_line():
         load_config(None, ["model.lora.per_role=true", "env.name=nim"])
 
 
+@pytest.mark.slow
 def test_two_roles_trained_as_two_adapters_in_one_run(tmp_path):
     """The self-play example's settings on a game where both sides always move (``Exchange``), an adapter per side,
     2 steps: both adapters trained (each differs from the other and from its start), the engine sampled each side
@@ -161,6 +162,7 @@ def test_two_roles_trained_as_two_adapters_in_one_run(tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_two_roles_as_two_adapters_on_vllm(tmp_path):
     """The same run on vLLM's engine (each request under its role's adapter): at step 2, where the two adapters
     differ, vLLM's log-probs of both sides' tokens are the trainer's under each side's adapter."""

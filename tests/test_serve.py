@@ -504,6 +504,7 @@ def test_text_completions_extend_their_prompt(tiny, monkeypatch):
         runner.close()
 
 
+@pytest.mark.slow
 def test_a_thousand_connections_are_bounded_and_nothing_crashes(tok, monkeypatch):
     """1,000 clients at once: the endpoint handles ``serve.max_requests`` of them and answers the rest 429
     (OpenAI clients retry those); the run's loop keeps its heartbeat and the endpoint serves after. And

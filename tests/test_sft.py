@@ -197,6 +197,7 @@ def test_sft_learns_checkpoints_load_and_a_killed_run_resumes_exactly(tiny_path,
     assert rl.returncode == 0, rl.stderr
 
 
+@pytest.mark.slow
 def test_fields_a_command_does_not_read_are_refused(tmp_path):
     out = _cli("sft", "algo.kl_coef=0.1", cwd=tmp_path)
     assert out.returncode == 2 and "algo.kl_coef is set, but relayrl sft does not read it" in out.stderr

@@ -416,7 +416,7 @@ def test_the_model_s_own_forward_turns_speculation_off_with_a_warning(tiny):
         eng.close()
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
 def test_a_run_with_speculation_reports_its_drafts_and_keeps_the_alarm_quiet(tmp_path, mode):
     """The demo model (a random one's samples are noise: drafts seldom match) on two prompts, so every step
     meets earlier responses (history); async runs the engine in its own process, whose counts come back. The

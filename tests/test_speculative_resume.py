@@ -50,7 +50,7 @@ def test_the_records_give_the_newest_whole_responses_oldest_first(tmp_path):
     assert Speculator(("siblings", "prompt")).remember(responses) == 0  # (no source keeps them)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
 def test_a_resumed_run_drafts_from_the_responses_before_its_checkpoint(tmp_path, mode):
     """Two prompts, every step the same two: after a resume at step 2 the engine (in this process for sync, in
     its own for async) holds the 16 responses of steps 1-2, and in sync mode step 3 drafts from them (without

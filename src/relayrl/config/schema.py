@@ -19,6 +19,13 @@ from relayrl.config.teachers import SftCfg, TeacherCfg
 from relayrl.config.training import AlgoCfg, CriticCfg, TrainerCfg
 
 
+# A built-in training set's held-out prompts: data.eval_path when it is left unset (data of one's own: none, never
+# the demo's, which would measure the user's reward on the demo's prompts).
+BUILTIN_EVAL = {"builtin:demo": "builtin:demo-eval", "builtin:demo-sft": "builtin:demo-eval",
+                "builtin:agent-demo": "builtin:agent-demo-eval", "builtin:nim": "builtin:nim-eval",
+                "builtin:proposer-solver": "builtin:proposer-solver-eval"}
+
+
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -50,5 +57,7 @@ class Config(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
+        if "eval_path" not in self.data.model_fields_set:  # (set past validation: it stays unset, as the user left it)
+            self.data.__dict__["eval_path"] = BUILTIN_EVAL.get(self.data.path)
         check(self)
         return self

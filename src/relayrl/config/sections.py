@@ -195,8 +195,8 @@ class DataCfg(_Section):
         "'textarena:GAME-v0?size=N&seed=S' (one seeded game per row).",
     )
     eval_path: str | None = Field(
-        "builtin:demo-eval", description="Held-out prompts (same formats), or null to skip evaluation."
-    )
+        None, description="Held-out prompts (same formats), or null. Unset: a built-in data.path's own (builtin:demo: "
+        "builtin:demo-eval); data of your own is evaluated only on one you give, never on the demo's.")
     prompt_field: str = Field("prompt", description="Row field with the prompt: a string or a list of chat messages.")
     answer_field: str | None = Field("answer", description="Row field with the reference answer (null: none).")
     response_field: str = Field(

@@ -14,6 +14,16 @@ from relayrl.records import Prompt, SamplingParams
 from relayrl.rollout.groups import family, make_groups
 
 
+def no_evaluation_note(data) -> str:
+    """The log's line for a run with no held-out prompts: why, and how to have them (``data``: DataCfg)."""
+    if "eval_path" in data.model_fields_set:
+        return "no held-out evaluation (data.eval_path=null)"
+    if data.path.startswith("builtin:"):
+        return f"no held-out evaluation: data.path={data.path} has no held-out set of its own (data.eval_path=FILE)"
+    return (f"no held-out evaluation: data.path={data.path} is data of your own and data.eval_path is not set (the "
+            "demo's held-out prompts go with the demo's data only); data.eval_path=FILE gives held-out numbers")
+
+
 def episode_stats(trajs: list) -> dict:
     """What agents do, over episodes: how many call a tool, errors, turns (an agent program's: its
     requests; the branches its sessions started and the sampling parameters the trainer's overrode)."""

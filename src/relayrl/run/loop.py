@@ -24,7 +24,7 @@ from relayrl.rollout.groups import drop_failed, training_batch
 from relayrl.run import model_card
 from relayrl.run.build import Components, build, follower_trainer, load_data, make_rollout, response_budget
 from relayrl.run.checkpoint import CheckpointWriter, RunState, restore_rng
-from relayrl.run.evaluation import episode_stats
+from relayrl.run.evaluation import episode_stats, no_evaluation_note
 from relayrl.run.resume import (ResumeError, check_compatible, data_fingerprint, prepare_run_dir, restore_drafts,
                                 start_state)
 from relayrl.tracking import MetricsLog, ProgressBar, RunReport, Timers, Trackers
@@ -102,6 +102,8 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
     if state.eval_before is None and c.eval_prompts:
         state.eval_before = c.evaluate(cfg, "before training")
         log(f"eval before: {fmt_eval(state.eval_before)}")
+    elif not c.eval_prompts and not state.step:
+        log(no_evaluation_note(cfg.data))
     metrics = RunReport(cfg.run, run_dir, resolved_tree(cfg), state, log)  # metrics.jsonl, the trackers of run.report_to, curves.png
     trained_log = MetricsLog(run_dir / "trained_prompts.jsonl", resume_step=state.step)
     rollouts = RolloutLog(run_dir, cfg.run.save_rollouts, state.step, c.tokenizer)  # rollouts/step_N.jsonl.gz
