@@ -82,7 +82,8 @@ def _shortened(line: str, folder: Path) -> str:
         return line
     config, overrides = cli._split([w for w in words[2:] if not w.startswith("--")])
     cfg = load_config(str(folder / config) if config else None, overrides)  # (relayrl sft's default: 80 steps too)
-    return line if cfg.run.steps <= LONG else f"{line.split('#')[0].rstrip()} {' '.join(SHORT)}"
+    short = SHORT if cfg.data.eval_path else SHORT[:1]  # (eval.size is refused where nothing is evaluated)
+    return line if cfg.run.steps <= LONG else f"{line.split('#')[0].rstrip()} {' '.join(short)}"
 
 
 @pytest.mark.slow
