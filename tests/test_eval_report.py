@@ -116,3 +116,13 @@ def test_evaluate_only_closes_its_engine_when_the_adapter_or_the_runner_fails(ti
     with pytest.raises(RuntimeError, match="does not load" if fails_at == "load_weights" else "cannot start"):
         build.evaluate_only(cfg)
     assert closed == [True]
+
+
+def test_the_model_cards_numbers_carry_no_float_noise():
+    from relayrl.config import load_config, resolved_tree
+    from relayrl.run.model_card import render
+
+    e = {"accuracy": 0.33999999999999997, "accuracy_greedy": 0.1 + 0.2, "temperature": 1.0}
+    card = render(resolved_tree(load_config(None, [])), 3, 96, e, e, final=True)
+    assert "value: 0.34\n" in card and "value: 0.3\n" in card
+    assert "0.33999999999999997" not in card and "0.30000000000000004" not in card

@@ -95,8 +95,8 @@ class VLLMEngine(Engine):
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
         except ImportError as e:
-            raise EngineError("rollout.engine=vllm: vLLM is not installed: run scripts/install-vllm (the README's "
-                              "'vLLM, many engines, Ray, GPUs' gives the pip command per machine) "
+            raise EngineError("rollout.engine=vllm: vLLM is not installed: run scripts/install-vllm (the guide "
+                              "docs/guides/scale.md, 'Engines and scale', gives the pip command per machine) "
                               f"({_reason(e)})") from None
         if routes and not torch.cuda.is_available():
             raise EngineError("algo.routing_replay=r3 with rollout.engine=vllm: vLLM returns each token's experts "

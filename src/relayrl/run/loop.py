@@ -298,7 +298,9 @@ def finish(cfg: Config, c: Components, state: RunState, log, startup: float | No
             f"{after['tool_errors']} and timeouts {after['tool_timeouts']} in the last evaluation")
     if state.failures:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(state.failures.items()))
-        log(f"[yellow]{sum(state.failures.values())} episodes failed and were left out of training ({kinds}); "
+        n = sum(state.failures.values())
+        log(f"[yellow]{n} episode{'s' if n != 1 else ''} failed and {'were' if n != 1 else 'was'} left out of "
+            f"training ({kinds}); "
             f"first: {c.runner.errors[0] if c.runner.errors else c.reward.stats.last_error}")
     log(f"run directory: {cfg.run_dir}")
     return summary

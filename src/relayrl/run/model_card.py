@@ -50,7 +50,8 @@ def render(config: dict, step: int, samples: int, before: dict | None, after: di
             for key, how in (("accuracy", f"sampled, T={e.get('temperature')}"), ("accuracy_greedy", "greedy")):
                 evals.append(EvalResult(task_type="text-generation", dataset_type=str(data["eval_path"]),
                                         dataset_name=str(data["eval_path"]), metric_type="accuracy",
-                                        metric_value=e[key], metric_name=f"held-out accuracy {when} ({how})"))
+                                        metric_value=round(e[key], 4),  # (not 0.33999999999999997)
+                                        metric_name=f"held-out accuracy {when} ({how})"))
     adapter = (model.get("lora") or {}).get("r", 0)  # model.lora: the checkpoint is a PEFT adapter on model.path
     meta = ModelCardData(library_name="peft" if adapter else "transformers", base_model=_hub_id(model["path"]),
                          datasets=[d for d in (_hub_id(data["path"]),) if d] or None, model_name=run["name"],
