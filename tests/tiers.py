@@ -52,8 +52,9 @@ def pytest_collection_modifyitems(config, items):
     which = tier(config)
     if which == "all":
         return
-    keep = [i for i in items if (i.get_closest_marker("slow") is not None) == (which == "slow")]
-    dropped = [i for i in items if i not in set(keep)]
+    keep, dropped = [], []
+    for item in items:
+        (keep if (item.get_closest_marker("slow") is not None) == (which == "slow") else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
