@@ -168,7 +168,7 @@ def test_troubleshooting_lists_every_error_kind_with_its_exit_status():
     assert rows == {kind: status for _, _, kind, status in cli.ERRORS}
     for module, name, _, _ in cli.ERRORS:
         assert name in text, name
-    assert str(cli.INTERRUPTED) in text
+    assert str(cli.INTERRUPTED) in text and str(cli.STOPPED) in text
 
 
 # ---- commands and YAML blocks

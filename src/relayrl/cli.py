@@ -5,7 +5,9 @@ Every error in the input reaches the user as one line on stderr, ``relayrl: <kin
 <message>``, exit status 2; an engine failure, or user code that fails too often at run time
 (``relayrl.failures``), is one line with exit status 1.
 Ctrl-C (SIGINT) is one line saying the run was interrupted, where its last complete checkpoint is
-and the command that resumes it, exit status 130 (128 + SIGINT, the shell's convention).
+and the command that resumes it, exit status 130 (128 + SIGINT, the shell's convention). SIGTERM and
+SIGUSR1 (slurm, Kubernetes, `kill`: ``relayrl.run.stops``) finish the step, save it and say the same,
+exit status 143 or 138 (128 + the signal); before the first step, or a second one, stop as Ctrl-C does.
 Anything else is a bug in relayrl and keeps its traceback.
 """
 
@@ -86,6 +88,7 @@ ERRORS = [
 ]
 MAX_MESSAGE = 2000  # characters: a message quoting a huge value must not flood the terminal
 INTERRUPTED = 130  # exit status after Ctrl-C: 128 + SIGINT
+STOPPED = 143  # after SIGTERM (138 after SIGUSR1): 128 + the signal
 
 
 def classify(e: BaseException) -> tuple[str, int] | None:
@@ -198,7 +201,14 @@ def interrupted(e: BaseException) -> bool:
     return False
 
 
-def interrupted_line(cfg, args: list[str], cmd: str = "train") -> str:
+def exit_status(e: BaseException) -> int:
+    """128 + the signal that stopped the run (130: Ctrl-C)."""
+    while e is not None and not hasattr(e, "signum") and not isinstance(e, KeyboardInterrupt):
+        e = e.__cause__ or e.__context__
+    return 128 + e.signum if hasattr(e, "signum") else INTERRUPTED
+
+
+def interrupted_line(cfg, args: list[str], cmd: str = "train", why: str = "interrupted") -> str:
     """Where the interrupted run can be taken up: its last complete checkpoint and the command."""
     from relayrl.run.checkpoint import latest_checkpoint
 
@@ -207,10 +217,10 @@ def interrupted_line(cfg, args: list[str], cmd: str = "train") -> str:
     if ckpt is None:
         every = cfg.run.save_every
         when = f"every run.save_every={every} steps" if every else "run.save_every=0: only at the end"
-        return (f"relayrl: interrupted before the run's first checkpoint ({when}, under "
+        return (f"relayrl: {why} before the run's first checkpoint ({when}, under "
                 f"{cfg.run_dir / 'checkpoints'}): nothing to resume from; {command} starts it over")
     step = json.loads((ckpt / "state.json").read_text()).get("step")
-    return f"relayrl: interrupted; the last complete checkpoint is {ckpt} (step {step}); resume with: {command}"
+    return f"relayrl: {why}; the last complete checkpoint is {ckpt} (step {step}); resume with: {command}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:
         if interrupted(e):
             print("relayrl: interrupted", file=sys.stderr)
-            return INTERRUPTED
+            return exit_status(e)
         kind = classify(e) if isinstance(e, Exception) else None
         if kind is None:
             raise
@@ -299,13 +309,19 @@ def _run(argv: list[str] | None) -> int:
             from relayrl.run.loop import train as run
         cfg.run.name = run_name(cfg.run.name, config, overrides, named)
 
+        from relayrl.run.stops import StopRequested
+
         try:
             run(cfg, resume=ns.resume)
+        except StopRequested as e:
+            print(interrupted_line(cfg, ns.args, ns.cmd, f"stopped by {e.name} after step {e.step}"), file=sys.stderr)
+            return exit_status(e)
         except BaseException as e:
             if not interrupted(e):
                 raise
-            print(interrupted_line(cfg, ns.args, ns.cmd), file=sys.stderr)
-            return INTERRUPTED
+            name = getattr(e, "name", "")  # (a stop signal before the first step: SignalInterrupt)
+            print(interrupted_line(cfg, ns.args, ns.cmd, f"stopped by {name}" if name else "interrupted"), file=sys.stderr)
+            return exit_status(e)
         return 0
     cfg, settings = _eval_config(ns, config, overrides)
     from relayrl.run.build import evaluate_only

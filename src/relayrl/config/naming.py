@@ -21,7 +21,7 @@ from pathlib import Path
 # what does not name a run: its length, checkpoints, records, progress, threads, trackers and evaluation
 # (--resume may change every one of them)
 NOT_NAMING = {"run.name", "run.output_dir", "run.steps", "run.save_every", "run.keep_checkpoints",
-              "run.save_rollouts", "run.progress", "run.threads", "run.report_to", "run.project"}
+              "run.save_rollouts", "run.progress", "run.log_every_s", "run.threads", "run.report_to", "run.project"}
 NOT_NAMING_SECTIONS = {"eval"}
 MAX_NAME = 100  # characters: a folder name short enough to type, far below the file system's 255
 

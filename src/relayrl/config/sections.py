@@ -10,7 +10,6 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-
 from relayrl.config.base import ConfigError, _Section  # noqa: F401 - (ConfigError: imported from here)
 
 TrackerName = Literal["jsonl", "tensorboard", "wandb", "mlflow", "trackio", "swanlab"]
@@ -41,7 +40,8 @@ class RunCfg(_Section):
         "trackers of run.report_to that have tables. `relayrl show RUN` lists and opens them. Every step by default: "
         "gzip keeps the demo's at 3.8 kB a step (1.9 to 6.3 kB; 306 kB for its 80 steps, beside 44 MB of "
         "checkpoints), written in under 1 ms; a run of long responses may take N > 1.")
-    progress: bool = Field(True, description="Show a live progress bar.")
+    progress: bool = Field(True, description="A live progress bar on a terminal; off one (nohup, slurm, a pipe) or false: a line every log_every_s.")
+    log_every_s: float = Field(30, ge=0, description="Off a terminal: a line (step, reward, length, tok/s, ETA) every N seconds (0: none).")
     threads: int = Field(
         0, ge=0, description="torch threads of the trainer (0: the cores other processes leave free when the run "
         "starts, measured over 0.3 s; with an engine process in an overlapped mode, those the engine does not take). "

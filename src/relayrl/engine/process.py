@@ -42,9 +42,10 @@ def _serve(spec: EngineSpec, parent: int, shared: dict, cmd, out, ack) -> None:
     """The child: build the engine, forward completions, apply commands in order."""
     from relayrl.workers import die_with_parent
 
-    # Ctrl-C reaches the terminal's whole process group: it is the trainer's to handle (it closes us);
-    # dying of it here would turn an interrupted run into an engine failure
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C reaches the terminal's whole process group, slurm's SIGTERM and SIGUSR1 every process of the job:
+    # the trainer's to handle (it closes us); dying of them here would turn a stop into an engine failure
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     die_with_parent(parent)  # a parent killed while this child loads the model takes it along
     try:
         if spec.threads:
@@ -234,4 +235,4 @@ class ProcessEngine(Engine):
             self._cmd.put(("close", None))
             self._proc.join(timeout=10)
         if self._proc.is_alive():
-            self._proc.terminate()
+            self._proc.kill()  # (it ignores SIGTERM, which is the trainer's)

@@ -25,6 +25,7 @@ from relayrl.run import model_card
 from relayrl.run.build import Components, build, follower_trainer, load_data, make_rollout, response_budget
 from relayrl.run.checkpoint import CheckpointWriter, RunState, restore_rng
 from relayrl.run.evaluation import episode_stats, no_evaluation_note
+from relayrl.run.stops import StopRequested, StopSignals
 from relayrl.run.resume import (ResumeError, check_compatible, data_fingerprint, prepare_run_dir, restore_drafts,
                                 start_state)
 from relayrl.tracking import MetricsLog, ProgressBar, RunReport, Timers, Trackers
@@ -66,8 +67,12 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
     distributed.check_launch(cfg.trainer, cfg.rollout.device)  # a device this machine lacks; torchrun without fsdp
     if distributed.is_follower(cfg.trainer):  # torchrun rank > 0: trains its share of rank 0's batches
         return distributed.run_follower(follower_trainer(cfg))
-    console = console or Console(soft_wrap=True)  # (a long line left to the terminal, not broken mid-sentence)
-    log = console.print
+    with StopSignals() as stop:  # SIGTERM, SIGUSR1: the step finished and saved, then StopRequested
+        return _run(cfg, resume, console or Console(soft_wrap=True), stop)
+
+
+def _run(cfg: Config, resume: bool, console: Console, stop: StopSignals) -> dict:
+    log = console.print  # (soft_wrap: a long line left to the terminal, not broken mid-sentence)
     entered = time.perf_counter()
     # everything that can be wrong with the input is found before the run directory is touched
     state, trainer_state, ckpt = start_state(cfg, resume, log)
@@ -80,14 +85,15 @@ def train(cfg: Config, resume: bool = False, console: Console | None = None) -> 
         state.config, state.data_fingerprint = cfg.model_dump(mode="json"), fingerprint
     c = build(cfg, state, ckpt, data, log)
     try:
-        summary = _train(cfg, c, state, trainer_state, ckpt, log, console, entered)
+        summary = _train(cfg, c, state, trainer_state, ckpt, log, console, entered, stop)
         c.trainer.close()  # (trainer.fsdp: the other ranks stop)
         return summary
     finally:
         c.close()
 
 
-def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log, console, entered: float) -> dict:
+def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log, console, entered: float,
+           stop: StopSignals) -> dict:
     run_dir = cfg.run_dir
     prepare_run_dir(run_dir, fresh=ckpt is None)
     r = cfg.rollout
@@ -115,8 +121,9 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
     if source.eta + source.slack:
         log(f"staleness bound: {source.eta + source.slack} policy versions (η={source.eta}"
             + (f" + ⌈{source.extra}/{source.batch}⌉ for the over-provisioned groups" if source.slack else "") + ")")
+    stop.armed = True  # from here a stop signal finishes the step it comes in and saves it
     try:
-        with ProgressBar(cfg.run.steps, state.step, cfg.run.progress, console) as bar:
+        with ProgressBar(cfg.run.steps, state.step, cfg.run.progress, console, cfg.run.log_every_s) as bar:
             while state.step < cfg.run.steps:
                 step_start = tl.now()
                 with timers("step"):
@@ -151,7 +158,7 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                                    **({"filtered_prompt_ids": filtered} if filtered else {})})
                 check_sampling(m, cfg.run.mismatch_alarm, state.version - 1)  # (its metrics written, no checkpoint)
                 bar.update(m)
-                last = state.step == cfg.run.steps or reached(cfg, m, log)
+                last = state.step == cfg.run.steps or reached(cfg, m, log) or stop.signum is not None
                 if (cfg.run.save_every and state.step % cfg.run.save_every == 0) or last:
                     state.partial_buffer = [group_to_dict(g) for g in source.held()]  # generation stops here...
                     state.staleness, state.sampler = source.checkpoint_state()
@@ -161,6 +168,8 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
                     break
         source.close()
         writer.wait()
+        if stop.signum is not None:
+            raise StopRequested(stop.signum, state.step)
         log(f"timeline: {(timeline := tl.save(run_dir))}")
         summary = finish(cfg, c, state, log, startup)
         metrics.finish(summary, timeline)  # curves.png; the pictures and the summary to the trackers

@@ -33,6 +33,7 @@ from relayrl.run.build import eval_settings, load_adapter, load_tokenizer_for, m
 from relayrl.run.checkpoint import CheckpointWriter, RunState, restore_rng
 from relayrl.run.evaluation import evaluate
 from relayrl.run.resume import ResumeError, check_compatible, prepare_run_dir, start_state
+from relayrl.run.stops import StopRequested, StopSignals
 from relayrl.tracking import ProgressBar, RunReport, Timers
 from relayrl.train import distributed, lora
 from relayrl.train.batch import TrainBatch, build_batch
@@ -100,7 +101,11 @@ def sft(cfg: Config, resume: bool = False, console: Console | None = None) -> di
         base = resolve_model_path(cfg.model.path, log=lambda *a, **k: None)
         policy, _ = load_adapter(cfg, load_policy(base, cfg.model.dtype), None)
         return distributed.run_follower(sft_trainer(cfg, policy, cfg.run.steps))
-    console = console or Console(soft_wrap=True)
+    with StopSignals() as stop:  # SIGTERM, SIGUSR1: the step finished and saved, then StopRequested
+        return _sft(cfg, resume, console or Console(soft_wrap=True), stop)
+
+
+def _sft(cfg: Config, resume: bool, console: Console, stop: StopSignals) -> dict:
     log = console.print
     state, trainer_state, ckpt = start_state(cfg, resume, log)
     from relayrl.tracking import Trackers
@@ -139,7 +144,7 @@ def sft(cfg: Config, resume: bool = False, console: Console | None = None) -> di
             first = lora.adapter_state(policy) if adapter else policy.state_dict()
             evaluator = Evaluator(cfg, base, tok_path, tokenizer, eval_prompts, first, lora_spec)
         summary = _loop(cfg, state, trainer_state, ckpt, examples, steps, policy, tokenizer, trainer, evaluator,
-                        lora_spec.adapter_config(base) if lora_spec else None, log, console)
+                        lora_spec.adapter_config(base) if lora_spec else None, log, console, stop)
         trainer.close()
         return summary
     finally:
@@ -148,7 +153,7 @@ def sft(cfg: Config, resume: bool = False, console: Console | None = None) -> di
 
 
 def _loop(cfg: Config, state: RunState, trainer_state, ckpt, examples, steps, policy, tokenizer, trainer, evaluator,
-          adapter_config, log, console) -> dict:
+          adapter_config, log, console, stop: StopSignals) -> dict:
     run_dir = cfg.run_dir
     prepare_run_dir(run_dir, fresh=ckpt is None)
     dump_config(cfg, run_dir / "config.yaml")
@@ -169,8 +174,9 @@ def _loop(cfg: Config, state: RunState, trainer_state, ckpt, examples, steps, po
     writer = CheckpointWriter(run_dir, policy, tokenizer, cfg.run.keep_checkpoints, trainer.full_state_dict,
                               card=model_card.for_run(tree, kind="sft"), adapter=adapter_config)
     timers, t_start = Timers(), time.perf_counter() - state.wall_seconds
+    stop.armed = True  # from here a stop signal finishes the step it comes in and saves it
     try:
-        with ProgressBar(steps, state.step, cfg.run.progress, console) as bar:
+        with ProgressBar(steps, state.step, cfg.run.progress, console, cfg.run.log_every_s) as bar:
             while state.step < steps:
                 with timers("step"):
                     chosen = sampler.take(cfg.sft.batch_size)
@@ -190,11 +196,15 @@ def _loop(cfg: Config, state: RunState, trainer_state, ckpt, examples, steps, po
                     m["time/eval"] = round(time.perf_counter() - t0, 4)
                 metrics.write(m)
                 bar.update(m)
-                last = state.step == steps
+                last = state.step == steps or stop.signum is not None
                 if (cfg.run.save_every and state.step % cfg.run.save_every == 0) or last:
                     state.sampler = sampler.snapshot()
                     writer.save(state, trainer.state_dict())
+                if last:
+                    break
         writer.wait()
+        if stop.signum is not None:
+            raise StopRequested(stop.signum, state.step)
         after = evaluate_now("after training") if evaluator is not None else None
         summary = _summary(cfg, state, after)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -65,8 +65,16 @@ def _step_of(line: str) -> int | None:
 
 
 class ProgressBar:
-    def __init__(self, total: int, start: int, enabled: bool, console: Console):
-        self.enabled = enabled
+    """A live bar on a terminal (``run.progress``); anywhere else — nohup, slurm, a pipe, ``| tee``, or
+    ``run.progress=false`` — a plain line every ``every_s`` seconds (0: none), so a long run is never silent
+    in its log. Tokens/s and the ETA are over the steps this process ran (a step that generated nothing,
+    the last of an async run, does not show 0 tok/s)."""
+
+    def __init__(self, total: int, start: int, enabled: bool, console: Console, every_s: float = 30.0):
+        self.bar = enabled and console.is_terminal
+        self.console, self.total, self.done, self.every_s = console, total, start, every_s
+        self.first, self.t0 = start, time.monotonic()
+        self.last_line, self.tokens = self.t0, 0
         self.progress = Progress(
             TextColumn("[bold]step"),
             MofNCompleteColumn(),
@@ -76,7 +84,7 @@ class ProgressBar:
             TextColumn("eta"),
             TimeRemainingColumn(),
             console=console,
-            disable=not enabled,
+            disable=not self.bar,
         )
         self.task = self.progress.add_task("train", total=total, completed=start, info="")
 
@@ -88,9 +96,25 @@ class ProgressBar:
         self.progress.__exit__(*exc)
 
     def update(self, m: dict) -> None:
+        self.done += 1
+        self.tokens += m.get("generated_tokens", m.get("tokens", 0))
+        now = time.monotonic()
+        rate = self.tokens / max(now - self.t0, 1e-9)
         if "reward_mean" in m:
             info = (f"reward {m['reward_mean']:.3f}  len {m['response_len_mean']:.0f}/{m['response_len_max']}"
-                    f"  {m['tokens_per_s']:.0f} tok/s")
+                    f"  {rate:.0f} tok/s")
         else:  # (relayrl sft)
-            info = f"loss {m['loss']:.3f}  epoch {m['epoch']:.2f}  {m['tokens_per_s']:.0f} tok/s"
-        self.progress.update(self.task, advance=1, info=info)
+            info = f"loss {m['loss']:.3f}  epoch {m['epoch']:.2f}  {rate:.0f} tok/s"
+        if self.bar:
+            self.progress.update(self.task, advance=1, info=info)
+        elif self.every_s and now - self.last_line >= self.every_s:
+            self.last_line = now
+            eta = (now - self.t0) / (self.done - self.first) * (self.total - self.done)
+            self.console.print(f"step {self.done}/{self.total}  {info}  elapsed {_clock(now - self.t0)}  "
+                               f"eta {_clock(eta)}", highlight=False, markup=False)
+
+
+def _clock(seconds: float) -> str:
+    """0:42, 12:05, 1:02:03."""
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
