@@ -4,8 +4,9 @@ a block's first line, `# my.yaml`, saved when met). Every command run must exit 
 the folders the earlier ones left (runs/demo with its checkpoints before `relayrl train run.mode=async`).
 
 One change, said here: a training run of more than 20 steps (the demo's 80) gets `run.steps=2 eval.size=8`
-appended, so the whole reading takes minutes; shorter ones run as written (the README's 20-step run, whose
-checkpoint step_000020 a later command names). A command met again is not run again (the reader has run
+appended, so the whole reading takes minutes, and a later command's path to one of its checkpoints
+(`runs/x/checkpoints/step_000040/...`) names its step_000002; shorter ones run as written (the README's 20-step
+run, whose checkpoint step_000020 a later command names). A command met again is not run again (the reader has run
 it). Lines that cannot run here are left out with their reason (``SKIP``)."""
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import pytest
 
 from relayrl import cli
 from relayrl.config import load_config
+from relayrl.config.naming import run_name
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "docs" / "getting-started.md", ROOT / "docs" / "guides" / "lora.md",
-         *(ROOT / "docs" / "guides" / f"{g}.md" for g in ("sft", "distillation", "judges"))]
+         *(ROOT / "docs" / "guides" / f"{g}.md" for g in ("sft", "distillation", "judges", "environments",
+                                                           "agent-programs", "multi-agent"))]
 SHORT = ["run.steps=2", "eval.size=8"]
 LONG = 20  # steps: a run longer than this is shortened
 SKIP = {  # the start of a line -> why it does not run here
@@ -75,15 +78,23 @@ def reading(page: Path) -> list[tuple[str, str]]:
     return out
 
 
-def _shortened(line: str, folder: Path) -> str:
-    """``line`` with SHORT appended where it trains for more than LONG steps."""
+def _shortened(line: str, folder: Path, shortened: set[str]) -> str:
+    """``line`` with SHORT appended where it trains for more than LONG steps (its run's folder added to
+    ``shortened``), and the checkpoints it names of runs shortened before at their last step."""
+    for run in shortened:
+        line = re.sub(rf"\b({re.escape(run)}/checkpoints/)step_\d{{6}}", r"\1step_000002", line)
     words = shlex.split(line, comments=True)
     if words[:2] not in (["relayrl", "train"], ["relayrl", "sft"]) or "--help" in words:
         return line
     config, overrides = cli._split([w for w in words[2:] if not w.startswith("--")])
     cfg = load_config(str(folder / config) if config else None, overrides)  # (relayrl sft's default: 80 steps too)
+    if cfg.run.steps <= LONG:
+        return line
     short = SHORT if cfg.data.eval_path else SHORT[:1]  # (eval.size is refused where nothing is evaluated)
-    return line if cfg.run.steps <= LONG else f"{line.split('#')[0].rstrip()} {' '.join(short)}"
+    named = "name" in cfg.run.model_fields_set
+    base = "sft" if words[1] == "sft" and not named else cfg.run.name  # (the command's default name)
+    shortened.add(f"{cfg.run.output_dir}/{run_name(base, config, overrides, named)}")
+    return f"{line.split('#')[0].rstrip()} {' '.join(short)}"
 
 
 @pytest.mark.slow
@@ -92,7 +103,7 @@ def test_the_docs_commands_run_in_the_order_a_reader_meets_them(tmp_path):
     folder.mkdir()
     (folder / "examples").symlink_to(ROOT / "examples")  # the pages' commands run in the repository's root
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    done, skipped = [], []
+    done, skipped, shortened = [], [], set()
     for page in PAGES:
         for kind, item in reading(page):
             if kind == "file":
@@ -104,13 +115,13 @@ def test_the_docs_commands_run_in_the_order_a_reader_meets_them(tmp_path):
             if why or key in done:
                 skipped.append((item, why or "met before"))
                 continue
-            line = _shortened(item, folder)
+            line = _shortened(item, folder, shortened)
             proc = subprocess.run(["bash", "-euo", "pipefail", "-c", line], cwd=folder, env=env, capture_output=True,
                                   text=True, timeout=900)
             assert proc.returncode == 0, f"{page.name}: {line!r} exited {proc.returncode}: {proc.stderr[-2000:]}"
             done.append(key)
     runs = {p.name for p in (folder / "runs").iterdir() if p.is_dir()}
-    assert {"demo", "demo-run.mode-async", "my-run", "weather-demo", "openai-agent", "demo-model.lora.r-8",
+    assert {"demo", "demo-run.mode-async", "my-run", "weather-demo", "openai_agent", "demo-model.lora.r-8",
             "demo-model.lora.r-8-run.mode-async", "demo-model.lora.r-1-trainer.lr-2e-3"} <= runs, runs
     assert (folder / "runs" / "my-run" / "checkpoints" / "step_000020" / "eval.json").exists()
     assert (folder / "merged" / "model.safetensors").exists()

@@ -156,6 +156,31 @@ def test_eval_of_a_checkpoint_lets_the_command_line_override_the_recorded_config
     assert "settings: the checkpoint's recorded config" in capsys.readouterr().err
 
 
+def test_eval_with_the_runs_arguments_evaluates_its_newest_checkpoint_and_the_base_only_when_asked(
+        trained_run, tiny_path, tmp_path, capsys):
+    """``relayrl eval ARGS`` after ``relayrl train ARGS`` evaluated the untrained base while writing into the
+    run's folder (a guide presented that number as the run's): now the run's newest checkpoint, said."""
+    import json
+
+    ckpt, held_out = trained_run
+    args = [f"model.path={tiny_path}", "data.path=tests/data_small.jsonl", f"data.eval_path={held_out}", "eval.size=5",
+            "rollout.max_new_tokens=8", "reward.fn=tests.rewards_for_tests:digit_fraction",
+            "rollout.prompts_per_step=2", "rollout.group_size=2", f"run.output_dir={ckpt.parent.parent.parent}",
+            "run.name=r"]
+    capsys.readouterr()
+    assert main(["eval", *args, "-o", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    assert f"relayrl eval: the newest checkpoint of {ckpt.parent.parent}, step 1 ({ckpt};" in err
+    assert f"evaluating {ckpt} on {held_out}" in err
+    assert main(["eval", *args, "--base", "-o", str(tmp_path / "base")]) == 0
+    err = capsys.readouterr().err
+    assert "newest checkpoint" not in err and f"evaluating {tiny_path} on {held_out}" in err
+    assert main(["eval", *args[:-1], "run.name=never-trained", "-o", str(tmp_path / "none")]) == 0
+    assert f"{ckpt.parent.parent.parent / 'never-trained'} has no checkpoint: evaluating model.path={tiny_path}, " \
+           "untrained" in capsys.readouterr().err
+    assert json.loads((tmp_path / "run" / "eval.json").read_text())["data"] == str(held_out)
+
+
 def test_eval_lines_are_not_broken_mid_sentence(trained_run, tmp_path, capsys):
     ckpt, _ = trained_run
     out = tmp_path / ("a-folder-with-a-long-name-" * 3) / "eval"

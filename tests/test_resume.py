@@ -96,3 +96,18 @@ def test_engine_death_stops_the_run_with_a_clear_error_and_resume_continues(tmp_
     done = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert [m["step"] for m in _metrics(tmp_path / "e")] == list(range(1, 7))
+
+
+def test_a_run_name_taken_by_an_earlier_run_offers_a_free_name_first(tmp_path):
+    """A guide's command run twice, or two examples with one name: the message offers a name that is free
+    (runs/r-2 exists too: r-3), and --resume second, for the rarer case of continuing the earlier run."""
+    from relayrl.run.resume import start_state
+
+    for name in ("r", "r-2"):
+        (tmp_path / name / "checkpoints" / "step_000040").mkdir(parents=True)
+        (tmp_path / name / "checkpoints" / "step_000040" / "state.json").write_text("{}")
+    cfg = load_config(None, [f"run.output_dir={tmp_path}", "run.name=r"])
+    with pytest.raises(ResumeError, match=r"r already has checkpoints \(newest: step_000040\), from an earlier run of "
+                                          r"this name: for a new run give it another name \(run\.name=r-3\); to "
+                                          r"continue that one, pass --resume$"):
+        start_state(cfg, False, print)

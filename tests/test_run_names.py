@@ -54,6 +54,7 @@ def test_a_name_that_is_set_is_the_folder(started, tmp_path):
 def test_values_become_plain_folder_names_of_bounded_length():
     assert run_name("demo", None, ["env.name=agent:my agent.py:run", "data.path=/data/x.jsonl"], False) == \
         "demo-env.name-agent_my_agent.py_run-data.path-data_x.jsonl"
+    assert run_name("demo", None, ["env.roles=[writer,critic]"], False) == "demo-env.roles-writer_critic"
     long = [run_name("demo", None, [f"data.path=/data/{c * 300}.jsonl"], False) for c in "ab"]
     assert all(len(n) == MAX_NAME and "/" not in n for n in long) and long[0] != long[1]
 

@@ -47,8 +47,10 @@ EVAL_READS = {"model", "eval", "reward", "env", "data.eval_path", "data.prompt_f
               "rollout.max_new_tokens", "rollout.temperature", "rollout.top_p", "run.seed"}
 
 EVAL_NOTE = """\
-Evaluates model.path (or --checkpoint) on data.eval_path: eval.size prompts, eval.samples sampled responses
-each and one greedy, scored by reward.fn (or the environment), writing eval.json and eval_samples.jsonl.
+Evaluates a policy on data.eval_path: eval.size prompts, eval.samples sampled responses each and one greedy,
+scored by reward.fn (or the environment), writing eval.json and eval_samples.jsonl. Which policy: --checkpoint;
+else the newest checkpoint of the run the same arguments train (`relayrl eval my.yaml` after `relayrl train
+my.yaml`: runs/my), said in the first line; else, or with --base, model.path untrained.
 Configuration: defaults (with --checkpoint: its run's recorded config) < CONFIG.yaml < section.key=value
 overrides. The fields it reads (every field: relayrl train --help):
 """
@@ -148,6 +150,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", help="a checkpoint folder, or a run's folder: its newest checkpoint (default: "
                    "model.path); its run's recorded config "
                    "(state.json) then replaces the defaults: CONFIG.yaml and section.key=value still override it")
+    e.add_argument("--base", action="store_true", help="evaluate model.path, untrained, even where the run the "
+                   "arguments name has checkpoints")
     e.add_argument("--samples", type=int, metavar="K", help="sampled responses per prompt (sets eval.samples=K); "
                    "with K > 1 the report has pass@k (pass_at_1, pass_at_2, ..., pass_at_K)")
     e.add_argument("-o", "--output", metavar="DIR", help="where eval.json and eval_samples.jsonl go (default: the "
@@ -323,12 +327,35 @@ def _run(argv: list[str] | None) -> int:
             print(interrupted_line(cfg, ns.args, ns.cmd, f"stopped by {name}" if name else "interrupted"), file=sys.stderr)
             return exit_status(e)
         return 0
+    if not ns.checkpoint and not ns.base:
+        ns.checkpoint = _runs_checkpoint(config, overrides)
     cfg, settings = _eval_config(ns, config, overrides)
     from relayrl.run.build import evaluate_only
 
     out = ns.output or ns.checkpoint or cfg.run_dir / "eval"
     print(json.dumps(evaluate_only(cfg, out, settings), indent=1))
     return 0
+
+
+def _runs_checkpoint(config: str | None, overrides: list[str]) -> str | None:
+    """``relayrl eval ARGS`` after ``relayrl train ARGS``: the newest checkpoint of the run those arguments name
+    (the overrides only eval reads — eval.*, data.eval_path — left out of its name), said on stderr; None (the
+    base model, said too) where that run has none."""
+    from relayrl.config.naming import run_name
+    from relayrl.run.checkpoint import latest_checkpoint
+
+    naming = [o for o in overrides if not o.startswith(("data.eval_path=", "eval."))]
+    cfg = load_config(config, naming)
+    run_dir = Path(cfg.run.output_dir) / run_name(cfg.run.name, config, naming, "name" in cfg.run.model_fields_set)
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        print(f"relayrl eval: {run_dir} has no checkpoint: evaluating model.path={cfg.model.path}, untrained "
+              "(--checkpoint DIR for another run's)", file=sys.stderr)
+        return None
+    step = json.loads((ckpt / "state.json").read_text()).get("step")
+    print(f"relayrl eval: the newest checkpoint of {run_dir}, step {step} ({ckpt}; --base: model.path untrained)",
+          file=sys.stderr)
+    return str(ckpt)
 
 
 def _eval_config(ns, config: str | None, overrides: list[str]):

@@ -23,12 +23,13 @@ from pathlib import Path
 NOT_NAMING = {"run.name", "run.output_dir", "run.steps", "run.save_every", "run.keep_checkpoints",
               "run.save_rollouts", "run.progress", "run.log_every_s", "run.threads", "run.report_to", "run.project"}
 NOT_NAMING_SECTIONS = {"eval"}
-MAX_NAME = 100  # characters: a folder name short enough to type, far below the file system's 255
+MAX_NAME = 64  # characters: a folder name short enough to type and to read in a listing
 
 
 def _plain(text: str) -> str:
-    """``text`` with the characters that are awkward in a path (/ : spaces quotes brackets ...) as _."""
-    return re.sub(r"[^A-Za-z0-9._+,-]+", "_", text.strip()).strip("_")
+    """``text`` with the characters that are awkward in a path or a shell's word (/ : , spaces quotes brackets
+    ...) as _."""
+    return re.sub(r"[^A-Za-z0-9._+-]+", "_", text.strip()).strip("_")
 
 
 def _part(override: str) -> str | None:

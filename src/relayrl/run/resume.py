@@ -97,8 +97,10 @@ def start_state(cfg: Config, resume: bool, log) -> tuple[RunState, dict | None, 
             log(f"--resume: no complete checkpoint under {cfg.run_dir / 'checkpoints'}: starting from scratch")
         return RunState(), None, None
     if not resume:
-        raise ResumeError(f"{cfg.run_dir} already has checkpoints (newest: {ckpt.name}): pass --resume to "
-                          "continue it, or choose another run.name")
+        free = next(f"{cfg.run.name}-{k}" for k in range(2, 10**6) if not (cfg.run_dir.parent / f"{cfg.run.name}-{k}").exists())
+        raise ResumeError(f"{cfg.run_dir} already has checkpoints (newest: {ckpt.name}), from an earlier run of this "
+                          f"name: for a new run give it another name (run.name={free}); to continue that one, "
+                          "pass --resume")
     state, trainer_state = load_run_state(ckpt)
     return state, trainer_state, ckpt
 
