@@ -64,6 +64,53 @@ def test_a_verifier_that_returns_a_non_number_fails_naming_what_it_returned(tmp_
     assert r.stats.failures == 4
 
 
+DEBUGGED = """\
+def helper(metadata):
+    return metadata["b"]
+
+
+def score(completion, answer, metadata):
+    return float(helper(metadata) == completion)
+
+
+def grpo_style(completions, **kwargs):
+    return [1.0 for _ in completions]
+"""
+
+
+def test_a_failing_verifier_shows_the_users_own_file_and_line_and_what_metadata_holds(tmp_path, monkeypatch):
+    from relayrl.rewards.verifiers import RewardRunner
+
+    monkeypatch.chdir(tmp_path)  # (a verifier in the working folder: its path shown relative to it)
+    (tmp_path / "my_reward.py").write_text(DEBUGGED)
+    r = RewardRunner("my_reward.py:score", timeout_s=10, workers=1)
+    try:
+        (value, failure), = r.score([("x", None, {"a": 1})])
+    finally:
+        r.close()
+    assert math.isnan(value)
+    assert failure["error"] == ("KeyError: 'b' (at my_reward.py:2 in helper: return metadata[\"b\"] < my_reward.py:6 in "
+                                "score: return float(helper(metadata) == completion)); metadata holds the row's "
+                                "fields named in data.metadata_fields, here ['a']")
+
+
+@pytest.mark.parametrize("name, needle", [
+    ("grpo_style", r"reward.fn='my_reward.py:grpo_style' takes grpo_style\(completions, \*\*kwargs\) and cannot be "
+                   r"called as fn\(completion: str, answer: str \| None, metadata: dict\) -> float, called once per "
+                   r"response \(too many positional arguments\); it looks like TRL's reward function"),
+    ("scor", r"'my_reward.py:scor': my_reward.py has no 'scor'; the functions it defines: grpo_style, helper, score$"),
+])
+def test_a_verifier_that_cannot_be_called_as_one_is_refused_at_start(tmp_path, monkeypatch, name, needle):
+    """Before: TRL's signature failed every call once the first evaluation had been sampled, a misspelled name
+    showed relayrl's private module name."""
+    from relayrl.rewards.verifiers import RewardRunner
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_reward.py").write_text(DEBUGGED)
+    with pytest.raises(ValueError, match=needle):
+        RewardRunner(f"my_reward.py:{name}", timeout_s=10, workers=1)
+
+
 def test_a_run_whose_verifier_returns_text_stops_saying_what_it_returned(tiny_path, tmp_path, capsys):
     (tmp_path / "verifier.py").write_text("def score(completion, answer, metadata):\n    return 'correct'\n")
     assert main(["train", f"model.path={tiny_path}", f"reward.fn={tmp_path / 'verifier.py'}:score",

@@ -98,6 +98,32 @@ def _score_one(spec: str, completion: str, answer: str | None, metadata: dict) -
     return as_reward(fn(completion, answer, metadata))
 
 
+SIGNATURE = "fn(completion: str, answer: str | None, metadata: dict) -> float, called once per response"
+
+
+def _signature_problem(spec: str) -> str | None:
+    """Runs in a worker, at start: why ``spec``'s function cannot be called as a verifier is (None: it can).
+    TRL's reward functions (``fn(completions, **kwargs) -> list[float]``, a batch at a time) are refused here,
+    before anything is sampled, with the signature to use."""
+    import inspect
+
+    fn = load(spec)
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # (a builtin or C function: nothing to check)
+        return None
+    try:
+        sig.bind("completion", "answer", {})
+        return None
+    except TypeError as e:
+        why = str(e)
+    trl = any(n in sig.parameters for n in ("completions", "prompts", "completion_ids"))
+    return (f"reward.fn={spec!r} takes {fn.__name__}{sig} and cannot be called as {SIGNATURE} ({why})"
+            + ("; it looks like TRL's reward function (a batch of completions, a list of floats): score one "
+               "completion, e.g. `def score(completion, answer, metadata): return float(...)` — the row's other "
+               "fields are in metadata (data.metadata_fields)" if trl else ""))
+
+
 class NotAReward(ValueError):
     """A verifier returned something other than a finite real number: a failure of its code, like a raise."""
 
@@ -124,6 +150,7 @@ def as_reward(value) -> float:
 
 
 _SCORE_ONE = "relayrl.rewards.verifiers:_score_one"
+_SIGNATURE = "relayrl.rewards.verifiers:_signature_problem"
 # (preload, imports, warm-up calls) the server runs once before forking, so workers start
 # warm: math-verify's first call (lazy imports, caches) costs far more than the next ones
 _WARM = {
@@ -177,7 +204,7 @@ class RewardRunner:
         self._stats_lock = threading.Lock()
         preload, imports, warmup = _WARM.get(spec, ([spec], [], []))
         try:
-            self._pool = WorkerPool([_SCORE_ONE, *preload], workers=workers, timeout_s=timeout_s,
+            self._pool = WorkerPool([_SCORE_ONE, _SIGNATURE, *preload], workers=workers, timeout_s=timeout_s,
                                     memory_mb=memory_mb, sandbox=sandbox, imports=imports, warmup=warmup,
                                     hide_paths=private_folders() if sandbox == "bwrap" else (),
                                     start_timeout_s=start_timeout_s)
@@ -187,15 +214,20 @@ class RewardRunner:
             raise ValueError(f"reward function {e}") from None
         except PoolError as e:  # the verifier's module ended the process (os._exit) or never finished importing
             raise ValueError(f"reward.fn={spec!r:.200}: its workers did not start: {e}") from None
+        if spec not in REWARDS:  # a user's: callable as a verifier is? (asked of a worker: not run in the trainer)
+            problem = self._pool.map(_SIGNATURE, [[spec]], return_exceptions=True)[0]
+            if isinstance(problem, str):
+                self._pool.close()
+                raise ValueError(problem)
 
     def score(self, items: list[tuple[str, str | None, dict]]) -> list[tuple[float, dict | None]]:
         """(reward, None) per item, in order; a call that failed gives (nan, its failure: ``kind``
         reward or reward_timeout, ``source`` the verifier, ``error`` what happened)."""
         args = [[self.spec, completion, answer, metadata] for completion, answer, metadata in items]
         out = []
-        for result in self._pool.map(_SCORE_ONE, args, return_exceptions=True):
+        for result, (_, _, metadata) in zip(self._pool.map(_SCORE_ONE, args, return_exceptions=True), items):
             if isinstance(result, Exception):
-                out.append((math.nan, self._count(result)))
+                out.append((math.nan, self._count(result, metadata)))
                 continue
             try:  # (checked again here: what comes back is JSON that a worker running user code wrote)
                 out.append((as_reward(result), None))
@@ -203,10 +235,13 @@ class RewardRunner:
                 out.append((math.nan, self._count(e)))
         return out
 
-    def _count(self, err: Exception) -> dict:
+    def _count(self, err: Exception, metadata: dict | None = None) -> dict:
         timeout = isinstance(err, CallFailed) and err.kind == "timeout"
         oom = isinstance(err, CallFailed) and err.kind == "oom"
         text = f"killed: out of memory (reward.memory_mb={self.memory_mb})" if oom else str(err)
+        if text.startswith("KeyError") and metadata is not None and "metadata" in text:
+            text += (f"; metadata holds the row's fields named in data.metadata_fields, here "
+                     f"{sorted(metadata) or 'none'}")
         text = text.removeprefix(f"{NotAReward.__name__}: ")  # ("returned str 'x': ..." says it: not a raise)
         if timeout:
             text = f"{text} (reward.timeout_s={self.timeout_s:g})"

@@ -59,9 +59,14 @@ def _import(spec: str, cwd: str) -> Callable:
             if cwd not in sys.path:
                 sys.path.insert(0, cwd)
             module = importlib.import_module(target)
-        fn = getattr(module, name)
     except BaseException as e:  # any failure of the user's module, sys.exit and KeyboardInterrupt at import too
-        raise ImportFailed(f"{spec!r} cannot be imported: {_describe(e)}") from None
+        raise ImportFailed(f"{spec!r} cannot be imported: {_describe(e)}{where(e)}") from None
+    fn = getattr(module, name, None)
+    if fn is None:  # (a misspelled name: said with the file's own names, not the private module's)
+        names = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)
+        raise ImportFailed(f"{spec!r}: {target} has no {name!r}; the functions it defines: "
+                           f"{', '.join(names) or 'none'}")
     if not callable(fn):
         raise ImportFailed(f"{spec!r} is not callable")
     return fn
@@ -109,6 +114,27 @@ def _describe(e: BaseException) -> str:
     except Exception:
         text = "<unprintable>"
     return f"{type(e).__name__}: {text}"[:2000] if text else type(e).__name__
+
+
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # relayrl's own source
+
+
+def where(e: BaseException, frames: int = 2) -> str:
+    """`` (at my_reward.py:12 in score: return metadata['b'])``: the innermost of the traceback's frames in the
+    user's code (not relayrl's, not the standard library's or an installed package's), the file relative to
+    the working folder where it is in it; '' when there is none."""
+    import traceback
+
+    skip = (_OURS, os.path.dirname(os.__file__))
+    mine = [f for f in traceback.extract_tb(e.__traceback__)
+            if not f.filename.startswith(skip) and "site-packages" not in f.filename and not f.filename.startswith("<")]
+    if not mine:
+        return ""
+    shown = []
+    for f in mine[-frames:]:
+        path = os.path.relpath(f.filename) if f.filename.startswith(os.getcwd() + os.sep) else f.filename
+        shown.append(f"{path}:{f.lineno} in {f.name}" + (f": {f.line.strip()[:120]}" if f.line else ""))
+    return f" (at {' < '.join(reversed(shown))})"
 
 
 # ---------------------------------------------------------------- pipes

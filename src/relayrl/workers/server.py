@@ -14,7 +14,7 @@ import sys
 import time
 from collections import deque
 
-from relayrl.workers.common import ImportFailed, _describe, _poll, load
+from relayrl.workers.common import ImportFailed, _describe, _poll, load, where
 from relayrl.workers.isolation import (_PR_SET_CHILD_SUBREAPER, _PR_SET_PDEATHSIG, _REQ_FD, _RES_FD, _children,
                                        _drop_root, _install_fds, _kill, _killpg, _left_behind, _limit_cpu,
                                        _limit_resources, _prctl, _state_and_group)
@@ -398,7 +398,7 @@ def _run_call(req: dict) -> tuple[dict, bool]:
     except MemoryError:
         reply, keep = {"ok": False, "kind": "oom", "error": "out of memory"}, False
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: user code must not end us
-        reply, keep = {"ok": False, "kind": "error", "error": _describe(e)}, True
+        reply, keep = {"ok": False, "kind": "error", "error": _describe(e) + where(e)}, True
     signal.setitimer(signal.ITIMER_REAL, 0)  # an alarm left pending would kill the next call
     for stream in (sys.stdout, sys.stderr):
         try:
