@@ -11,13 +11,15 @@ from relayrl.rewards.judge import Judge, JudgeFailure, LocalJudge, parse_score, 
 from tests.openai_server import Server
 
 
-@pytest.mark.parametrize("reply, score", [("fine. Score: 0.8", 0.8), ("Score: 7/10", 0.7), ("so 3 out of 4", 0.75),
-                                          ("Score: **1**", 1.0), ("Score: 0.2\nScore: 0.9", 0.9), ("1", 1.0)])
+@pytest.mark.parametrize("reply, score", [("fine. Score: 0.8", 0.8), ("Score: 7/10", 0.7), ("Score: 3 out of 4", 0.75),
+                                          ("Score: **1**", 1.0), ("Score: 0.2\nScore: 0.9", 0.9), ("1", 1.0),
+                                          (" 0.5.\n", 0.5)])
 def test_scores_are_read_off_the_end_of_a_reply(reply, score):
     assert parse_score(reply) == pytest.approx(score)
 
 
-@pytest.mark.parametrize("reply, says", [("no idea", "no score"), ("Score: 1.5", "outside"), ("Score: 3/0", "out of 0")])
+@pytest.mark.parametrize("reply, says", [("no idea", "no score"), ("Score: 1.5", "outside"), ("Score: 3/0", "out of 0"),
+                                         ("47 times 86 is 4042, so 1", "no score"), ("so 3 out of 4", "no score")])
 def test_a_reply_without_a_score_in_range_is_a_failure_quoting_it(reply, says):
     with pytest.raises(JudgeFailure, match=says) as e:
         parse_score(reply)

@@ -72,3 +72,22 @@ def test_a_runs_folder_stands_for_its_newest_checkpoint(tmp_path):
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     with pytest.raises(UsageError, match="no complete checkpoint under"):
         newest_checkpoint(str(tmp_path / "empty"))
+
+
+def test_a_missing_local_path_fails_at_once_naming_what_is_there(tmp_path):
+    """Before: a mistyped local model path waited 51 s through the hub client's retries offline, and `relayrl
+    eval` of a checkpoint that does not exist said it could not load the tokenizer."""
+    from relayrl.cli import UsageError, newest_checkpoint
+    from relayrl.models import ModelError, looks_local, resolve_model_path
+
+    assert looks_local("./m") and looks_local("/m") and looks_local("~/m") and looks_local("runs/demo/checkpoints/x")
+    assert not looks_local("Qwen/Qwen2.5-0.5B") and not looks_local("gpt2")
+    ckpts = tmp_path / "demo" / "checkpoints"
+    for step in ("step_000010", "step_000020"):
+        (ckpts / step).mkdir(parents=True)
+    with pytest.raises(UsageError, match=rf"step_000100: no such checkpoint; {ckpts} holds step_000010, step_000020$"):
+        newest_checkpoint(str(ckpts / "step_000100"))
+    (tmp_path / "my-model").mkdir()
+    with pytest.raises(ModelError, match=rf"model.path='{tmp_path}/my-modle': no such folder; did you mean "
+                                         rf"{tmp_path}/my-model\? \(a local path, so the hub was not asked\)"):
+        resolve_model_path(f"{tmp_path}/my-modle")

@@ -258,6 +258,10 @@ def newest_checkpoint(path: str) -> str:
     from relayrl.run.checkpoint import latest_checkpoint
 
     p = Path(path)
+    if not p.exists():
+        from relayrl.models import missing_folder
+
+        raise UsageError(f"{path}: {missing_folder(p)}")
     if (p / "state.json").exists() or not (p / "checkpoints").is_dir():
         return path
     ckpt = latest_checkpoint(p)

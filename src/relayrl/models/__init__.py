@@ -84,6 +84,8 @@ def newest_checkpoint_of(path: str, field: str = "model.path") -> str:
     """``path``, or where it is a relayrl run's folder (``runs/demo``: no model of its own, a ``checkpoints``
     folder) its newest complete checkpoint: a ``step_N`` folder, whose name it gets only once written whole."""
     p = Path(os.path.expanduser(path))
+    if not p.exists() and looks_local(path):
+        raise ModelError(f"{field}={path!r}: {missing_folder(p)}")
     ckpts = p / "checkpoints"
     if not ckpts.is_dir() or any((p / f).exists() for f in ("config.json", "adapter_config.json")):
         return path
@@ -91,6 +93,27 @@ def newest_checkpoint_of(path: str, field: str = "model.path") -> str:
     if not steps:
         raise ModelError(f"{field}={path!r}: a run's folder with no complete checkpoint under {ckpts}")
     return str(steps[-1])
+
+
+def looks_local(path: str) -> bool:
+    """A path no hub id can be (``./m``, ``/m``, ``~/m``, ``../m``, ``runs/demo/checkpoints/step_000020``: a hub id
+    is ``name`` or ``org/name``): a missing one fails at once, not after the hub client's retries (51 s offline)."""
+    return path.startswith(("/", "./", "../", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path
+
+
+def missing_folder(p: Path) -> str:
+    """'no such folder', with what its parent holds that is near: a checkpoint's siblings, a misspelled name's."""
+    import difflib
+
+    parent = p.parent
+    if not parent.is_dir():
+        return f"no such folder (nor {parent}); a local path, so the hub was not asked"
+    names = sorted(c.name for c in parent.iterdir() if c.is_dir() and not c.name.startswith("."))
+    if parent.name == "checkpoints":
+        return f"no such checkpoint; {parent} holds {', '.join(names) or 'none'}"
+    near = difflib.get_close_matches(p.name, names, n=3)
+    return "no such folder" + (f"; did you mean {', '.join(str(parent / n) for n in near)}?" if near else
+                               f" in {parent}") + " (a local path, so the hub was not asked)"
 
 
 def load_tokenizer(path: str, prompt_format: str | None = None, field: str = "model.path"):

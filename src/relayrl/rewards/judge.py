@@ -71,18 +71,22 @@ class JudgeFailure(RuntimeError):
 
 
 def parse_score(reply: str) -> float:
-    """The score a pointwise reply ends with: 'Score: 0.8', '8/10', '8 out of 10' (divided), or a last bare
-    number in [0, 1]. ``JudgeFailure`` quoting the reply where there is none, or it is outside [0, 1]."""
+    """The score a pointwise reply gives on its score line: 'Score: 0.8', 'Score: 8/10', 'Score: 8 out of 10'
+    (divided; the last such line counts), or a reply that is a number and nothing else ('0.8'). Strict: the
+    last number of a longer reply is not taken for its score (an untrained judge's reasoning ends in numbers
+    that are not scores: 14 of 38 replies in one run). ``JudgeFailure`` quoting the reply where there is no score
+    line, or the score is outside [0, 1]."""
     text = reply.strip()
     found = list(_SCORE.finditer(text))
     if found:
         m = found[-1]
         value, over = float(m.group(1)), m.group(2) or m.group(3)
     else:
-        tail = re.search(rf"({_NUMBER})\s*(?:/\s*({_NUMBER})|out of\s*({_NUMBER}))?\s*\W*$", text, re.I)
-        if tail is None:
-            raise JudgeFailure(f"no score in the judge's reply: {reply[:200]!r}")
-        value, over = float(tail.group(1)), tail.group(2) or tail.group(3)
+        alone = re.fullmatch(rf"\**({_NUMBER})\**\.?", text)
+        if alone is None:
+            raise JudgeFailure(f"no score in the judge's reply (a 'Score: X' line, X in [0, 1], or a reply that is "
+                               f"only a number): {reply[:200]!r}")
+        value, over = float(alone.group(1)), None
     if over is not None:
         if float(over) <= 0:
             raise JudgeFailure(f"a score out of {over} in the judge's reply: {reply[:200]!r}")
