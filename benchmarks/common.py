@@ -58,6 +58,13 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 def write_results(out: Path, name: str, header: list[str], rows: list[list[str]], data: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    if (out / f"{name}.md").exists() and not os.environ.get("RELAYRL_BENCH_REPLACE"):
+        # (a reader running a guide's command keeps the committed results: theirs go beside them, dated;
+        # RELAYRL_BENCH_REPLACE=1 replaces them, as a developer recording new numbers does)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        print(f"{out / (name + '.md')} exists (committed results): writing {name}-{stamp} beside it "
+              "(RELAYRL_BENCH_REPLACE=1 replaces it)")
+        name = f"{name}-{stamp}"
     m = data["machine"]
     table = markdown_table(header, rows)
     gpu = f", GPU {m['gpu']}" if m.get("gpu") else ""

@@ -204,3 +204,9 @@ def test_the_sites_search_finds_a_field_by_its_own_name():
     sep = next(p["search"]["separator"] for p in conf["plugins"] if isinstance(p, dict) and "search" in p)
     tokens = [t for t in re.split(sep, "### `rollout.max_staleness` (default 3.5) EngineError") if t]
     assert {"rollout", "max_staleness", "3.5", "Engine", "Error"} <= set(tokens), tokens
+
+
+def test_the_home_page_links_every_guide():
+    text = (DOCS / "index.md").read_text()
+    guides = sorted(p.name for p in (DOCS / "guides").glob("*.md"))
+    assert [g for g in guides if f"(guides/{g})" not in text] == []

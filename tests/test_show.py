@@ -61,6 +61,8 @@ def test_the_list_filters_and_sorts(run, capsys, monkeypatch):
     rc, out, _ = _show(capsys, monkeypatch, run)
     assert rc == 0 and _ids(out) == ["g1/0", "g1/1", "g2/0", "g2/1", "g3/0", "g3/1", "g3/2"]
     assert "7 of 7 episodes (steps 1..3" in out and "filtered" in out and "v1×2 v2×" in out
+    assert ": rollouts, in the run's order" in out
+    assert ": rollouts, by reward, highest first" in _show(capsys, monkeypatch, run, "--sort", "reward")[1]
     assert _ids(_show(capsys, monkeypatch, run, "--step", 2)[1]) == ["g2/0", "g2/1"]
     assert _ids(_show(capsys, monkeypatch, run, "--failures")[1]) == ["g2/1"]
     assert _ids(_show(capsys, monkeypatch, run, "--status", "filtered")[1]) == ["g3/0"]

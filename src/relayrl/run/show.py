@@ -113,12 +113,14 @@ def _prompt(r: dict) -> str:
     return (r.get("prompt") or [{}])[-1].get("content", "")
 
 
-def list_view(console: Console, records: list[dict], shown: list[dict], run_dir: Path, step: int | None) -> None:
+def list_view(console: Console, records: list[dict], shown: list[dict], run_dir: Path, step: int | None,
+              sort: str | None = None) -> None:
     steps = sorted({r["step"] for r in records})
     if not shown:
         console.print(f"no episode of {len(records)} ({_span(steps)}) passes these filters", highlight=False)
         return
-    t = Table(title=f"{safe(run_dir)}: rollouts", title_justify="left", header_style="bold", expand=False)
+    order = f"by {sort}, highest first" if sort else "in the run's order"
+    t = Table(title=f"{safe(run_dir)}: rollouts, {order}", title_justify="left", header_style="bold", expand=False)
     rows = [[str(r["#"]), str(r["step"]), safe(r["id"]), f"[{STATUS_STYLE.get(r['status'], '')}]{r['status']}",
              _reward(r, ".3g"), safe(r["finish_reason"] or "-"), str(r["length"]), str(r["staleness"]),
              versions_text(r["versions"]), str(r.get("info", {}).get("turns", 1)),
@@ -278,4 +280,4 @@ def show(run: str, episode: str | None = None, step: int | None = None, failures
         episode_view(console, run_dir, find(records, episode))
         return
     shown = select(records, step, failures, status, min_reward, max_reward, sort, limit)
-    list_view(console, records, shown, run_dir, step)
+    list_view(console, records, shown, run_dir, step, sort)
