@@ -430,3 +430,17 @@ def test_speculation_in_vllm_is_prompt_lookup_only():
                                           "rollout.speculative=on and rollout.engine=hf"):
         load_config(None, ["rollout.engine=vllm", "rollout.speculative=on", "rollout.speculative_sources=[prompt]",
                            "rollout.speculative_batch_tokens=128"])
+
+
+def test_trls_names_are_accepted_with_a_hint_where_the_meaning_is_the_same(tmp_path, capsys):
+    cfg = load_config(None, ["learning_rate=1e-6", "num_generations=4", "beta=0", "max_completion_length=64"])
+    assert (cfg.trainer.lr, cfg.rollout.group_size, cfg.algo.kl_coef, cfg.rollout.max_new_tokens) == (1e-6, 4, 0.0, 64)
+    err = capsys.readouterr().err
+    assert "relayrl: learning_rate is TRL's name for trainer.lr: taken as trainer.lr=1e-6 (command line;" in err
+    (tmp_path / "trl.yaml").write_text("learning_rate: 2.0e-6\nrun:\n  steps: 3\nepsilon_high: 0.28\n")
+    cfg = load_config(tmp_path / "trl.yaml", [])
+    assert (cfg.trainer.lr, cfg.run.steps, cfg.algo.clip_high) == (2e-6, 3, 0.28)
+    assert f"epsilon_high is TRL's name for algo.clip_high: taken as algo.clip_high=0.28 ({tmp_path / 'trl.yaml'}" \
+        in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="per_device_train_batch_size"):  # (another meaning here: not an alias)
+        load_config(None, ["per_device_train_batch_size=8"])

@@ -331,9 +331,12 @@ def _run(argv: list[str] | None) -> int:
             print(interrupted_line(cfg, ns.args, ns.cmd, f"stopped by {name}" if name else "interrupted"), file=sys.stderr)
             return exit_status(e)
         return 0
+    note = None
     if not ns.checkpoint and not ns.base:
-        ns.checkpoint = _runs_checkpoint(config, overrides)
+        ns.checkpoint, note = _runs_checkpoint(config, overrides)
     cfg, settings = _eval_config(ns, config, overrides)
+    if note:  # (once the settings are known good: an error stays one line)
+        print(note, file=sys.stderr)
     from relayrl.run.build import evaluate_only
 
     out = ns.output or ns.checkpoint or cfg.run_dir / "eval"
@@ -341,10 +344,10 @@ def _run(argv: list[str] | None) -> int:
     return 0
 
 
-def _runs_checkpoint(config: str | None, overrides: list[str]) -> str | None:
+def _runs_checkpoint(config: str | None, overrides: list[str]) -> tuple[str | None, str]:
     """``relayrl eval ARGS`` after ``relayrl train ARGS``: the newest checkpoint of the run those arguments name
-    (the overrides only eval reads — eval.*, data.eval_path — left out of its name), said on stderr; None (the
-    base model, said too) where that run has none."""
+    (the overrides only eval reads — eval.*, data.eval_path — left out of its name), or None (the base model)
+    where that run has none; and the line that says which."""
     from relayrl.config.naming import run_name
     from relayrl.run.checkpoint import latest_checkpoint
 
@@ -353,13 +356,10 @@ def _runs_checkpoint(config: str | None, overrides: list[str]) -> str | None:
     run_dir = Path(cfg.run.output_dir) / run_name(cfg.run.name, config, naming, "name" in cfg.run.model_fields_set)
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
-        print(f"relayrl eval: {run_dir} has no checkpoint: evaluating model.path={cfg.model.path}, untrained "
-              "(--checkpoint DIR for another run's)", file=sys.stderr)
-        return None
+        return None, (f"relayrl eval: {run_dir} has no checkpoint: evaluating model.path={cfg.model.path}, untrained "
+                      "(--checkpoint DIR for another run's)")
     step = json.loads((ckpt / "state.json").read_text()).get("step")
-    print(f"relayrl eval: the newest checkpoint of {run_dir}, step {step} ({ckpt}; --base: model.path untrained)",
-          file=sys.stderr)
-    return str(ckpt)
+    return str(ckpt), f"relayrl eval: the newest checkpoint of {run_dir}, step {step} ({ckpt}; --base: model.path untrained)"
 
 
 def _eval_config(ns, config: str | None, overrides: list[str]):

@@ -13,6 +13,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from relayrl.config import aliases
 from relayrl.config.rules import APPLIES_ONLY
 from relayrl.config.schema import Config
 from relayrl.config.sections import ConfigError
@@ -136,6 +137,7 @@ def _read_yaml(p: Path) -> tuple[dict, dict[tuple[str, str], str]]:
         raise ConfigError(f"{p}: the config file is empty (no sections)")
     if not isinstance(tree, dict):
         raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(tree).__name__}")
+    tree = aliases.tree(tree, str(p))  # (TRL's names at the top: learning_rate, beta, ...)
     tree = {sec: {} if body is None else body for sec, body in tree.items()}  # `run:` with nothing under it
     _check_keys(tree, str(p))
     texts: dict[tuple, str] = {}
@@ -214,7 +216,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
         file_tree, texts = _read_yaml(Path(path))
         _merge(tree, file_tree)
         origin.update({leaf: str(path) for leaf in _leaves(file_tree)})
-    for item in overrides:
+    for item in map(aliases.override, overrides):
         parts, value = parse_override(item)
         key = ".".join(parts)
         fields = Config.model_fields[parts[0]].annotation.model_fields if parts[0] in Config.model_fields else {}
