@@ -444,3 +444,17 @@ def test_trls_names_are_accepted_with_a_hint_where_the_meaning_is_the_same(tmp_p
         in capsys.readouterr().err
     with pytest.raises(ConfigError, match="per_device_train_batch_size"):  # (another meaning here: not an alias)
         load_config(None, ["per_device_train_batch_size=8"])
+
+
+def test_one_setting_gives_grpo_as_the_paper_defines_it_and_a_field_set_beside_it_wins():
+    plain = load_config(None, ["algo.preset=grpo"])
+    a, r = plain.algo, plain.rollout
+    assert (a.advantage, a.loss, a.clip_low, a.clip_high, a.dual_clip, a.agg, a.kl_coef, a.kl_estimator) == (
+        "grpo", "ppo_clip", 0.2, 0.2, None, "seq_mean_token_mean", 0.04, "k3")
+    assert (r.budget, r.dynamic_sampling) == ("fixed", False)
+    mine = load_config(None, ["algo.preset=grpo", "algo.kl_coef=0", "rollout.dynamic_sampling=true"])
+    assert (mine.algo.kl_coef, mine.rollout.dynamic_sampling, mine.algo.clip_high) == (0.0, True, 0.2)
+    default = load_config(None, [])  # relayrl's: clip-higher, dual-clip, token mean, β 0.05, adaptive sampling
+    a, r = default.algo, default.rollout
+    assert (a.preset, a.clip_high, a.dual_clip, a.agg, a.kl_coef, r.budget, r.dynamic_sampling) == (
+        "relayrl", None, 3.0, "token_mean", 0.05, "adaptive", True)

@@ -20,6 +20,7 @@ from relayrl.config.training import CriticCfg
 def check(c: BaseModel) -> None:
     """Every rule, in order; the first broken one raises ``ValueError`` naming its fields."""
     _judge_alone(c)
+    _preset(c)
     _adaptive_sampling_where_it_applies(c)
     _lora_learning_rate(c)
     _teachers_and_judges(c)
@@ -131,6 +132,26 @@ def _teachers_and_judges(c: BaseModel) -> None:
                          "verifier or a judge")
     if c.reward.fn_weight == 0 and j.weight == 0:
         raise ValueError("reward.fn_weight=0 and reward.judge.weight=0: the reward is always 0")
+
+
+# algo.preset=grpo: GRPO as DeepSeekMath (arXiv 2402.03300) defines it, for the fields the user left unset
+GRPO_PAPER = {("algo", "advantage"): "grpo", ("algo", "loss"): "ppo_clip", ("algo", "clip_low"): 0.2,
+              ("algo", "clip_high"): 0.2, ("algo", "dual_clip"): None, ("algo", "agg"): "seq_mean_token_mean",
+              ("algo", "kl_coef"): 0.04, ("algo", "kl_estimator"): "k3", ("algo", "kl_mode"): "loss",
+              ("rollout", "budget"): "fixed", ("rollout", "dynamic_sampling"): False}
+
+
+def _preset(c: BaseModel) -> None:
+    """``algo.preset``: its settings where the user left a field unset (left unset, as defaults are: a field that
+    does not apply beside one the user set — kl_estimator with kl_coef=0 — is not refused; the run's recorded
+    config has every value)."""
+    if c.algo.preset != "grpo":
+        return
+    for (section, field), value in GRPO_PAPER.items():
+        body = getattr(c, section)
+        if field not in body.model_fields_set:
+            body.__dict__[field] = value
+    c.rollout.model_fields_set.update({"budget", "dynamic_sampling"})  # (not the group baseline's defaults)
 
 
 def _adaptive_sampling_where_it_applies(c: BaseModel) -> None:

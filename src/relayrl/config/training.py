@@ -14,6 +14,15 @@ class AlgoCfg(_Section):
     """Advantages, policy loss, off-policy correction, aggregation, KL, overlong handling. Each is
     chosen by name from a registry (``relayrl.algos``) and any choice combines with any other."""
 
+    preset: Literal["relayrl", "grpo"] = Field(
+        "relayrl", description="The algorithm in one word; any field set beside it wins. relayrl (the default): "
+        "GRPO's group-normalised advantages with PPO's clip widened above (clip-higher: ε 0.2 below, 0.28 above, "
+        "DAPO), dual-clip 3, the token-mean loss (DAPO), KL β=0.05 (k3, in the loss), and, with a group baseline, "
+        "adaptive budgets and dynamic sampling (rollout.budget, rollout.dynamic_sampling: groups with no reward "
+        "variance replaced). grpo: GRPO as DeepSeekMath defines it (arXiv 2402.03300): advantages (r − mean)/std "
+        "per group, PPO's clip ε=0.2 both ways, no dual-clip, each response's token mean averaged over the "
+        "group (agg=seq_mean_token_mean), KL β=0.04 (k3, in the loss), every group its group_size responses "
+        "(rollout.budget=fixed, rollout.dynamic_sampling=false).")
     advantage: str = Field(
         "grpo", description="Advantage estimator: grpo, dr_grpo, rloo (group baselines), reinforce_pp (whitened "
         "token returns), reinforce_pp_baseline (group mean subtracted, then whitened), gae (PPO: a learned critic, "
