@@ -55,3 +55,7 @@ def not_a_number(completion: str, answer, metadata):
 
 def half(completion: str, answer, metadata) -> float:
     return 0.5
+
+
+def right(completion: str, answer, metadata) -> float:
+    return 1.0

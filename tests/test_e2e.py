@@ -239,19 +239,19 @@ def test_evaluation_during_overlapped_modes(tmp_path, mode):
 
 @pytest.mark.slow
 def test_eval_stop_at_ends_the_run_at_the_first_evaluation_that_reaches_it(tiny_path, tmp_path):
-    """Evaluated every 2 steps with a verifier that gives every response 0.5 (the eval path needs one):
-    0.5 ≥ 0.4, so the run stops at step 2 with that step's checkpoint final; the evaluation's time is
+    """Evaluated every 2 steps with a verifier that calls every response right (the eval path needs one):
+    accuracy 1 ≥ 0.4, so the run stops at step 2 with that step's checkpoint final; the evaluation's time is
     logged and start-up is in the summary."""
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"say {i}", "answer": str(i)}) + "\n"
                             for i in range(8)))
     cfg = load_config(None, EASY + [f"model.path={tiny_path}", f"run.output_dir={tmp_path}", "run.steps=10",
                                     f"data.path={data}", f"data.eval_path={data}", "eval.size=4", "eval.every=2",
-                                    "eval.stop_at=0.4", "reward.fn=tests.rewards_for_tests:half", "run.save_every=0"])
+                                    "eval.stop_at=0.4", "reward.fn=tests.rewards_for_tests:right", "run.save_every=0"])
     summary = train(cfg)
     m = _metrics(cfg.run_dir)
     assert summary["steps"] == 2 and [x["step"] for x in m] == [1, 2]
-    assert m[1]["eval/accuracy"] == 0.5 and m[1]["time/eval"] > 0 and "time/eval" not in m[0]
+    assert m[1]["eval/accuracy"] == 1.0 and m[1]["time/eval"] > 0 and "time/eval" not in m[0]
     assert summary["startup_seconds"] > 0
     assert sorted(p.name for p in (cfg.run_dir / "checkpoints").iterdir()) == ["latest", "step_000002"]
     with pytest.raises(Exception, match=r"eval.stop_at needs eval.every ≥ 1"):

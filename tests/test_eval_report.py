@@ -41,7 +41,8 @@ def test_relayrl_eval_writes_its_report_beside_the_checkpoint(tiny_path, tmp_pat
     lines = [json.loads(x) for x in (ckpt / "eval_samples.jsonl").read_text().splitlines()]
     sampled = [x for x in lines if x["kind"] == "sampled"]
     assert len(sampled) == 4 * 3 and len(lines) == 4 * 3 + 4  # and one greedy response a prompt
-    assert sum(x["reward"] for x in sampled) / 12 == pytest.approx(printed["accuracy"])
+    assert sum(x["reward"] for x in sampled) / 12 == pytest.approx(printed["reward_mean"])  # (partial credit)
+    assert sum(x["reward"] >= 1 for x in sampled) / 12 == pytest.approx(printed["accuracy"])  # (successes)
     for x in lines:
         assert x["prompt"][0]["role"] == "user" and isinstance(x["completion"], str)
         assert x["finish_reason"] in ("stop", "length") and x["response_tokens"] <= 8
@@ -126,3 +127,26 @@ def test_the_model_cards_numbers_carry_no_float_noise():
     card = render(resolved_tree(load_config(None, [])), 3, 96, e, e, final=True)
     assert "value: 0.34\n" in card and "value: 0.3\n" in card
     assert "0.33999999999999997" not in card and "0.30000000000000004" not in card
+
+
+def test_partial_credit_is_called_mean_reward_and_accuracy_counts_successes():
+    """A verifier giving partial credit: eval.json said "accuracy 0.336" beside pass@1 0.2625 — the mean reward
+    under accuracy's name. Now accuracy counts rewards ≥ 1 (pass@k's threshold) and the mean reward is named."""
+    from huggingface_hub import ModelCard
+
+    from relayrl.config import load_config, resolved_tree
+    from relayrl.run.evaluation import fmt_change, fmt_eval
+    from relayrl.run.model_card import render
+
+    binary = {"accuracy": 0.25, "accuracy_greedy": 0.5, "reward_mean": 0.25, "reward_mean_greedy": 0.5,
+              "temperature": 1.0}
+    partial = {"accuracy": 0.2625, "accuracy_greedy": 0.3, "reward_mean": 0.336, "reward_mean_greedy": 0.41,
+               "temperature": 1.0}
+    assert fmt_eval(binary) == "accuracy 25.0% (sampled, T=1.0), greedy 50.0%"
+    assert fmt_eval(partial) == "accuracy 26.2% (sampled, T=1.0), greedy 30.0%; mean reward 0.336, greedy 0.410"
+    assert fmt_change(binary, partial) == ("held-out accuracy: 25.0% → 26.2% (greedy 50.0% → 30.0%); mean reward "
+                                           "0.250 → 0.336 (greedy 0.500 → 0.410)")
+    card = ModelCard(render(resolved_tree(load_config(None, [])), 3, 96, binary, partial, final=True))
+    assert [(r.metric_type, r.metric_value) for r in card.data.eval_results] == [
+        ("accuracy", 0.25), ("accuracy", 0.5),  # before: 0/1 rewards, the mean is the accuracy (not repeated)
+        ("accuracy", 0.2625), ("mean_reward", 0.336), ("accuracy", 0.3), ("mean_reward", 0.41)]

@@ -228,6 +228,20 @@ def test_eval_with_the_runs_arguments_evaluates_its_newest_checkpoint_and_the_ba
     assert json.loads((tmp_path / "run" / "eval.json").read_text())["data"] == str(held_out)
 
 
+def test_a_runs_numbers_name_what_they_measured(trained_run):
+    """digit_fraction gives partial credit: the summary's accuracy counts responses with reward ≥ 1, its mean
+    reward is named so, in summary.json, the metrics and the evaluation's result alike."""
+    import json
+
+    ckpt, _ = trained_run
+    run = ckpt.parent.parent
+    summary = json.loads((run / "summary.json").read_text())
+    after = summary["eval_after"]
+    assert summary["eval_accuracy_after"] == after["accuracy"] and summary["eval_reward_mean_after"] == after["reward_mean"]
+    assert {"accuracy", "accuracy_greedy", "reward_mean", "reward_mean_greedy"} <= set(after)
+    assert after["accuracy"] <= after["reward_mean"]  # rewards in [0, 1]: successes (reward ≥ 1) at most the mean
+
+
 def test_eval_lines_are_not_broken_mid_sentence(trained_run, tmp_path, capsys):
     ckpt, _ = trained_run
     out = tmp_path / ("a-folder-with-a-long-name-" * 3) / "eval"

@@ -113,8 +113,10 @@ def test_every_tracker_reads_back_what_metrics_jsonl_has(tiny_path, tmp_path, tr
 
     card = ModelCard.load(run / "checkpoints" / "step_000003" / "README.md")
     values = {r.metric_name: r.metric_value for r in card.data.eval_results}
-    assert values["held-out accuracy after training (sampled, T=1.0)"] == round(summary["eval_accuracy_after"], 4)
-    assert values["held-out accuracy before training (greedy)"] == round(summary["eval_greedy_accuracy_before"], 4)
+    assert values["held-out accuracy after training (sampled, T=1.0; reward ≥ 1)"] == \
+        round(summary["eval_accuracy_after"], 4)
+    assert values["held-out accuracy before training (greedy; reward ≥ 1)"] == \
+        round(summary["eval_greedy_accuracy_before"], 4)
     assert "`rollout.group_size` | `4`" in card.text and "step 3 of 3" in card.text
     early = (run / "checkpoints" / "step_000002" / "README.md").read_text()
     assert "intermediate checkpoint" in early and "after training" not in ModelCard(early).data.to_yaml()

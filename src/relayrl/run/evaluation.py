@@ -1,5 +1,5 @@
-"""Held-out evaluation over episodes: sampled accuracy at the training temperature, pass@k, greedy
-accuracy; and the report ``relayrl eval`` writes (``eval.json``, ``eval_samples.jsonl``)."""
+"""Held-out evaluation over episodes: sampled accuracy (successes: reward ≥ 1) at the training temperature,
+pass@k, greedy accuracy, and the mean rewards beside them; and the report ``relayrl eval`` writes (``eval.json``, ``eval_samples.jsonl``)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,35 @@ def match_stats(info: list[dict]) -> dict:
     return out
 
 
+SUCCESS = 1.0  # a reward at least this is a success: accuracy and pass@k count these
+
+
+def fmt_eval(e: dict) -> str:
+    """An evaluation in the log: the accuracy (successes), and the mean reward where it says something else."""
+    if "win_rate" in e:  # a multi-agent environment's matches against its scripted player
+        return f"win rate {e['win_rate']:.1%} (sampled, T={e['temperature']}), greedy {e['win_rate_greedy']:.1%}"
+    line = f"accuracy {e['accuracy']:.1%} (sampled, T={e['temperature']}), greedy {e['accuracy_greedy']:.1%}"
+    if _partial(e):
+        line += f"; mean reward {e['reward_mean']:.3f}, greedy {e['reward_mean_greedy']:.3f}"
+    return line
+
+
+def fmt_change(before: dict, after: dict) -> str:
+    """'held-out accuracy: 36.9% → 52.0% (greedy ...)', with the mean reward's change where it differs."""
+    line = (f"held-out accuracy: {before['accuracy']:.1%} → {after['accuracy']:.1%} "
+            f"(greedy {before['accuracy_greedy']:.1%} → {after['accuracy_greedy']:.1%})")
+    if _partial(before) or _partial(after):
+        line += (f"; mean reward {before['reward_mean']:.3f} → {after['reward_mean']:.3f} "
+                 f"(greedy {before['reward_mean_greedy']:.3f} → {after['reward_mean_greedy']:.3f})")
+    return line
+
+
+def _partial(e: dict) -> bool:
+    """The rewards were not all 0 or 1 (partial credit): the mean reward is not the accuracy."""
+    return any(abs(e.get(k.replace("accuracy", "reward_mean"), e[k]) - e[k]) > 1e-12
+               for k in ("accuracy", "accuracy_greedy"))
+
+
 def pass_at_k(trajs: list, n: int) -> dict:
     """``pass_at_k`` for k = 1, 2, 4, ... and n: the unbiased estimate 1 - C(m-c, k) / C(m, k) of
     Chen et al. (2021, "Evaluating Large Language Models Trained on Code", eq. 1) per prompt, over
@@ -63,7 +92,7 @@ def pass_at_k(trajs: list, n: int) -> dict:
     answer), averaged over the prompts with at least k scored samples."""
     by_prompt: dict[str, list[bool]] = {}
     for t in trajs:
-        by_prompt.setdefault(t.group_id, []).append(t.reward >= 1)
+        by_prompt.setdefault(t.group_id, []).append(t.reward >= SUCCESS)
     out = {}
     for k in sorted({2 ** i for i in range(n.bit_length()) if 2 ** i <= n} | {n}):
         est = [1 - math.comb(len(s) - sum(s), k) / math.comb(len(s), k) for s in by_prompt.values() if len(s) >= k]
@@ -97,9 +126,11 @@ class EvalSettings:
 
 def evaluate(runner, tokenizer, prompts: list[Prompt], s: EvalSettings, when: str = "", samples: list | None = None
              ) -> dict:
-    """``accuracy``: mean reward (pass@1) of ``eval.samples`` sampled episodes per prompt at
-    ``rollout.temperature``, and with several, ``pass_at_k``; ``accuracy_greedy``: mean reward of the
-    greedy one. With an environment, also the tool-call rate (sampled and greedy) and tool errors of
+    """``accuracy``: the fraction of ``eval.samples`` sampled episodes per prompt at ``rollout.temperature``
+    that succeeded (reward ≥ 1, ``SUCCESS``: what the built-in verifiers give a right answer, and pass@k's
+    threshold), and with several, ``pass_at_k``; ``accuracy_greedy``: the same of the greedy one;
+    ``reward_mean`` and ``reward_mean_greedy``: their mean rewards (equal to the accuracies for a 0/1 reward;
+    with partial credit, what a verifier's mean says, never called accuracy). With an environment, also the tool-call rate (sampled and greedy) and tool errors of
     the sampled ones. Episodes whose user code failed are left out of the means and counted
     (``accuracy_failed``). ``samples``: a list that gets every episode (``sample_record``).
     Sampling is seeded per episode by ``eval.seed``, its prompt and sample index: every evaluation
@@ -122,7 +153,8 @@ def evaluate(runner, tokenizer, prompts: list[Prompt], s: EvalSettings, when: st
         which = "sampled" if key == "accuracy" else "greedy"  # (too many failures: the run stops)
         counts = failures.check(every, s.max_failure_frac, f"the evaluation{' ' + when if when else ''} ({which})")
         trajs = [t for t in every if not failures.failed(t)]  # failed episodes are not scored 0
-        out[key] = sum(t.reward for t in trajs) / max(1, len(trajs))
+        out[key] = sum(t.reward >= SUCCESS for t in trajs) / max(1, len(trajs))
+        out[key.replace("accuracy", "reward_mean")] = sum(t.reward for t in trajs) / max(1, len(trajs))
         out[f"{key}_failed"] = sum(counts.values())
         if samples is not None:
             samples += [sample_record(t, tokenizer, which) for t in every]

@@ -24,7 +24,7 @@ from relayrl.rollout.groups import drop_failed, training_batch
 from relayrl.run import model_card
 from relayrl.run.build import Components, build, follower_trainer, load_data, make_rollout, response_budget
 from relayrl.run.checkpoint import CheckpointWriter, RunState, restore_rng
-from relayrl.run.evaluation import episode_stats, no_evaluation_note
+from relayrl.run.evaluation import episode_stats, fmt_change, fmt_eval, no_evaluation_note
 from relayrl.run.stops import StopRequested, StopSignals
 from relayrl.run.resume import (ResumeError, check_compatible, data_fingerprint, prepare_run_dir, restore_drafts,
                                 start_state)
@@ -254,12 +254,6 @@ def reached(cfg: Config, m: dict, log) -> bool:
     return True
 
 
-def fmt_eval(e: dict) -> str:
-    if "win_rate" in e:  # a multi-agent environment's matches against its scripted player
-        return f"win rate {e['win_rate']:.1%} (sampled, T={e['temperature']}), greedy {e['win_rate_greedy']:.1%}"
-    return f"accuracy {e['accuracy']:.1%} (sampled, T={e['temperature']}), greedy {e['accuracy_greedy']:.1%}"
-
-
 def finish(cfg: Config, c: Components, state: RunState, log, startup: float | None = None) -> dict:
     after = c.evaluate(cfg, "after training") if c.eval_prompts else None
     before = state.eval_before
@@ -272,6 +266,8 @@ def finish(cfg: Config, c: Components, state: RunState, log, startup: float | No
         "eval_accuracy_after": after["accuracy"] if after else None,
         "eval_greedy_accuracy_before": before["accuracy_greedy"] if before else None,
         "eval_greedy_accuracy_after": after["accuracy_greedy"] if after else None,
+        "eval_reward_mean_before": before.get("reward_mean") if before else None,
+        "eval_reward_mean_after": after.get("reward_mean") if after else None,
         "eval_before": before,
         "eval_after": after,
         "reward_failures": state.reward_failures,
@@ -294,8 +290,7 @@ def finish(cfg: Config, c: Components, state: RunState, log, startup: float | No
     if spec:
         log(spec[1])
     if before and after and "win_rate" not in after:
-        log(f"held-out accuracy: {before['accuracy']:.1%} → {after['accuracy']:.1%} "
-            f"(greedy {before['accuracy_greedy']:.1%} → {after['accuracy_greedy']:.1%})")
+        log(fmt_change(before, after))
     if before and after and "win_rate" in after:
         opponent = cfg.env.args.get("opponent")  # (a checkpoint or a pool plays the other roles: say which)
         who = f"env.args.opponent={opponent}" if opponent else "the scripted player"

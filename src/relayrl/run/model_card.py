@@ -48,10 +48,16 @@ def render(config: dict, step: int, samples: int, before: dict | None, after: di
     for when, e in (("before training", before), ("after training", after)):
         if e and data.get("eval_path"):
             for key, how in (("accuracy", f"sampled, T={e.get('temperature')}"), ("accuracy_greedy", "greedy")):
-                evals.append(EvalResult(task_type="text-generation", dataset_type=str(data["eval_path"]),
-                                        dataset_name=str(data["eval_path"]), metric_type="accuracy",
-                                        metric_value=round(e[key], 4),  # (not 0.33999999999999997)
-                                        metric_name=f"held-out accuracy {when} ({how})"))
+                mean = key.replace("accuracy", "reward_mean")  # (beside it where rewards give partial credit)
+                for metric, name in (("accuracy", f"held-out accuracy {when} ({how}; reward ≥ 1)"),
+                                     ("mean_reward", f"held-out mean reward {when} ({how})")):
+                    value = e[key] if metric == "accuracy" else e.get(mean)
+                    if value is None or (metric == "mean_reward" and abs(value - e[key]) <= 1e-12):
+                        continue
+                    evals.append(EvalResult(task_type="text-generation", dataset_type=str(data["eval_path"]),
+                                            dataset_name=str(data["eval_path"]), metric_type=metric,
+                                            metric_value=round(value, 4),  # (not 0.33999999999999997)
+                                            metric_name=name))
     adapter = (model.get("lora") or {}).get("r", 0)  # model.lora: the checkpoint is a PEFT adapter on model.path
     meta = ModelCardData(library_name="peft" if adapter else "transformers", base_model=_hub_id(model["path"]),
                          datasets=[d for d in (_hub_id(data["path"]),) if d] or None, model_name=run["name"],

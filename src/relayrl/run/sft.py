@@ -31,7 +31,7 @@ from relayrl.records import Trajectory
 from relayrl.run import model_card
 from relayrl.run.build import eval_settings, load_adapter, load_tokenizer_for, make_reward_runner, make_runner
 from relayrl.run.checkpoint import CheckpointWriter, RunState, restore_rng
-from relayrl.run.evaluation import evaluate
+from relayrl.run.evaluation import evaluate, fmt_change, fmt_eval
 from relayrl.run.resume import ResumeError, check_compatible, prepare_run_dir, start_state
 from relayrl.run.stops import StopRequested, StopSignals
 from relayrl.tracking import ProgressBar, RunReport, Timers
@@ -167,7 +167,7 @@ def _loop(cfg: Config, state: RunState, trainer_state, ckpt, examples, steps, po
 
     if state.eval_before is None and evaluator is not None:
         state.eval_before = evaluate_now("before training")
-        log(f"eval before: {_fmt(state.eval_before)}")
+        log(f"eval before: {fmt_eval(state.eval_before)}")
     sampler = PromptSampler(examples, cfg.run.seed, cfg.data.shuffle, state.sampler)
     tree = resolved_tree(cfg)
     metrics = RunReport(cfg.run, run_dir, tree, state, log)
@@ -212,8 +212,7 @@ def _loop(cfg: Config, state: RunState, trainer_state, ckpt, examples, steps, po
         metrics.finish(summary, None)
         log(f"[bold]done[/bold]: {state.step} steps, {state.samples} examples, {state.wall_seconds:.0f}s")
         if state.eval_before and after:
-            log(f"held-out accuracy: {state.eval_before['accuracy']:.1%} → {after['accuracy']:.1%} "
-                f"(greedy {state.eval_before['accuracy_greedy']:.1%} → {after['accuracy_greedy']:.1%})")
+            log(fmt_change(state.eval_before, after))
         log(f"run directory: {run_dir}")
         return summary
     finally:
@@ -233,11 +232,8 @@ def _summary(cfg: Config, state: RunState, after: dict | None) -> dict:
             "eval_accuracy_after": after["accuracy"] if after else None,
             "eval_greedy_accuracy_before": before["accuracy_greedy"] if before else None,
             "eval_greedy_accuracy_after": after["accuracy_greedy"] if after else None,
+            "eval_reward_mean_before": before.get("reward_mean") if before else None,
+            "eval_reward_mean_after": after.get("reward_mean") if after else None,
             "eval_before": before, "eval_after": after}
 
 
-def _fmt(e: dict) -> str:
-    return f"accuracy {e['accuracy']:.1%} (sampled, T={e['temperature']}), greedy {e['accuracy_greedy']:.1%}"
-
-
-__all__ = ["ResumeError", "sft"]

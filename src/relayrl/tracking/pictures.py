@@ -156,7 +156,7 @@ def curves_figure(runs: list[RunData], x: str = "step", title: str = ""):
                 ax.plot(*last, color=color, marker="*", ms=star, ls="none",
                         label="after training" if one and k == 0 else None)
             shown = shown or bool(xs or last)
-    ax.set(title="Held-out accuracy (0: before training)", ylabel="accuracy (%)")
+    ax.set(title="Held-out accuracy: reward ≥ 1 (0: before training)", ylabel="accuracy (%)")
     if shown:
         ax.set_ylim(-2, 102)
         if not one:
