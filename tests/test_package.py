@@ -12,8 +12,9 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "relayrl"
 # where the whole Config may go: the command line, the assembly and the loops that drive it (relayrl train's and
 # relayrl sft's), and resume (which compares a checkpoint's recorded config with the new one: the whole config by
-# nature)
-ASSEMBLY = {"relayrl.cli", "relayrl.run.build", "relayrl.run.loop", "relayrl.run.sft", "relayrl.run.resume"}
+# nature), and the Python entry point the command line is a layer over (relayrl.Run)
+ASSEMBLY = {"relayrl.cli", "relayrl.api", "relayrl.run.build", "relayrl.run.loop", "relayrl.run.sft",
+            "relayrl.run.resume"}
 
 
 def modules(root: Path = PKG) -> dict[str, tuple[Path, bool]]:

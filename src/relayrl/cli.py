@@ -303,24 +303,15 @@ def _run(argv: list[str] | None) -> int:
         return 0
     config, overrides = _split(ns.args)
     if ns.cmd in ("train", "sft"):
-        from relayrl.config.commands import check_command, sft_defaults
-
-        from relayrl.config.naming import run_name
-
-        cfg = load_config(config, overrides)
-        check_command(cfg, ns.cmd)
-        named = "name" in cfg.run.model_fields_set  # (by the user: sft_defaults sets its own)
-        if ns.cmd == "sft":
-            from relayrl.run.sft import sft as run
-            cfg = sft_defaults(cfg)
-        else:
-            from relayrl.run.loop import train as run
-        cfg.run.name = run_name(cfg.run.name, config, overrides, named)
+        from relayrl.api import Run
 
         from relayrl.run.stops import StopRequested
 
+        run = Run(config, overrides, command=ns.cmd)  # (the Python entry point: this command is a layer over it)
+        cfg = run.cfg
+
         try:
-            run(cfg, resume=ns.resume)
+            run.train(resume=ns.resume)
         except StopRequested as e:
             print(interrupted_line(cfg, ns.args, ns.cmd, f"stopped by {e.name} after step {e.step}"), file=sys.stderr)
             return exit_status(e)

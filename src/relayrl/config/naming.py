@@ -18,6 +18,8 @@ import hashlib
 import re
 from pathlib import Path
 
+from relayrl.config import aliases
+
 # what does not name a run: its length, checkpoints, records, progress, threads, trackers and evaluation
 # (--resume may change every one of them)
 NOT_NAMING = {"run.name", "run.output_dir", "run.steps", "run.save_every", "run.keep_checkpoints",
@@ -35,7 +37,7 @@ def _plain(text: str) -> str:
 def _part(override: str) -> str | None:
     """``section.key=value`` as ``section.key-value``, or None for a field that does not name a run."""
     key, _, value = override.partition("=")
-    key = key.strip()
+    key = aliases.TRL.get(key.strip(), key.strip())  # (TRL's learning_rate names the run as trainer.lr does)
     if key in NOT_NAMING or key.split(".")[0] in NOT_NAMING_SECTIONS:
         return None
     return f"{_plain(key)}-{_plain(value) or 'none'}"

@@ -187,13 +187,12 @@ class EpisodeRunner:
             return
         import os
 
-        import relayrl
-
         frame = sys._current_frames().get(self._thread.ident)
         stack = traceback.extract_stack(frame) if frame is not None else []
         # relayrl's frames and asyncio's are known by where the packages are installed, never by a folder's
         # name: a user's environment in a clone named relayrl (git's default) is the user's code all the same
-        own = tuple(os.path.dirname(m.__file__) + os.sep for m in (relayrl, asyncio))
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (src/relayrl: this file's package)
+        own = (package + os.sep, os.path.dirname(asyncio.__file__) + os.sep)
         user = [f for f in stack if not f.filename.startswith(own)]
         where = f"{user[-1].filename}:{user[-1].lineno} in {user[-1].name}" if user else "an unknown place"
         self._interrupt()

@@ -399,7 +399,9 @@ def evaluate_only(cfg: Config, out_dir: str | Path | None = None, settings: str 
         finally:
             engine.close()
         if out_dir is not None:
-            from relayrl import __version__
+            from importlib.metadata import version
+
+            __version__ = version("relayrl")
 
             about = {"model": cfg.model.path, "data": d.eval_path, "prompts": len(prompts), "samples": cfg.eval.samples,
                      "temperature": cfg.rollout.temperature, "max_new_tokens": cfg.rollout.max_new_tokens,

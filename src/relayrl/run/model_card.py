@@ -41,7 +41,9 @@ def render(config: dict, step: int, samples: int, before: dict | None, after: di
     (``relayrl train``) or "sft" (``relayrl sft``)."""
     from huggingface_hub import EvalResult, ModelCardData
 
-    from relayrl import __version__
+    from importlib.metadata import version
+
+    __version__ = version("relayrl")
 
     run, model, data, algo = config["run"], config["model"], config["data"], config["algo"]
     evals = []
