@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -458,3 +459,32 @@ def test_data_of_ones_own_is_never_evaluated_on_the_demos_prompts(tiny_path, tmp
     summary = json.loads((tmp_path / "own" / "summary.json").read_text())
     assert summary["eval_accuracy_before"] is None and summary["eval_accuracy_after"] is None
     assert "demo-eval" not in json.dumps(summary)
+
+
+def test_several_reward_functions_with_weights():
+    """TRL's reward_funcs and reward_weights: reward.fn a list, reward.fn_weights one each; the reward is the
+    weighted sum, and an episode any of them fails is a failure (counted, left out), never a partial sum."""
+    from relayrl.config import ConfigError
+    from relayrl.rewards.verifiers import RewardRunner
+
+    cfg = load_config(None, ["reward.fn=[tests.rewards_for_tests:half, tests.rewards_for_tests:not_a_number]",
+                             "reward.fn_weights=[2, 0.5]"])
+    assert cfg.reward.fn == ["tests.rewards_for_tests:half", "tests.rewards_for_tests:not_a_number"]
+    r = RewardRunner(["tests.rewards_for_tests:half", "tests.rewards_for_tests:right"], timeout_s=10, workers=1,
+                     weights=[2.0, 0.5])
+    try:
+        assert r.score([("x", None, {})]) == [(2 * 0.5 + 0.5 * 1.0, None)]
+    finally:
+        r.close()
+    r = RewardRunner(["tests.rewards_for_tests:half", "tests.rewards_for_tests:not_a_number"], timeout_s=10, workers=1)
+    try:
+        (value, failure), = r.score([("str", None, {})])
+    finally:
+        r.close()
+    assert math.isnan(value) and failure["error"].startswith("returned str 'high'")
+    assert failure["source"] == "reward.fn=tests.rewards_for_tests:half,tests.rewards_for_tests:not_a_number"
+    for overrides, needle in ((["reward.fn=[math]", "reward.fn_weights=[1, 2]"], "2 weights for the 1 functions"),
+                              (["reward.fn_weights=[1]"], "reward.fn_weights is set, but reward.fn is one function"),
+                              (["reward.fn=[math, none]"], "'none' is not one")):
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            load_config(None, overrides)

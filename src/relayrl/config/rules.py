@@ -19,6 +19,7 @@ from relayrl.config.training import CriticCfg
 
 def check(c: BaseModel) -> None:
     """Every rule, in order; the first broken one raises ``ValueError`` naming its fields."""
+    _several_verifiers(c.reward)
     _judge_alone(c)
     _preset(c)
     _adaptive_sampling_where_it_applies(c)
@@ -132,6 +133,20 @@ def _teachers_and_judges(c: BaseModel) -> None:
                          "verifier or a judge")
     if c.reward.fn_weight == 0 and j.weight == 0:
         raise ValueError("reward.fn_weight=0 and reward.judge.weight=0: the reward is always 0")
+
+
+def _several_verifiers(r: BaseModel) -> None:
+    """reward.fn as a list: at least one, none of them 'none', and reward.fn_weights one a function if set."""
+    if not isinstance(r.fn, list):
+        if r.fn_weights is not None:
+            raise ValueError(f"reward.fn_weights is set, but reward.fn is one function ({r.fn!r}): weights go with a "
+                             "list of them (reward.fn=[math, my.py:fmt] reward.fn_weights=[1, 0.2])")
+        return
+    if not r.fn or "none" in r.fn:
+        raise ValueError(f"reward.fn={r.fn}: a list names one verifier or more, and 'none' is not one")
+    if r.fn_weights is not None and len(r.fn_weights) != len(r.fn):
+        raise ValueError(f"reward.fn_weights has {len(r.fn_weights)} weights for the {len(r.fn)} functions of "
+                         f"reward.fn: one each, in order")
 
 
 # algo.preset=grpo: GRPO as DeepSeekMath (arXiv 2402.03300) defines it, for the fields the user left unset

@@ -135,9 +135,8 @@ class LoraCfg(_Section):
         32.0, gt=0, description="LoRA's alpha: the update is (alpha / r)·B·A. 32 whatever the rank, as \"LoRA "
         "without regret\" and tinker do: with the scale ∝ 1/r the learning rate that fits does not depend on r, "
         "so one lr serves every rank (alpha = 2r would make the scale constant and the fitting lr move with r).")
-    dropout: float = Field(
-        0.0, ge=0, lt=1, description="Dropout on the adapter's input in training (0: none). The engines sample "
-        "without it, so above 0 the trainer's log-probs of a step differ from the engine's by it.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input in training (0: none). The "
+                           "engines sample without it, so above 0 the trainer's log-probs differ from the engine's.")
     targets: Literal["all-linear"] | list[str] = Field(
         "all-linear", description="Modules the adapter is on: 'all-linear' (every linear layer of the decoder, "
         "attention and MLP alike, not the output head: as \"LoRA without regret\" finds best) or a list of module "
@@ -241,8 +240,7 @@ class RolloutCfg(_Section):
     engines: int = Field(
         1, ge=1, le=256, description="Data-parallel engines behind a router (new episodes to the least loaded, an "
         "episode's turns to one engine, weight updates to all before any resumes).")
-    vllm_max_model_len: int = Field(
-        0, ge=0, description="vllm: context length the engine allocates for (0: the model's own).")
+    vllm_max_model_len: int = Field(0, ge=0, description="vllm: context length the engine allocates for (0: the model's own).")
     vllm_gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="vllm on a GPU: fraction of the GPU's memory the engine may take (the rest is "
         "the trainer's when colocated).")
@@ -392,8 +390,9 @@ class JudgeCfg(_Section):
 class RewardCfg(_Section):
     """The verifier, and a judge."""
 
-    fn: str = Field(
-        "math", description="Verifier: 'none' (no verifier: the reward is the judge's, or 0 for pure "
+    fn: str | list[str] = Field(
+        "math", description="Verifier (or a list of them, each weighted by reward.fn_weights: the reward is their "
+        "weighted sum, an episode failing if any fails): 'none' (no verifier: the reward is the judge's, or 0 for pure "
         "distillation), 'math', 'exact', 'reasoning_gym' (reasoning-gym's own scorer, for "
         "data.path=reasoning_gym:...), a user function 'module:function' (importable from the current directory) or "
         "'path/to/file.py:function', called as fn(completion: str, answer: str | None, metadata: dict) -> float "
@@ -405,6 +404,8 @@ class RewardCfg(_Section):
         1.0, ge=0, description="Weight of reward.fn's score (or an environment's reward) in the training reward, "
         "beside reward.judge.weight. The held-out evaluation reports reward.fn's own score whatever the weights "
         "(the judge's where reward.fn is 'none').")
+    fn_weights: list[float] | None = Field(None, description="With a list of reward.fn: each one's weight, in order "
+                                           "(null: 1 each; TRL's reward_weights).")
     timeout_s: float = Field(
         5.0, gt=0, description="Per-call time limit; a call past it (or one that raises) fails its episode, which is "
         "left out of training (run.max_failure_frac).")
@@ -420,8 +421,7 @@ class RewardCfg(_Section):
         "(not its neighbours there); as root the workers keep CAP_DAC_READ_SEARCH (read any file the sandbox "
         "shows). 'none': resource control only, no security boundary: network, and the verifier reads and writes "
         "what the trainer can (as root through CAP_DAC_READ_SEARCH and CAP_DAC_OVERRIDE: any file).")
-    judge: JudgeCfg = Field(default_factory=JudgeCfg, description="A judge model (reward.judge.path or .url, "
-                            ".mode, .template, ...): see its fields.")
+    judge: JudgeCfg = Field(default_factory=JudgeCfg, description="A judge model (reward.judge.path or .url, .mode, .template, ...): see its fields.")
 
 
 class EvalCfg(_Section):

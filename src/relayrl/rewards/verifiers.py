@@ -90,10 +90,13 @@ def _check_name(spec: str) -> None:
         raise ValueError(f"unknown reward {spec!r}; valid: none, {', '.join(REWARDS)} or 'module:function'")
 
 
-def _score_one(spec: str, completion: str, answer: str | None, metadata: dict) -> float:
-    """Runs in a worker: the verifier's value as a finite float (else an exception). Workers
-    run calls in their main thread, which a user's verifier may need: signal.alarm works there
-    (the worker cancels any alarm left pending after each call)."""
+def _score_one(spec: str | list, completion: str, answer: str | None, metadata: dict) -> float:
+    """Runs in a worker: the verifier's value as a finite float (else an exception); with several
+    (``[[spec, weight], ...]``) their weighted sum, any one's failure the call's. Workers run calls in their
+    main thread, which a user's verifier may need: signal.alarm works there (the worker cancels any alarm
+    left pending after each call)."""
+    if isinstance(spec, list):
+        return sum(weight * _score_one(one, completion, answer, metadata) for one, weight in spec)
     fn = REWARDS[spec] if spec in REWARDS else load(spec)
     return as_reward(fn(completion, answer, metadata))
 
@@ -194,15 +197,23 @@ class RewardRunner:
     readable; an error if bubblewrap is missing, never a silent fallback). What each mode
     guarantees: ``RewardCfg.sandbox`` (relayrl.config)."""
 
-    def __init__(self, spec: str, timeout_s: float = 5.0, workers: int = 0, memory_mb: int = 4096,
-                 sandbox: str = "none", start_timeout_s: float = 120.0):
-        _check_name(spec)  # fail fast, in the parent, on an unknown name
-        if spec == "reasoning_gym":
+    def __init__(self, spec: str | list[str], timeout_s: float = 5.0, workers: int = 0, memory_mb: int = 4096,
+                 sandbox: str = "none", start_timeout_s: float = 120.0, weights: list[float] | None = None):
+        specs = spec if isinstance(spec, list) else [spec]
+        for one in specs:
+            _check_name(one)  # fail fast, in the parent, on an unknown name
+        if "reasoning_gym" in specs:
             require("reasoning_gym", "reasoning-gym", "reward.fn=reasoning_gym")
         self.spec, self.timeout_s, self.memory_mb = spec, timeout_s, memory_mb
+        # what a worker is called with: the spec, or with several [[spec, weight], ...] (reward.fn_weights)
+        self._call = [[one, w] for one, w in zip(specs, weights or [1.0] * len(specs))] if isinstance(spec, list) \
+            else spec
         self.stats = RewardStats()
         self._stats_lock = threading.Lock()
-        preload, imports, warmup = _WARM.get(spec, ([spec], [], []))
+        preload, imports, warmup = [], [], []
+        for one in specs:
+            p, i, w = _WARM.get(one, ([one], [], []))
+            preload, imports, warmup = preload + p, imports + i, warmup + w
         try:
             self._pool = WorkerPool([_SCORE_ONE, _SIGNATURE, *preload], workers=workers, timeout_s=timeout_s,
                                     memory_mb=memory_mb, sandbox=sandbox, imports=imports, warmup=warmup,
@@ -214,8 +225,8 @@ class RewardRunner:
             raise ValueError(f"reward function {e}") from None
         except PoolError as e:  # the verifier's module ended the process (os._exit) or never finished importing
             raise ValueError(f"reward.fn={spec!r:.200}: its workers did not start: {e}") from None
-        if spec not in REWARDS:  # a user's: callable as a verifier is? (asked of a worker: not run in the trainer)
-            problem = self._pool.map(_SIGNATURE, [[spec]], return_exceptions=True)[0]
+        users = [[one] for one in specs if one not in REWARDS]  # callable as verifiers? (asked of a worker: a
+        for problem in self._pool.map(_SIGNATURE, users, return_exceptions=True):  # user's module never runs here)
             if isinstance(problem, str):
                 self._pool.close()
                 raise ValueError(problem)
@@ -223,7 +234,7 @@ class RewardRunner:
     def score(self, items: list[tuple[str, str | None, dict]]) -> list[tuple[float, dict | None]]:
         """(reward, None) per item, in order; a call that failed gives (nan, its failure: ``kind``
         reward or reward_timeout, ``source`` the verifier, ``error`` what happened)."""
-        args = [[self.spec, completion, answer, metadata] for completion, answer, metadata in items]
+        args = [[self._call, completion, answer, metadata] for completion, answer, metadata in items]
         out = []
         for result, (_, _, metadata) in zip(self._pool.map(_SCORE_ONE, args, return_exceptions=True), items):
             if isinstance(result, Exception):
@@ -253,7 +264,8 @@ class RewardRunner:
             self.stats.last_error = text
             if len(self.stats.errors) < 20:
                 self.stats.errors.append(text)
-        return {"kind": "reward_timeout" if timeout else "reward", "source": f"reward.fn={self.spec}", "error": text}
+        shown = ",".join(self.spec) if isinstance(self.spec, list) else self.spec
+        return {"kind": "reward_timeout" if timeout else "reward", "source": f"reward.fn={shown}", "error": text}
 
     def close(self) -> None:
         self._pool.close()

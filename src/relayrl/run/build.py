@@ -136,7 +136,8 @@ def make_reward_runner(cfg: Config) -> RewardRunner:
         from relayrl.rewards import NoVerifier
 
         return NoVerifier()
-    kw = {"timeout_s": r.timeout_s, "workers": r.workers, "memory_mb": r.memory_mb, "sandbox": r.sandbox}
+    kw = {"timeout_s": r.timeout_s, "workers": r.workers, "memory_mb": r.memory_mb, "sandbox": r.sandbox,
+          **({"weights": r.fn_weights} if r.fn_weights else {})}
     if cfg.run.backend == "ray":
         from relayrl.run.ray_pools import RayRewardRunner
 
