@@ -115,6 +115,48 @@ class Trajectory:
         return self.finish_reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.FAILED)
 
 
+# A trajectory's per-token fields, declared once: what copies, clears, cuts, branches, records, restores or batches a
+# trajectory goes through these, so a field added here cannot be forgotten by one path (tests/test_trajectory_fields.py
+# walks them all, and fails where a module lists them by hand).
+TOKEN_FIELDS = ("response_ids", "behav_logprobs", "versions", "mask", "turns", "teacher_logprobs")  # one a response token
+CONTEXT_FIELDS = ("routes",)  # one a token fed forward: the prompt's, then the response's (None: none recorded)
+
+
+def clear_tokens(t: Trajectory) -> None:
+    """``t`` back to its prompt: no response tokens, nothing recorded of them."""
+    for name in TOKEN_FIELDS:
+        setattr(t, name, [])
+    for name in CONTEXT_FIELDS:
+        setattr(t, name, None)
+
+
+def cut_tokens(t: Trajectory, n: int) -> None:
+    """``t`` keeps its first ``n`` response tokens (and their context fields)."""
+    for name in TOKEN_FIELDS:
+        del getattr(t, name)[n:]
+    for name in CONTEXT_FIELDS:
+        if getattr(t, name) is not None:
+            setattr(t, name, getattr(t, name)[: len(t.prompt_ids) + n])
+
+
+def tokens_of(t: Trajectory, json_safe: bool = False) -> dict:
+    """``t``'s prompt tokens and per-token fields, copied (``json_safe``: routes as ``_to_json`` writes them, for
+    what goes into ``info`` and checkpoints); ``Trajectory(..., **tokens_of(t))`` restores them."""
+    out = {"prompt_ids": list(t.prompt_ids), **{name: list(getattr(t, name)) for name in TOKEN_FIELDS}}
+    for name in CONTEXT_FIELDS:
+        v = getattr(t, name)
+        out[name] = _to_json(v) if json_safe and v is not None else v
+    return out
+
+
+def from_json_tokens(d: dict) -> dict:
+    """``tokens_of(t, json_safe=True)``'s fields as a Trajectory takes them (older records lack the newer fields:
+    their defaults)."""
+    out = {"prompt_ids": d["prompt_ids"], **{name: list(d.get(name) or []) for name in TOKEN_FIELDS}}
+    out["routes"] = _routes_from_json(d.get("routes")) if isinstance(d.get("routes"), dict) else d.get("routes")
+    return out
+
+
 @dataclass
 class Group:
     """G responses to one prompt; the unit that advantages are computed over."""

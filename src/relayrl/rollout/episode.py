@@ -39,7 +39,7 @@ from relayrl.envs.base import Env
 from relayrl.envs.chat import TemplateMismatch, next_turn_suffix, render_ids
 from relayrl.envs.tools import tool_schemas
 from relayrl.failures import UserCodeError
-from relayrl.records import FinishReason, SamplingParams, Trajectory
+from relayrl.records import FinishReason, SamplingParams, Trajectory, clear_tokens
 
 class EpisodeHost(Protocol):
     """What an episode is written on: ``rollout.runner.EpisodeRunner`` is one; a test's stand-in or
@@ -145,8 +145,7 @@ async def _run_env_episode(runner: EpisodeHost, env, t: Trajectory, params: Samp
     carried = bool(t.response_ids) and prompt_ids == t.prompt_ids and 0 not in t.mask
     if not carried:  # a fresh episode, or one whose environment no longer renders its prompt
         t.prompt_ids, t.finish_reason = prompt_ids, None
-        t.response_ids, t.behav_logprobs, t.versions, t.mask, t.turns = [], [], [], [], []
-        t.routes = None
+        clear_tokens(t)
     counts: Counter = Counter()
     step_rewards, anchors = [], [anchor(messages)]
     final: float | None = None

@@ -17,7 +17,7 @@ from relayrl.train.batch import TrainBatch, build_batch
 from relayrl.envs.multi import family
 from relayrl.failures import failed
 from relayrl.models.prompts import encode_prompt
-from relayrl.records import FinishReason, Group, Prompt, Trajectory
+from relayrl.records import FinishReason, Group, Prompt, Trajectory, from_json_tokens, tokens_of
 
 
 def make_groups(prompts: list[Prompt], tokenizer, group_size: int, tag: str, prompt_format: str = "chat"
@@ -179,10 +179,9 @@ def expand_branches(g: Group) -> None:
             # (env.roles: a branch of a role, its reward that role's; "own": that role's latest reply, an episode
             # of its own in its role's baseline, the owner of the role's other branches)
             info = ({"role": d["role"]} if d.get("role") else {}) | ({} if d.get("own") else {"branch_of": t.sample_idx})
-            extra.append(Trajectory(t.prompt, t.group_id, t.sample_idx, d["prompt_ids"], d["response_ids"],
-                                    d["behav_logprobs"], d["versions"], FinishReason(d["finish_reason"]), d["mask"],
-                                    d["turns"], info=info, text=t.text, reward=d.get("reward", t.reward),
-                                    complete=True))
+            extra.append(Trajectory(t.prompt, t.group_id, t.sample_idx, **from_json_tokens(d),
+                                    finish_reason=FinishReason(d["finish_reason"]), info=info, text=t.text,
+                                    reward=d.get("reward", t.reward), complete=True))
     g.trajectories += extra
 
 
@@ -205,7 +204,5 @@ def carried_copy(g: Group) -> Group:
             return dataclasses.replace(t, info=dict(t.info))
         if 0 in t.mask:  # past a tool call: the environment's state is not saved
             return Trajectory(t.prompt, t.group_id, t.sample_idx, list(t.prompt_ids))
-        return dataclasses.replace(t, prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids),
-                                   behav_logprobs=list(t.behav_logprobs), versions=list(t.versions),
-                                   mask=list(t.mask), turns=list(t.turns), info={})
+        return dataclasses.replace(t, **tokens_of(t), info={})
     return Group(g.prompt, g.group_id, [one(t) for t in g.trajectories], g.window, g.sized)

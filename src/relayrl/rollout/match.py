@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from relayrl.envs.chat import next_turn_suffix, render_ids
 from relayrl.envs.multi import OUTCOMES, MultiStep, Players
-from relayrl.records import FinishReason, SamplingParams, Trajectory
+from relayrl.records import FinishReason, SamplingParams, Trajectory, clear_tokens
 from relayrl.rollout.episode import EpisodeFailed, EpisodeHost, anchor, describe_error, env_call
 
 
@@ -70,8 +70,8 @@ async def _run_match(runner: EpisodeHost, players: Players, env, trajs: dict[str
     prompt = next(iter(trajs.values())).prompt
     for role, t in trajs.items():
         t.info = {"role": role}
-        t.finish_reason, t.response_ids, t.behav_logprobs, t.versions, t.mask, t.turns = None, [], [], [], [], []
-        t.routes = None
+        t.finish_reason = None
+        clear_tokens(t)
     opening = await env_call(runner, env, "reset", (prompt,), budget)
     if not isinstance(opening, dict):
         raise _bad(env, "reset", name, f"returned {type(opening).__name__}, not a dict of messages per role")

@@ -53,10 +53,6 @@ class Batches:
             job.add_done_callback(resolve)
 
 
-def _own_tokens(t: Trajectory) -> tuple[list[int], list[int]]:
-    return list(t.prompt_ids), list(t.response_ids)
-
-
 class EpisodeScoring:
     """The judge and the teachers of a run (either may be None), on the runner's loop and executor."""
 
@@ -143,9 +139,18 @@ class EpisodeScoring:
             t.reward = score
 
     async def _teach(self, t: Trajectory, teacher) -> None:
-        lps = await self._taught(teacher, _own_tokens(t))
-        mask = t.mask or [1] * len(t.response_ids)
-        t.teacher_logprobs = [lp if m else 0.0 for lp, m in zip(lps, mask)]
+        """The teacher's log-probs of ``t``'s tokens, and of its branches' (an agent program's rewritten histories
+        and other roles, ``rollout.groups.expand_branches``: trained as ``t`` is, so taught as it is)."""
+        for d in [t, *t.info.get("branch_tokens", [])]:
+            ids = (list(d.prompt_ids), list(d.response_ids)) if d is t else (list(d["prompt_ids"]),
+                                                                               list(d["response_ids"]))
+            lps = await self._taught(teacher, ids)
+            mask = (t.mask if d is t else d["mask"]) or [1] * len(ids[1])
+            taught = [lp if m else 0.0 for lp, m in zip(lps, mask)]
+            if d is t:
+                t.teacher_logprobs = taught
+            else:
+                d["teacher_logprobs"] = taught
 
     @staticmethod
     async def _deadline(t: Trajectory, kind: str, source: str, timeout_s: float, setting: str, coro) -> None:

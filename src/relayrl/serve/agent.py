@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from relayrl.envs.base import import_object
 from relayrl.rollout.episode import EpisodeFailed, describe_error
-from relayrl.records import FinishReason, SamplingParams, Trajectory
+from relayrl.records import FinishReason, SamplingParams, Trajectory, clear_tokens, tokens_of
 from relayrl.serve.sessions import Session, SessionTable
 
 @dataclass(frozen=True)
@@ -126,8 +126,7 @@ class AgentEpisodes:
         branches go in ``t.info["branches"]`` (``rollout.groups.expand_branches``)."""
         lim = runner.limits
         source = f"agent program {self.name} (env.name={lim.env_name})"
-        t.response_ids, t.behav_logprobs, t.versions, t.mask, t.turns = [], [], [], [], []
-        t.routes = None
+        clear_tokens(t)
         t.finish_reason, t.info = None, {}
         s = self.table.new(runner, t, params, train, lim.max_turns, lim.max_tokens, self.context)
         client, http = self.client(s)
@@ -164,8 +163,8 @@ class AgentEpisodes:
                 return
             reward_of = lambda role: float(result)  # noqa: E731
         main = branches[-1]
-        for name in ("prompt_ids", "response_ids", "behav_logprobs", "versions", "mask", "turns"):
-            setattr(t, name, getattr(main, name))
+        for name, value in tokens_of(main).items():  # (every per-token field: records.TOKEN_FIELDS)
+            setattr(t, name, value)
         t.finish_reason = main.finish_reason if main.finish_reason is not None else FinishReason.STOP
         role = main.info.get("role")
         t.reward, t.text = reward_of(role), final
@@ -176,8 +175,7 @@ class AgentEpisodes:
                   **({"turn_limit": 1} if s.limit_hit else {}), **({"role": role} if role else {})}
         if len(branches) > 1:  # (each other role's latest reply: a trajectory of its own, "own"; the rest branches)
             mains = {id(b.traj) for r, b in s.last_of.items() if r != role}
-            t.info["branch_tokens"] = [{k: getattr(b, k) for k in ("prompt_ids", "response_ids", "behav_logprobs",
-                                                                      "versions", "mask", "turns")}
+            t.info["branch_tokens"] = [tokens_of(b, json_safe=True)
                                          | {"finish_reason": (b.finish_reason or FinishReason.STOP).value}
                                          | ({"role": b.info["role"], "reward": reward_of(b.info["role"]),
                                              "own": id(b) in mains} if b.info.get("role") else {})

@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from relayrl.envs.chat import next_turn_suffix, render_ids
-from relayrl.records import FinishReason, SamplingParams, Trajectory
+from relayrl.records import FinishReason, SamplingParams, Trajectory, cut_tokens
 from relayrl.serve.openai_format import ApiError, canonical, same, split_tool_calls, template_message
 
 
@@ -292,11 +292,7 @@ class Session:
         return out
 
 
-def _truncate(t: Trajectory, n: int) -> None:
-    for name in ("response_ids", "behav_logprobs", "versions", "mask", "turns"):
-        del getattr(t, name)[n:]
-    if t.routes is not None:  # (a mixture of experts': the routes of the tokens kept)
-        t.routes = t.routes[: len(t.prompt_ids) + n]
+_truncate = cut_tokens  # (every per-token field, records.TOKEN_FIELDS; a mixture of experts' routes too)
 
 
 def _tokens_to_cover(tok, ids: list[int], chars: int) -> int:
