@@ -36,3 +36,19 @@ def test_a_run_from_python_trains_and_resumes(tiny_path, tmp_path):
                        rollout={"max_new_tokens": 8, "prompts_per_step": 2, "group_size": 2},
                        data={"eval_path": None}, reward={"fn": "tests.rewards_for_tests:digit_fraction"})
     assert more.train(resume=True)["steps"] == 3
+
+
+def test_resume_finds_the_run_a_changed_setting_no_longer_names(tmp_path, capsys):
+    """An unnamed run resumed with a setting --resume allows changing (run.max_failure_frac, as the failure
+    message suggests) landed in a new folder and started from step 0; now it continues the run, said."""
+    step = tmp_path / "demo-rollout.group_size-4" / "checkpoints" / "step_000002"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text("{}")
+    run = relayrl.Run(None, ["rollout.group_size=4", "run.max_failure_frac=0.9"], **{"run.output_dir": str(tmp_path)})
+    assert run.dir.name == "demo-rollout.group_size-4-run.max_failure_frac-0.9"
+    run._find_resumed()
+    assert run.dir == tmp_path / "demo-rollout.group_size-4"
+    assert "its name leaves out run.max_failure_frac=0.9, set since it started" in capsys.readouterr().err
+    named = relayrl.Run(None, ["rollout.group_size=4", "run.name=mine"], **{"run.output_dir": str(tmp_path)})
+    named._find_resumed()  # (a name the user gave is the folder, always)
+    assert named.dir == tmp_path / "mine"

@@ -328,6 +328,9 @@ def test_agent_settings_load():
     (["algo.advantage=reinforce_pp"], "fixed", False),
     (["rollout.dynamic_sampling=false"], "adaptive", False),  # what the user sets stays
     (["algo.advantage=gae", "rollout.budget=adaptive"], "adaptive", False),
+    # a teacher beside a verifier: a group whose rewards are equal still carries the teacher's per-token signal
+    (["teacher.path=runs/demo"], "fixed", False),
+    (["teacher.path=runs/demo", "algo.reward_coef=0", "reward.fn=none"], "fixed", False),
 ])
 def test_adaptive_sampling_is_the_default_where_a_group_baseline_uses_it(overrides, budget, dynamic):
     cfg = load_config(None, overrides)

@@ -205,3 +205,48 @@ def test_fields_a_command_does_not_read_are_refused(tmp_path):
     assert out.returncode == 2 and "sft.epochs is set, but it only applies to relayrl sft" in out.stderr
     out = _cli("train", "data.min_reward=1", cwd=tmp_path)
     assert out.returncode == 2 and "data.min_reward is set, but it only applies to relayrl sft" in out.stderr
+
+
+def test_a_follower_rank_resolves_sft_epochs_as_rank_0_does(tiny_path, tmp_path, monkeypatch):
+    """relayrl sft under torchrun with sft.epochs: follower ranks built their learning-rate schedule from the
+    unresolved run.steps (80), rank 0 from the epochs (here 3 steps): rank 0 decayed to 0 while the others stayed
+    near the peak. A follower now counts the same examples."""
+    from relayrl.config import load_config
+    from relayrl.config.commands import sft_defaults
+    from relayrl.run import sft as sft_module
+    from relayrl.train import distributed
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"say {i}", "response": f"{i}"}) + "\n" for i in range(10)))
+    cfg = load_config(None, [f"model.path={tiny_path}", f"data.path={data}", "data.eval_path=null", "sft.epochs=1",
+                             "sft.batch_size=4", "trainer.schedule=linear", "trainer.warmup_steps=0"])
+    got = {}
+    monkeypatch.setattr(distributed, "is_follower", lambda tcfg: True)
+    monkeypatch.setattr(distributed, "run_follower", lambda trainer: got.setdefault("trainer", trainer))
+    monkeypatch.setattr(sft_module, "sft_trainer", lambda cfg, policy, steps: {"steps": steps})
+    sft_module.sft(sft_defaults(cfg))
+    assert got["trainer"] == {"steps": 3}  # ⌈1 epoch × 10 examples / 4⌉, as rank 0 resolves it (not run.steps 80)
+
+
+def test_sft_counts_the_free_cores_as_relayrl_train_does(tiny_path, tmp_path, monkeypatch):
+    """relayrl sft left torch's thread count at its default: beside a busy neighbour its steps took 14x longer."""
+    import io
+
+    from rich.console import Console
+
+    from relayrl.config import load_config
+    from relayrl.config.commands import sft_defaults
+    from relayrl.run import sft as sft_module
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"say {i}", "response": f"{i}"}) + "\n" for i in range(8)))
+    monkeypatch.setattr(sft_module, "free_cores", lambda: 1)  # (a neighbour keeps the other core busy)
+    before, out = torch.get_num_threads(), io.StringIO()
+    cfg = load_config(None, [f"model.path={tiny_path}", f"data.path={data}", "data.eval_path=null", "run.steps=1",
+                             "sft.batch_size=4", f"run.output_dir={tmp_path}", "run.progress=false"])
+    try:
+        sft_module.sft(sft_defaults(cfg), console=Console(file=out, width=200))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert "threads: 1 (" in out.getvalue()

@@ -64,6 +64,7 @@ class Run:
         named = "name" in cfg.run.model_fields_set  # (by the user: sft_defaults sets its own)
         if command == "sft":
             cfg = sft_defaults(cfg)
+        self._base, self._named = cfg.run.name, named
         cfg.run.name = run_name(cfg.run.name, self.config_path, self.overrides, named)
         self.cfg = cfg
 
@@ -74,11 +75,38 @@ class Run:
     def train(self, resume: bool = False, console=None) -> dict:
         """Runs it to the end; returns its summary. Ctrl-C raises KeyboardInterrupt, SIGTERM ``StopRequested``
         once the step is saved (``run.stops``); ``resume=True`` continues from the newest checkpoint."""
+        if resume:
+            self._find_resumed()
         if self.command == "sft":
             from relayrl.run.sft import sft as run
         else:
             from relayrl.run.loop import train as run
         return run(self.cfg, resume=resume, **({"console": console} if console is not None else {}))
+
+    def _find_resumed(self) -> None:
+        """``--resume`` of an unnamed run with a setting changed since it started (one --resume may change:
+        run.max_failure_frac, algo.*; or one it refuses: then the refusal, naming the field): the settings name
+        another folder, which has no checkpoint. The run it continues is the folder named by the fewest of the
+        settings left out that has one; said on stderr."""
+        import itertools
+        import sys
+
+        from relayrl.config.naming import run_name
+        from relayrl.run.checkpoint import latest_checkpoint
+
+        if self._named or latest_checkpoint(self.dir) is not None:
+            return
+        n = len(self.overrides)
+        for k in range(1, n + 1):
+            for left_out in itertools.combinations(range(n), k):
+                kept = [o for i, o in enumerate(self.overrides) if i not in left_out]
+                name = run_name(self._base, self.config_path, kept, False)
+                if latest_checkpoint(self.dir.parent / name) is not None:
+                    print(f"relayrl: --resume: {self.dir} has no checkpoint; continuing {self.dir.parent / name}, "
+                          f"the run these settings continue (its name leaves out "
+                          f"{', '.join(self.overrides[i] for i in left_out)}, set since it started)", file=sys.stderr)
+                    self.cfg.run.name = name
+                    return
 
     def __repr__(self) -> str:
         return f"relayrl.Run({self.command}, {self.dir})"

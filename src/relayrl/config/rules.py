@@ -171,13 +171,14 @@ def _preset(c: BaseModel) -> None:
 
 def _adaptive_sampling_where_it_applies(c: BaseModel) -> None:
     """rollout.budget and rollout.dynamic_sampling, where the user left them unset: 'adaptive' and true with a
-    group baseline over ≥ 2 responses (their signal is a group's reward variance; the default run learns on every
+    group baseline over ≥ 2 responses and no teacher (their signal is a group's reward variance; the default run learns on every
     seed with them, not without: the seeds table in docs/performance.md), else 'fixed' and false."""
     from relayrl.algos.estimators import GROUP_BASELINE
 
     r = c.rollout
-    # (pure distillation, algo.reward_coef=0: a group's reward variance says nothing of what it teaches)
-    groups = c.algo.advantage in GROUP_BASELINE and r.group_size >= 2 and c.algo.reward_coef > 0
+    # (with a teacher — pure distillation, or beside a verifier — a group whose rewards are equal still carries its
+    # teacher's per-token signal: a group's reward variance does not say what it teaches, so nothing is dropped)
+    groups = c.algo.advantage in GROUP_BASELINE and r.group_size >= 2 and c.algo.reward_coef > 0 and not c.teacher.on
     if "budget" not in r.model_fields_set:
         r.budget = "adaptive" if groups else "fixed"
     if "dynamic_sampling" not in r.model_fields_set:

@@ -24,7 +24,7 @@ from rich.console import Console
 from relayrl.config import AlgoCfg, Config, dump_config, resolved_tree
 from relayrl.data.datasets import PromptSampler, load_prompts
 from relayrl.data.sft import Example, load_examples
-from relayrl.engine.placement import open_engine, threads
+from relayrl.engine.placement import cores, free_cores, open_engine, threads
 from relayrl.engine.spec import engine_spec, eos_token_ids
 from relayrl.models import load_policy, resolve_model_path
 from relayrl.records import Trajectory
@@ -60,6 +60,20 @@ def sft_steps(cfg: Config, n_examples: int) -> int:
     if cfg.sft.epochs is None:
         return cfg.run.steps
     return max(1, math.ceil(cfg.sft.epochs * n_examples / cfg.sft.batch_size))
+
+
+def _examples(cfg: Config, tokenizer, log) -> list:
+    d = cfg.data
+    return load_examples(d.path, tokenizer, d.prompt_field, d.response_field, d.id_field, d.prompt_format,
+                         cfg.model.system_prompt, d.min_reward, log)
+
+
+def _steps(cfg: Config, base: str, log) -> int:
+    """A follower rank's steps: rank 0's, resolved as rank 0 resolves them (with sft.epochs, from the examples:
+    from run.steps, unresolved, its learning-rate schedule decayed at another pace than rank 0's)."""
+    if cfg.sft.epochs is None:
+        return cfg.run.steps
+    return sft_steps(cfg, len(_examples(cfg, load_tokenizer_for(cfg, base, log)[0], log)))
 
 
 def sft_trainer(cfg: Config, policy, steps: int) -> Trainer:
@@ -98,9 +112,10 @@ def sft(cfg: Config, resume: bool = False, console: Console | None = None) -> di
     """A supervised run; returns its summary (the same keys as ``relayrl train``'s where they apply)."""
     distributed.check_launch(cfg.trainer, cfg.rollout.device)
     if distributed.is_follower(cfg.trainer):  # torchrun rank > 0: its share of rank 0's steps
-        base = resolve_model_path(cfg.model.path, log=lambda *a, **k: None)
+        quiet = lambda *a, **k: None  # noqa: E731
+        base = resolve_model_path(cfg.model.path, log=quiet)
         policy, _ = load_adapter(cfg, load_policy(base, cfg.model.dtype), None)
-        return distributed.run_follower(sft_trainer(cfg, policy, cfg.run.steps))
+        return distributed.run_follower(sft_trainer(cfg, policy, _steps(cfg, base, quiet)))
     with StopSignals() as stop:  # SIGTERM, SIGUSR1: the step finished and saved, then StopRequested
         return _sft(cfg, resume, console or Console(soft_wrap=True), stop)
 
@@ -114,8 +129,7 @@ def _sft(cfg: Config, resume: bool, console: Console, stop: StopSignals) -> dict
     base = resolve_model_path(cfg.model.path, log=log)
     tokenizer, tok_path = load_tokenizer_for(cfg, base, log)
     d = cfg.data
-    examples = load_examples(d.path, tokenizer, d.prompt_field, d.response_field, d.id_field, d.prompt_format,
-                             cfg.model.system_prompt, d.min_reward, log)
+    examples = _examples(cfg, tokenizer, log)
     eval_prompts = load_prompts(d.eval_path, d.prompt_field, d.answer_field, d.id_field, d.metadata_fields,
                                 cfg.model.system_prompt, limit=cfg.eval.size, prompt_format=d.prompt_format) \
         if d.eval_path else None
@@ -133,8 +147,10 @@ def _sft(cfg: Config, resume: bool, console: Console, stop: StopSignals) -> dict
     adapter = cfg.model.lora.r > 0
     weights = str(ckpt) if ckpt and not adapter else base
     torch.manual_seed(cfg.run.seed)
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
+    trainer_threads = cfg.run.threads or free_cores()  # (as relayrl train: a thread on a busy core slows every step)
+    torch.set_num_threads(trainer_threads)
+    log(f"threads: {trainer_threads}" + ("" if cfg.run.threads else
+                                         f" ({cores()} cores, the free ones counted at start: run.threads sets them)"))
     policy = load_policy(weights, cfg.model.dtype, field="checkpoint" if ckpt and not adapter else "model.path")
     policy, lora_spec = load_adapter(cfg, policy, ckpt)
     trainer = sft_trainer(cfg, policy, steps)
