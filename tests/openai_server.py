@@ -67,7 +67,9 @@ class Server:
                 out = out[:-2]
             return {"object": "text_completion", "model": self.name,
                     "choices": [{"index": 0, "text": "", "finish_reason": "length",
-                                 "logprobs": {"token_logprobs": out, "tokens": [str(i) for i in ids + [nxt]]}}]}
+                                 "logprobs": {"token_logprobs": out,  # (each token's text, as vLLM gives it)
+                                              "tokens": [self.tokenizer.decode([i]) if self.tokenizer else str(i)
+                                                         for i in ids + [nxt]]}}]}
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):

@@ -206,3 +206,20 @@ def test_a_teacher_that_fails_mid_run_fails_its_episodes_and_stops_the_run_namin
         with pytest.raises(UserCodeError, match=r"step 1: teacher.url=http://127.0.0.1:\d+/v1 failed in \d+ of \d+ "
                                                 r"episodes: TeacherError: HTTP 500"):
             train(cfg)
+
+
+def test_a_teacher_over_http_with_another_vocabulary_is_refused_at_start(tiny_path):
+    """A remote teacher was never checked against the student's tokenizer: a renumbered vocabulary was accepted
+    (up to 1.26 nats off). The server's text of probe token ids is compared with the student's."""
+    model, tok = load_policy(tiny_path), load_tokenizer(tiny_path)
+    with Server(model, tok) as url:  # the same vocabulary: accepted
+        Teachers(TeacherCfg(url=url), tok).close()
+
+    class Renumbered:  # the same tokens, each id one further on
+        def decode(self, ids):
+            return tok.decode([(i + 1) % len(tok) for i in ids])
+
+    with Server(model, Renumbered()) as url:
+        with pytest.raises(ModelError, match=r"teacher.url=.*: its tokenizer is not the student's \(model.path=.*\): "
+                                             r"\d+ of 48 token ids checked are other text there"):
+            Teachers(TeacherCfg(url=url), tok)

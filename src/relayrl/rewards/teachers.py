@@ -124,6 +124,34 @@ class RemoteTeacher:
     def score(self, items: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         return [self._one(p, r) for p, r in items]
 
+    def check_tokenizer(self, student, student_field: str, probes: int = 48) -> None:
+        """The server's vocabulary must be the student's, as a local teacher's is (``check_tokenizer``): ``probes``
+        token ids spread over the student's vocabulary, echoed back as the server's text of each; more than a
+        tenth other text than the student's is another vocabulary (a renumbered one scored 1.26 nats off), one
+        line naming both. A server that gives no token texts (``logprobs.tokens``) cannot be checked: refused."""
+        special = set(student.all_special_ids)
+        ids = [i for i in range(len(student)) if i not in special]
+        probe = [ids[k * len(ids) // probes] for k in range(min(probes, len(ids)))]
+        body = {"model": self.model, "prompt": probe, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 1.0}
+        try:
+            reply = call(self.url + "/completions", body, self.key, self.timeout_s, self.retries)
+            texts = reply["choices"][0]["logprobs"]["tokens"][: len(probe)]
+        except RemoteError as e:
+            raise TeacherError(str(e)) from None
+        except (KeyError, IndexError, TypeError):
+            raise ModelError(f"{self.name}: its /completions reply gives no token texts (choices[0].logprobs.tokens) "
+                             "to check its vocabulary against the student's; a teacher must share the student's "
+                             "vocabulary (vLLM's and SGLang's servers give them)") from None
+        ours = [student.decode([i]) for i in probe]
+        differ = [(i, a, b) for i, a, b in zip(probe, ours, texts) if a != b and b != f"token_id:{i}"]
+        if len(texts) < len(probe) or len(differ) > len(probe) // 10:
+            i, a, b = differ[0] if differ else (None, None, None)
+            raise ModelError(f"{self.name}: its tokenizer is not the student's ({student_field}="
+                             f"{getattr(student, 'name_or_path', '?')!r}): {len(differ)} of {len(probe)} token ids "
+                             f"checked are other text there (id {i}: {a!r} here, {b!r} there); a teacher scores the "
+                             "student's own token ids, so both must share one vocabulary (cross-tokenizer "
+                             "distillation is not supported)")
+
     def close(self) -> None:
         pass
 
@@ -159,10 +187,12 @@ class Teachers:
                     f"teacher.teachers.{name}"
                 if where.startswith(REMOTE):
                     t = RemoteTeacher(where, label, cfg.model, cfg.api_key_env, cfg.timeout_s)
+                    made.append(t)
+                    t.check_tokenizer(student_tokenizer, student_field)
                 else:
                     check_tokenizer(where, label, student_tokenizer, student_field)
                     t = LocalTeacher(where, label, cfg.device, cfg.dtype, cfg.batch_tokens)
-                made.append(t)
+                    made.append(t)
                 if name == "":
                     self.default = t
                 else:
