@@ -461,3 +461,11 @@ def test_one_setting_gives_grpo_as_the_paper_defines_it_and_a_field_set_beside_i
     a, r = default.algo, default.rollout
     assert (a.preset, a.clip_high, a.dual_clip, a.agg, a.kl_coef, r.budget, r.dynamic_sampling) == (
         "relayrl", None, 3.0, "token_mean", 0.05, "adaptive", True)
+
+
+def test_relayrl_sft_refuses_what_it_does_not_read():
+    from relayrl.config.commands import check_command
+
+    for field in ("trainer.updates_per_step=2", "reward.fn_weights=[1]", "algo.kl_coef=0.1"):
+        with pytest.raises(ValueError, match=f"{field.split('=')[0]} is set, but relayrl sft does not read it"):
+            check_command(load_config(None, [field, "reward.fn=[math]"] if "fn_weights" in field else [field]), "sft")

@@ -91,3 +91,14 @@ def test_a_missing_local_path_fails_at_once_naming_what_is_there(tmp_path):
     with pytest.raises(ModelError, match=rf"model.path='{tmp_path}/my-modle': no such folder; did you mean "
                                          rf"{tmp_path}/my-model\? \(a local path, so the hub was not asked\)"):
         resolve_model_path(f"{tmp_path}/my-modle")
+
+
+def test_a_run_not_made_yet_says_a_run_of_that_name_makes_it(tmp_path, monkeypatch):
+    """`relayrl train examples/self_play.yaml` before its warm start: model.path=runs/nim-sft went to the hub."""
+    from relayrl.models import ModelError, resolve_model_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "demo" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ModelError, match=r"model.path='runs/nim-sft': no run 'nim-sft' in runs \(its runs: demo\): the "
+                                         r"run that makes it is named so \(run.name=nim-sft\)"):
+        resolve_model_path("runs/nim-sft")

@@ -250,3 +250,15 @@ def test_sft_counts_the_free_cores_as_relayrl_train_does(tiny_path, tmp_path, mo
     finally:
         torch.set_num_threads(before)
     assert "threads: 1 (" in out.getvalue()
+
+
+def test_a_conversation_opening_with_an_assistant_turn_is_a_data_error_naming_the_row(tok, tmp_path):
+    """It crashed in the trainer with a tensor-shape error."""
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]})
+                 + "\n" + json.dumps({"messages": [{"role": "assistant", "content": "hi"},
+                                                   {"role": "user", "content": "x"},
+                                                   {"role": "assistant", "content": "y"}]}) + "\n")
+    with pytest.raises(DataError, match=rf"{f}: line 2: field 'messages': the conversation opens with an assistant "
+                                        "turn"):
+        load_examples(str(f), tok, "prompt", "response", "id", "chat", None, None, print)

@@ -19,7 +19,8 @@ RL_ONLY = {"algo": None, "critic": None, "env": None, "serve": None, "teacher": 
                        "engine_process"},
            "data": {"selection", "selection_pool", "selection_forget", "selection_key", "selection_prior"},
            "run": {"mode", "save_rollouts", "mismatch_alarm", "max_failure_frac"},
-           "reward": {"fn_weight", "judge"}}
+           "reward": {"fn_weight", "fn_weights", "judge"},
+           "trainer": {"updates_per_step"}}  # (one optimiser step a batch of demonstrations: it stretched the schedule)
 
 SFT_DEFAULTS = {("data", "path"): "builtin:demo-sft", ("run", "name"): "sft", ("trainer", "pack"): True}
 

@@ -156,6 +156,11 @@ def _row_examples(row: dict, n: int, where: str, tokenizer, fields: dict) -> lis
             raise DataError(f"{where}: field '{key}' is a string but the row has no field '{rf}' "
                             "(data.response_field): give a response, or a conversation with assistant turns")
         messages = _conversation(row[key], f"{where}: field '{key}'")
+        opening = next((m["role"] for m in messages if m["role"] != "system"), None)
+        if opening == "assistant":
+            raise DataError(f"{where}: field '{key}': the conversation opens with an assistant turn; a supervised "
+                            "turn answers a prompt, so a user turn comes first (a greeting the model gave unasked can "
+                            "go in the system message)")
     if fields.get("system_prompt") and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": fields["system_prompt"]}] + messages
     return encode_conversation(tokenizer, messages, rid, where, tools)

@@ -98,7 +98,9 @@ def newest_checkpoint_of(path: str, field: str = "model.path") -> str:
 def looks_local(path: str) -> bool:
     """A path no hub id can be (``./m``, ``/m``, ``~/m``, ``../m``, ``runs/demo/checkpoints/step_000020``: a hub id
     is ``name`` or ``org/name``): a missing one fails at once, not after the hub client's retries (51 s offline)."""
-    return path.startswith(("/", "./", "../", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path
+    first = Path(path).parts[0] if Path(path).parts else ""
+    return (path.startswith(("/", "./", "../", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path
+            or ("/" in path and Path(first).is_dir()))  # (runs/nim-sft where ./runs exists: a run's folder)
 
 
 def missing_folder(p: Path) -> str:
@@ -112,6 +114,10 @@ def missing_folder(p: Path) -> str:
     if parent.name == "checkpoints":
         return f"no such checkpoint; {parent} holds {', '.join(names) or 'none'}"
     near = difflib.get_close_matches(p.name, names, n=3)
+    runs = [n for n in names if (parent / n / "checkpoints").is_dir()]
+    if not near and (runs or parent.name == "runs"):  # a folder of runs: the missing one is a run not made yet
+        return (f"no run {p.name!r} in {parent} (its runs: {', '.join(runs) or 'none'}): the run that makes it is "
+                f"named so (run.name={p.name}), e.g. a warm start the example's header or guide gives first")
     return "no such folder" + (f"; did you mean {', '.join(str(parent / n) for n in near)}?" if near else
                                f" in {parent}") + " (a local path, so the hub was not asked)"
 
