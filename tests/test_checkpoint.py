@@ -112,7 +112,7 @@ def test_a_checkpoint_is_readable_by_other_users_as_the_umask_allows(tiny, tmp_p
     import os
     import stat
 
-    from relayrl.run.files import umask
+    from relayrl.files import umask
 
     model, tok = tiny
     ckpt = write_snapshot(tmp_path, snapshot(RunState(step=1), model, {}), model, tok, keep=1)
@@ -127,7 +127,7 @@ def test_the_demo_model_folder_is_readable_and_never_replaces_a_folder_of_other_
     import stat
 
     from relayrl.demo.model import RECIPE, save_built
-    from relayrl.run.files import umask
+    from relayrl.files import umask
 
     model, tok = tiny
     out = save_built(tmp_path / "demo", model, tok, RECIPE)

@@ -169,5 +169,5 @@ def test_a_critic_path_that_does_not_load_is_one_line_naming_the_field(tiny_path
     rc = main(["train", f"model.path={tiny_path}", f"run.output_dir={tmp_path}", "algo.advantage=gae",
                f"critic.path={tmp_path / 'nope'}", "data.eval_path=null", "run.progress=false"])
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("relayrl: model error: critic.path=") and "no such file" in err
+    assert rc == 2 and err.startswith("relayrl: model error: critic.path=") and "no such folder" in err
     assert not any(tmp_path.iterdir())  # (no run directory, whatever its name)

@@ -512,7 +512,8 @@ def _stand_in_for_build(cfg, state, ckpt, data, log):
     check pipeline.build is to run after loading the tokenizer (prompts longer than the model's
     context), which is what catches the huge rows."""
     from relayrl.models import load_tokenizer, resolve_model_path
-    from relayrl.models.prompts import check_prompt_lengths, model_context
+    from relayrl.data.lengths import check_prompt_lengths
+    from relayrl.models.prompts import model_context
 
     path = resolve_model_path(cfg.model.path)
     tok = _TOKENIZERS.get(path) or _TOKENIZERS.setdefault(path, load_tokenizer(path, cfg.data.prompt_format))

@@ -10,7 +10,8 @@ import torch
 from relayrl.cli import main
 from relayrl.data.datasets import DataError
 from relayrl.models import ModelError, load_policy, load_tokenizer, resolve_model_path
-from relayrl.models.prompts import check_prompt_lengths, encode_prompt, model_context
+from relayrl.data.lengths import check_prompt_lengths
+from relayrl.models.prompts import encode_prompt, model_context
 from relayrl.records import Prompt
 
 DATA = str(Path(__file__).parent / "data_small.jsonl")

@@ -4,9 +4,9 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """``relayrl.Run`` (``relayrl.api``), imported when first used: ``import relayrl`` stays light."""
+    """``relayrl.Run`` (``relayrl.run.api``), imported when first used: ``import relayrl`` stays light."""
     if name == "Run":
-        from relayrl.api import Run
+        from relayrl.run.api import Run
 
         return Run
     raise AttributeError(f"module 'relayrl' has no attribute {name!r}")

@@ -285,7 +285,7 @@ def _run(argv: list[str] | None) -> int:
         from relayrl.train.lora import export_merged
 
         recorded, _ = recorded_config(ns.checkpoint)  # (the run's model.dtype: the merged weights keep it)
-        from relayrl.run.files import share
+        from relayrl.files import share
 
         out = export_merged(ns.checkpoint, ns.merge, ((recorded or {}).get("model") or {}).get("dtype", "float32"))
         share(Path(out).glob("*.safetensors"))  # (written 0600; OUT may hold other files: only these)
@@ -303,7 +303,7 @@ def _run(argv: list[str] | None) -> int:
         return 0
     config, overrides = _split(ns.args)
     if ns.cmd in ("train", "sft"):
-        from relayrl.api import Run
+        from relayrl.run.api import Run
 
         from relayrl.run.stops import StopRequested
 

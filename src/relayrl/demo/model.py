@@ -151,7 +151,7 @@ def build_demo_model(out_dir: str | os.PathLike, recipe: dict | None = None, log
 
 def save_built(out_dir: str | os.PathLike, model, tokenizer, recipe: dict) -> Path:
     """``save_pretrained`` both, with the recipe beside them, into ``out_dir`` atomically."""
-    from relayrl.run.files import share
+    from relayrl.files import share
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not (out / "relayrl_recipe.json").exists():

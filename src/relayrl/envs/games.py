@@ -200,7 +200,7 @@ class ProposerSolver(MultiAgentEnv):
         return task.solution_text(self.terms)
 
     async def step(self, role: str, text: str) -> MultiStep:
-        from relayrl.rewards.verifiers import last_boxed
+        from relayrl.envs.answers import last_boxed
 
         solvers = self.roles[1:]
         if role == "proposer":

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import json
 
-from relayrl.rewards.answers import last_boxed
+from relayrl.envs.answers import last_boxed
 
 
 @functools.lru_cache(maxsize=64)

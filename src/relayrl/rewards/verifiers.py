@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from relayrl.extras import require
-from relayrl.rewards.answers import extract_answer, last_boxed, reference_answer  # noqa: F401 (public here too)
+from relayrl.envs.answers import extract_answer, last_boxed, reference_answer  # noqa: F401 (public here too)
 from relayrl.workers import CallFailed, ImportFailed, PoolError, SandboxUnavailable, WorkerPool, load
 from relayrl.workers.isolation import private_folders
 

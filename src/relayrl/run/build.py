@@ -22,7 +22,8 @@ from relayrl.envs import python_tool
 from relayrl.envs.base import ADAPTERS, load_env_class, make_env_factory
 from relayrl.envs.multi import Players, families, is_multi_agent
 from relayrl.models import load_policy, load_tokenizer, moe, resolve_model_path
-from relayrl.models.prompts import check_prompt_lengths, model_context, model_context_source
+from relayrl.data.lengths import check_prompt_lengths
+from relayrl.models.prompts import model_context, model_context_source
 from relayrl.failures import failed
 from relayrl.records import SamplingParams, group_from_dict
 from relayrl.rewards import RewardRunner

@@ -34,7 +34,7 @@ import torch
 
 from relayrl.data.prompt_sampler import SamplerState
 from relayrl.fault_injection import fault_point
-from relayrl.run.files import share
+from relayrl.files import share
 
 
 @dataclass
