@@ -12,6 +12,8 @@ import torch
 COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=8, max_position_embeddings=512, tie_word_embeddings=False)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4)
 
 # family -> (model_type, config overrides)
 FAMILIES: dict[str, tuple[str, dict]] = {
@@ -32,6 +34,13 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "smollm3": ("smollm3", {}),
     "falcon_h1": ("falcon_h1", {"lm_head_multiplier": 0.5, "mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8,
                                 "mamba_d_state": 8, "mamba_chunk_size": 16}),
+    # hybrid linear attention: Gated DeltaNet layers beside full attention (Qwen3-Next with experts, Qwen3.5's text
+    # model), Mamba-2 beside attention (Nemotron-H)
+    "qwen3_next": ("qwen3_next", {**MOE, **LINEAR, "layer_types": ["linear_attention", "full_attention"],
+                                  "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    "qwen3_5": ("qwen3_5_text", {**LINEAR, "layer_types": ["linear_attention", "full_attention"]}),
+    "nemotron_h": ("nemotron_h", {"hybrid_override_pattern": "M*", "mamba_num_heads": 4, "mamba_head_dim": 8,
+                                  "ssm_state_size": 8, "n_groups": 1, "chunk_size": 16, "expand": 1}),
     "gpt_oss": ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16}),
     "deepseek_v3": ("deepseek_v3", {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
                                     "moe_intermediate_size": 32, "first_k_dense_replace": 1, "kv_lora_rank": 16,

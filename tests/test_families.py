@@ -167,6 +167,24 @@ def test_the_engine_samples_with_the_log_probs_the_trainer_reads(family, tok):
     torch.testing.assert_close(trained[m], batch.behav_logp[m], atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_engines_cache_keeps_the_rows_it_selects(family, tok):
+    """Rows that finish or are aborted leave the engine's batch (``models.select_rows``): the next token's logits
+    of the rows kept equal a fresh forward's, for attention caches and for hybrids' recurrent states (Qwen3-Next's
+    and Qwen3.5's Gated DeltaNet, Nemotron-H's Mamba-2: their cache layers had no row selection at all)."""
+    from relayrl.models import select_rows
+
+    model = build(family, tok)
+    ids = torch.randint(0, len(tok) - 20, (3, 7), generator=torch.Generator().manual_seed(1))
+    nxt = torch.randint(0, len(tok) - 20, (2, 1), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+        select_rows(cache, torch.tensor([0, 2]), 3)
+        kept = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+        fresh = model(input_ids=torch.cat([ids[[0, 2]], nxt], 1)).logits[:, -1]
+    torch.testing.assert_close(kept, fresh, atol=1e-4, rtol=1e-4)
+
+
 FEATURES = {
     "checkpointing": {"gradient_checkpointing": "on"},
     "packing": {"pack": True, "share_prefix": False},
@@ -176,8 +194,10 @@ FEATURES = {
 
 
 # what a family cannot do, found from the model when the trainer starts (one line), or switched off with a line
-PACKING_REFUSED = {"falcon_h1": "a recurrent state", "gpt_oss": "attention sinks"}
-LORA_REFUSED = {"deepseek_v3": "mixture of experts' fused weights"}
+PACKING_REFUSED = {"falcon_h1": "a recurrent state", "gpt_oss": "attention sinks", "qwen3_next": "a recurrent state",
+                   "qwen3_5": "a recurrent state", "nemotron_h": "a recurrent state"}
+LORA_REFUSED = {"deepseek_v3": ("mixture of experts' fused weights", ["q_a_proj", "kv_a_proj_with_mqa", "o_proj"]),
+                "qwen3_next": ("mixture of experts' fused weights", ["q_proj", "k_proj", "v_proj", "o_proj"])}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -231,9 +251,10 @@ def test_lora_the_engine_samples_the_adapted_policy_and_its_merge_is_peft_s(fami
     base = build(family, tok)
     torch.manual_seed(3)
     if family in LORA_REFUSED:
-        with pytest.raises(ModelError, match=LORA_REFUSED[family]):
+        why, targets = LORA_REFUSED[family]
+        with pytest.raises(ModelError, match=why):
             lora.wrap(copy.deepcopy(base), LoraCfg(r=4))
-        policy, spec = lora.wrap(copy.deepcopy(base), LoraCfg(r=4, targets=["q_a_proj", "kv_a_proj_with_mqa", "o_proj"]))
+        policy, spec = lora.wrap(copy.deepcopy(base), LoraCfg(r=4, targets=targets))
     else:
         policy, spec = lora.wrap(copy.deepcopy(base), LoraCfg(r=4))
     with torch.no_grad():
@@ -251,3 +272,28 @@ def test_lora_the_engine_samples_the_adapted_policy_and_its_merge_is_peft_s(fami
     trained = _reader(policy).logprobs(batch)
     m = batch.loss_mask.bool()
     torch.testing.assert_close(trained[m], batch.behav_logp[m], atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, lora", [("qwen3_next", 0), ("qwen3_5", 0), ("nemotron_h", 0), ("qwen3_5", 8),
+                                          ("qwen3_next", 8)])
+def test_a_hybrid_linear_attention_model_trains_two_steps_by_default(family, lora, tok, tmp_path):
+    """Qwen3-Next, Qwen3.5 and Nemotron-H as a user brings them (a from_pretrained folder): `relayrl train` with the
+    defaults runs 2 steps (the engine's cache of their recurrent states, shared prefixes switched off with a line,
+    the sampling alarm quiet); an adapter where PEFT can put one, refused in one line where it cannot."""
+    from relayrl.models import ModelError
+    from relayrl.run.api import Run
+
+    model = build(family, tok, head_scale=1.0)
+    tok.chat_template = demo_model.build_tokenizer(demo_model.RECIPE["seed"], 300).chat_template
+    model.save_pretrained(tmp_path / family)
+    tok.save_pretrained(tmp_path / family)
+    run = Run(model={"path": str(tmp_path / family), "lora": {"r": lora}},
+              run={"steps": 2, "output_dir": str(tmp_path / "runs"), "progress": False, "name": "r"},
+              rollout={"max_new_tokens": 16, "prompts_per_step": 2, "group_size": 4}, eval={"size": 4})
+    if family in LORA_REFUSED and lora:
+        with pytest.raises(ModelError, match=LORA_REFUSED[family][0]):
+            run.train()
+        return
+    summary = run.train()
+    assert summary["steps"] == 2 and summary["eval_accuracy_after"] is not None

@@ -155,11 +155,19 @@ def cache_kwarg(model) -> str:
 
 
 def select_rows(cache, idx: torch.Tensor, rows: int) -> None:
-    """Keep rows ``idx`` of a transformers cache of ``rows`` rows. ``batch_select_indices`` selects keys and
-    values; a hybrid model's layers (Falcon-H1's linear-attention and Mamba states, kept in dicts beside them)
-    are left whole by it in transformers 5.19, so every tensor still ``rows`` long is selected here too."""
-    cache.batch_select_indices(idx)
-    for layer in getattr(cache, "layers", []):
+    """Keep rows ``idx`` of a transformers cache of ``rows`` rows. A layer's ``batch_select_indices`` selects keys
+    and values; a hybrid model's states (Falcon-H1's linear-attention and Mamba states, kept in dicts beside them)
+    are left whole by it in transformers 5.19, and its ``LinearAttentionLayer`` (Qwen3-Next's and Qwen3.5's Gated
+    DeltaNet, Nemotron-H's Mamba-2: conv and recurrent states) has none: every tensor still ``rows`` long is
+    selected here."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        cache.batch_select_indices(idx)
+        return
+    for layer in layers:
+        if hasattr(layer, "batch_select_indices"):
+            layer.batch_select_indices(idx)
+    for layer in layers:
         for name, value in vars(layer).items():
             if torch.is_tensor(value) and value.dim() and value.shape[0] == rows:
                 setattr(layer, name, value.index_select(0, idx))
