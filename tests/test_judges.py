@@ -155,3 +155,15 @@ def test_a_judge_that_cannot_be_read_fails_episodes_and_stops_the_run_naming_it(
         with pytest.raises(UserCodeError, match=r"step 1: reward.judge.url=http://127.0.0.1:\d+/v1 failed in 32 of 32 "
                                                 r"episodes: no score in the judge's reply: 'Looks good to me!'"):
             train(cfg)
+
+
+@pytest.mark.parametrize("mode, text", [("pointwise", "Rate {response} against {reference}."),
+                                        ("ranking", "Rank {responses}; {rubric}")])
+def test_a_template_naming_a_field_a_judge_does_not_have_fails_at_start(tmp_path, mode, text):
+    """It failed at the first scored episode (in ranking mode, outside the failure accounting)."""
+    from relayrl.config.sections import JudgeCfg
+
+    (tmp_path / "t.txt").write_text(text)
+    with pytest.raises(ValueError, match=r"reward.judge.template=.*t.txt': cannot fill it \(KeyError: '(reference|rubric)'\); "
+                                         r"its fields are prompt, answer, metadata, respons"):
+        Judge(JudgeCfg(url="http://127.0.0.1:9", template=str(tmp_path / "t.txt"), mode=mode))

@@ -183,9 +183,13 @@ def test_a_checkpoint_plays_the_other_role_the_same_move_for_the_same_game(chatm
     game so far: two evaluations of one policy against it play the same matches."""
     from relayrl.envs.players import ModelPlayer
 
+    import torch
+
     player = ModelPlayer("builtin:agent-demo", max_new_tokens=4)
     view = [{"role": "user", "content": games.opening(9, False)}, {"role": "user", "content": games.after(1, 8)}]
+    before = torch.random.get_rng_state()
     assert player.move_now(view) == player.move_now(view)
+    assert torch.equal(torch.random.get_rng_state(), before)  # (its own generator: the process's RNG untouched)
     make = lambda: games.Nim(opponent="builtin:agent-demo")  # noqa: E731
     played = []
     for _ in range(2):

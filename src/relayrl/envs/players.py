@@ -78,13 +78,24 @@ class ModelPlayer:
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
                                           return_tensors="pt")["input_ids"].to(self.device)
             key = json.dumps([self.seed, messages], sort_keys=True).encode()
-            torch.manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little"))
-            sample = self.temperature > 0
+            # its own generator, seeded by the match: the process's torch RNG (the trainer's, the engine's) is
+            # never reseeded from this worker thread
+            g = torch.Generator(device=self.device).manual_seed(
+                int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little"))
+            out, cache, feed = [], None, ids
             with torch.no_grad():
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.max_new_tokens,
-                                     do_sample=sample, temperature=self.temperature if sample else None,
-                                     top_p=None, top_k=None, pad_token_id=tok.pad_token_id or tok.eos_token_id)
-            return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+                for _ in range(self.max_new_tokens):
+                    step = model(input_ids=feed, past_key_values=cache, use_cache=True)
+                    logits, cache = step.logits[0, -1].float(), step.past_key_values
+                    if self.temperature > 0:
+                        nxt = int(torch.multinomial(torch.softmax(logits / self.temperature, -1), 1, generator=g))
+                    else:
+                        nxt = int(logits.argmax())
+                    if nxt == tok.eos_token_id:
+                        break
+                    out.append(nxt)
+                    feed = torch.tensor([[nxt]], device=self.device)
+            return tok.decode(out, skip_special_tokens=True)
 
     async def move(self, messages: list[dict]) -> str:
         return await asyncio.to_thread(self.move_now, messages)

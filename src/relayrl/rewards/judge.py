@@ -30,6 +30,7 @@ import re
 import threading
 from pathlib import Path
 
+from relayrl.records import Prompt
 from relayrl.rewards.remote import RemoteError, api_key, call, served_models
 
 POINTWISE = """You are grading a response to a task.
@@ -207,6 +208,10 @@ class Judge:
         need = "{response}" if cfg.mode == "pointwise" else "{responses}"
         if need not in self.template:
             raise ValueError(f"reward.judge.template={cfg.template!r}: a {cfg.mode} template must contain {need}")
+        # filled once now with placeholders: a field it names that a judge does not have fails at start, not at the
+        # first scored episode (nor, in ranking mode, outside the failure accounting)
+        self._render(Prompt("p", [{"role": "user", "content": "x"}], "a"),
+                     **({"response": "r"} if cfg.mode == "pointwise" else {"responses": "r", "n": 1}))
         self.backend = LocalJudge(cfg.path, cfg.device, cfg.max_new_tokens) if cfg.path else \
             RemoteJudge(cfg.url, cfg.model, cfg.api_key_env, cfg.retries, cfg.max_new_tokens)
         self.name = self.backend.name
@@ -220,8 +225,8 @@ class Judge:
         try:
             return self.template.format(**fields)
         except (KeyError, IndexError, ValueError) as e:
-            raise ValueError(f"reward.judge.template: cannot fill it ({type(e).__name__}: {e}); the fields are "
-                             f"{', '.join(fields)}") from None
+            raise ValueError(f"reward.judge.template={self.cfg.template!r}: cannot fill it ({type(e).__name__}: "
+                             f"{e}); its fields are {', '.join(fields)} (a literal brace is written {{{{ or }}}})") from None
 
     def _run(self, texts: list[str], parsers: list) -> list:
         """Scores of rendered ``texts``, each reply read by its parser (cached, else asked for ``max_concurrency``
