@@ -167,3 +167,27 @@ def test_a_template_naming_a_field_a_judge_does_not_have_fails_at_start(tmp_path
     with pytest.raises(ValueError, match=r"reward.judge.template=.*t.txt': cannot fill it \(KeyError: '(reference|rubric)'\); "
                                          r"its fields are prompt, answer, metadata, respons"):
         Judge(JudgeCfg(url="http://127.0.0.1:9", template=str(tmp_path / "t.txt"), mode=mode))
+
+
+def test_how_a_judges_score_and_the_verifiers_reward_combine():
+    """Training: reward.fn_weight × the verifier's reward + reward.judge.weight × the judge's score (the episode's
+    own reward kept once in info, so a group re-ranked does not add the judge twice); held-out: the verifier's
+    reward stays, unless reward.fn is none (judge_in_eval), where it is the judge's score."""
+    from relayrl.records import Trajectory
+    from relayrl.rewards.judge import JudgeFailure
+    from relayrl.rollout.scoring import EpisodeScoring
+    from tests.test_episodes import PROMPT
+
+    s = EpisodeScoring.__new__(EpisodeScoring)
+    s.fn_weight, s.judge_weight, s.judge = 0.5, 2.0, type("J", (), {"name": "judge"})()
+    t = Trajectory(PROMPT, "g", 0, [1], reward=1.0)
+    s._set(t, 0.25, train=True)
+    assert t.reward == 0.5 * 1.0 + 2.0 * 0.25 and t.info == {"reward_own": 1.0, "judge": 0.25}
+    s._set(t, 0.75, train=True)  # (re-ranked: from its own reward again)
+    assert t.reward == 0.5 * 1.0 + 2.0 * 0.75
+    held_out = Trajectory(PROMPT, "g", 1, [1], reward=1.0)
+    s._set(held_out, 0.25, train=False)
+    assert held_out.reward == 0.25  # (held-out with a judge scoring it: judge_in_eval, reward.fn none)
+    failed = Trajectory(PROMPT, "g", 2, [1], reward=1.0)
+    s._set(failed, JudgeFailure("no score"), train=True)
+    assert failed.failure["kind"] == "judge" and failed.reward == 1.0  # (left out: never a reward of 0)

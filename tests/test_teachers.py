@@ -137,6 +137,14 @@ def test_a_student_equal_to_its_teacher_has_no_reverse_kl_and_reward_coef_scales
         assert abs(metrics["teacher/reverse_kl"]) < 1e-5
         norms.append(metrics["grad_norm"])
     assert norms[0] < 1e-4 < norms[1]  # (the teacher's term alone: nothing to learn from a teacher that is oneself)
+    # and the term is there: a teacher that disagrees on every other token moves the student with reward_coef=0
+    # (the test passed with the teacher's term removed from the loss: both cases above give 0 without it)
+    shifted = dataclasses.replace(batch, teacher_logp=(teacher - 0.7 * (torch.arange(teacher.shape[1]) % 2)) *
+                                  batch.loss_mask)
+    tr = Trainer(copy.deepcopy(model), TrainerCfg(lr=1e-2, warmup_steps=0), AlgoCfg(kl_coef=0, reward_coef=0.0),
+                 1.0, 10, 16, teacher_coef=1.0)
+    metrics = tr.step(shifted)
+    assert metrics["teacher/reverse_kl"] > 0.1 and metrics["grad_norm"] > 1e-3
 
 
 def test_repeated_distillation_steps_on_one_batch_close_the_gap(tiny, tiny_path, tmp_path):
