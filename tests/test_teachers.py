@@ -231,3 +231,20 @@ def test_a_teacher_over_http_with_another_vocabulary_is_refused_at_start(tiny_pa
         with pytest.raises(ModelError, match=r"teacher.url=.*: its tokenizer is not the student's \(model.path=.*\): "
                                              r"\d+ of 48 token ids checked are other text there"):
             Teachers(TeacherCfg(url=url), tok)
+
+
+def test_a_local_teacher_is_read_under_the_students_sampling(tiny_path):
+    """The student samples at T=0.7 with top-p 0.9 and its log-probs are read so: the teacher's were read at T=1
+    over the whole vocabulary, so a student equal to its teacher was still pushed. Now both under one transform."""
+    from relayrl.train.logprobs import sampled_logprobs
+
+    model = load_policy(tiny_path)
+    t = LocalTeacher(tiny_path, "teacher.path", "cpu", sampling=(0.7, 0, 0.9))
+    got = t.score(ITEMS)
+    for (p, r), lps in zip(ITEMS, got):
+        ids = torch.tensor([p + r])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(p) - 1: len(p) - 1 + len(r)].float()
+        want = sampled_logprobs(logits, torch.tensor(r), 0.7, 0, 0.9)  # (the student's, as the trainer reads them)
+        assert lps == pytest.approx(want.tolist(), abs=1e-5)
+    assert any(abs(a - b) > 1e-3 for x, y in zip(got, _plain(model, ITEMS)) for a, b in zip(x, y))  # (T=1's differ)

@@ -24,6 +24,7 @@ the student sampled, so it is refused at start naming both (``check_tokenizer``)
 from __future__ import annotations
 
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -40,7 +41,9 @@ class TeacherError(RuntimeError):
 
 class LocalTeacher:
     def __init__(self, path: str, field: str, device: str = "auto", dtype: str = "float32",
-                 batch_tokens: int = 8192, chunk: int = 1024):
+                 batch_tokens: int = 8192, chunk: int = 1024, sampling: tuple[float, int, float] = (1.0, 0, 1.0)):
+        """``sampling``: (temperature, top_k, top_p) the student samples with; the teacher's log-probs are read
+        under the same transform of its logits (the student's are: a student equal to its teacher has no gap)."""
         from relayrl.models.devices import resolve_device
         from relayrl.train.lora import load_model
         from relayrl.train.logprobs import Readout, check_head, install_head
@@ -49,7 +52,8 @@ class LocalTeacher:
         self.device = resolve_device(device, field.rsplit(".", 1)[0] + ".device")
         self.model = load_model(path, dtype, field).eval().requires_grad_(False)
         install_head(self.model, float32=False)
-        self.readout = Readout(chunk, 1.0)
+        temperature, top_k, top_p = sampling
+        self.readout = Readout(chunk, temperature, top_k, top_p)
         check_head(self.model, self.readout)
         self.model.to(self.device)
         self.pad = 0
@@ -176,7 +180,8 @@ class Teachers:
     """The run's teachers (``teacher`` section): the default one (teacher.path or .url) and those of
     teacher.teachers by name, each prompt's chosen by its metadata field teacher.field."""
 
-    def __init__(self, cfg, student_tokenizer, student_field: str = "model.path", prompts=()):
+    def __init__(self, cfg, student_tokenizer, student_field: str = "model.path", prompts=(),
+                 sampling: tuple[float, int, float] = (1.0, 0, 1.0)):
         self.field, self.by_name, self.default = cfg.field, {}, None
         made: list = []
         try:
@@ -189,9 +194,14 @@ class Teachers:
                     t = RemoteTeacher(where, label, cfg.model, cfg.api_key_env, cfg.timeout_s)
                     made.append(t)
                     t.check_tokenizer(student_tokenizer, student_field)
+                    if sampling != (1.0, 0, 1.0):  # (a server's prompt log-probs are its raw distribution's)
+                        warnings.warn(f"{label}: the server's log-probs are at temperature 1 over the whole vocabulary, "
+                                      f"the student samples at (temperature, top_k, top_p) = {sampling}: the teacher's "
+                                      "term then pushes even a student equal to its teacher; a local teacher "
+                                      "(teacher.path) is read under the student's sampling", stacklevel=2)
                 else:
                     check_tokenizer(where, label, student_tokenizer, student_field)
-                    t = LocalTeacher(where, label, cfg.device, cfg.dtype, cfg.batch_tokens)
+                    t = LocalTeacher(where, label, cfg.device, cfg.dtype, cfg.batch_tokens, sampling=sampling)
                     made.append(t)
                 if name == "":
                     self.default = t

@@ -162,8 +162,9 @@ def make_scoring(cfg: Config, tokenizer, prompts=(), train: bool = True) -> dict
         return None
     judge = Judge(j) if use_judge else None
     try:
-        teachers = Teachers(t, tokenizer, "model.tokenizer" if cfg.model.tokenizer else "model.path", prompts) \
-            if use_teachers else None
+        r = cfg.rollout  # (the teacher scored under the distribution the student samples from)
+        teachers = Teachers(t, tokenizer, "model.tokenizer" if cfg.model.tokenizer else "model.path", prompts,
+                            sampling=(r.temperature, r.top_k, r.top_p)) if use_teachers else None
     except BaseException:
         if judge is not None:
             judge.close()
