@@ -423,3 +423,36 @@ def test_a_batch_where_the_policys_roles_never_moved_says_so():
     with pytest.raises(ValueError, match=r"step 5: nothing to train: in every match of the batch the roles the "
                                          r"policy plays never moved"):
         take_failures([g], state, cfg)
+
+
+def test_dynamic_sampling_reads_each_roles_variance():
+    """A zero-sum match's two sides always differ from each other (1 and -1): measured across roles, no group of
+    self-play was ever filtered. Per role, as advantages are: a group whose every match went the same way is."""
+    from relayrl.records import Group, Trajectory
+    from relayrl.rollout.groups import no_variance
+    from tests.test_episodes import PROMPT
+
+    def group(*outcomes):
+        trajs = []
+        for k, (first, second) in enumerate(outcomes):
+            trajs += [Trajectory(PROMPT, "g", 2 * k, [1], reward=first, info={"role": "first"}),
+                      Trajectory(PROMPT, "g", 2 * k + 1, [1], reward=second, info={"role": "second"})]
+        return Group(PROMPT, "g", trajs)
+
+    assert no_variance(group((1.0, -1.0), (1.0, -1.0)))  # the first player won every match: nothing to compare
+    assert not no_variance(group((1.0, -1.0), (-1.0, 1.0)))
+
+
+@pytest.mark.slow
+def test_a_multi_agent_run_with_the_default_budget_runs_with_fixed_groups(tmp_path, capsys):
+    """The default rollout.budget (adaptive, where a group baseline reads variance) was refused for a multi-agent
+    environment with a message implying the user had set it: now fixed, said in the log; set, still refused."""
+    from relayrl.cli import main
+
+    args = ["model.path=builtin:agent-demo", "env.name=nim", "data.path=builtin:nim", "run.steps=1",
+            "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8", "data.eval_path=null",
+            f"run.output_dir={tmp_path}", "run.progress=false"]
+    assert main(["train", *args]) == 0
+    assert "rollout.budget: fixed for env.name=nim, a multi-agent environment" in capsys.readouterr().out
+    assert main(["train", *args, "rollout.budget=adaptive", "run.name=set"]) == 2
+    assert "rollout.budget=adaptive does not combine with env.name=nim" in capsys.readouterr().err

@@ -179,10 +179,11 @@ def _adaptive_sampling_where_it_applies(c: BaseModel) -> None:
     # (with a teacher — pure distillation, or beside a verifier — a group whose rewards are equal still carries its
     # teacher's per-token signal: a group's reward variance does not say what it teaches, so nothing is dropped)
     groups = c.algo.advantage in GROUP_BASELINE and r.group_size >= 2 and c.algo.reward_coef > 0 and not c.teacher.on
+    # (resolved past validation, left unset: where a field stays unset, the user did not set it — run.build reads so)
     if "budget" not in r.model_fields_set:
-        r.budget = "adaptive" if groups else "fixed"
+        r.__dict__["budget"] = "adaptive" if groups else "fixed"
     if "dynamic_sampling" not in r.model_fields_set:
-        r.dynamic_sampling = groups
+        r.__dict__["dynamic_sampling"] = groups
 
 
 def _lora_learning_rate(c: BaseModel) -> None:

@@ -186,10 +186,14 @@ def expand_branches(g: Group) -> None:
 
 
 def no_variance(g: Group) -> bool:
-    """Every scored episode of ``g`` has the same reward (failed ones aside; a group with none
-    scored is left to the failure policy)."""
-    rewards = [t.reward for t in g.trajectories if not failed(t)]
-    return bool(rewards) and max(rewards) - min(rewards) < 1e-9
+    """Every scored episode of ``g`` has the same reward as the others in its role (failed ones aside; a group
+    with none scored is left to the failure policy). Per role, as advantages are (each role's baseline its own):
+    a zero-sum match's two sides always differ from each other, which says nothing of what either learns."""
+    by_role: dict = {}
+    for t in g.trajectories:
+        if not failed(t):
+            by_role.setdefault(family(t.info.get("role")), []).append(t.reward)
+    return bool(by_role) and all(max(r) - min(r) < 1e-9 for r in by_role.values())
 
 
 def length_class(t: Trajectory) -> str:

@@ -230,8 +230,13 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         reward.stats.failures, reward.stats.timeouts = state.reward_failures, state.reward_timeouts
         make_env = env_factory(cfg.env, cfg.rollout.group_size)
         if isinstance(make_env, Players) and cfg.rollout.budget == "adaptive":
-            raise ValueError(f"rollout.budget=adaptive does not combine with env.name={cfg.env.name}, a multi-agent "
-                             "environment: its extra responses would not fill whole matches; set rollout.budget=fixed")
+            if "budget" in cfg.rollout.model_fields_set:  # (set by the user: said, not changed)
+                raise ValueError(f"rollout.budget=adaptive does not combine with env.name={cfg.env.name}, a multi-agent "
+                                 "environment: its extra responses would not fill whole matches; set "
+                                 "rollout.budget=fixed")
+            cfg.rollout.budget = "fixed"  # (the default where a group baseline reads variance: not for matches)
+            log(f"rollout.budget: fixed for env.name={cfg.env.name}, a multi-agent environment (adaptive budgets' "
+                "extra responses would not fill whole matches)")
         if cfg.run.backend == "ray":  # the python tool's worker pool in a Ray actor too (at its first call)
             from relayrl.run.ray_pools import RayPythonTool
 
