@@ -27,7 +27,7 @@ from relayrl.config.naming import run_name
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "docs" / "getting-started.md", ROOT / "docs" / "guides" / "lora.md",
          *(ROOT / "docs" / "guides" / f"{g}.md" for g in ("sft", "distillation", "judges", "environments",
-                                                           "agent-programs", "multi-agent"))]
+                                                           "agent-programs", "multi-agent", "tracking"))]
 SHORT = ["run.steps=2", "eval.size=8"]
 LONG = 20  # steps: a run longer than this is shortened
 SKIP = {  # the start of a line -> why it does not run here
@@ -40,6 +40,7 @@ SKIP = {  # the start of a line -> why it does not run here
     "relayrl train reward.judge.path=my-judge": "a judge of the reader's own",
     "python examples/judge_demo/": "makes a judge in ~10 minutes (its pieces: tests/test_judges.py, tests/test_sft.py)",
     "relayrl train reward.judge.path=runs/judge-demo": "the judge the line before makes",
+    "tensorboard --logdir": "a server, left running for the reader",
 }
 # `pip install ... && relayrl train`: the tests run in the installed environment (.ci/run runs the README's own
 # pip commands), so what follows the install runs
