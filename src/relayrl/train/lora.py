@@ -115,6 +115,10 @@ def wrap(model, lora, roles: tuple[str, ...] = ()):
         drop = {x.strip(" '\"") for x in found.group(1).split(",")}
         spec = LoraSpec(spec.r, spec.alpha, tuple(t for t in spec.targets if t not in drop), spec.parameters)
         wrapped = get_peft_model(model, config(spec.targets), adapter_name=first)  # ('all-linear': those PEFT adapts)
+        # (PEFT's refused first try left the model half-wrapped, and the second left every base weight trainable:
+        # the trainer then moved weights the engines never get, and the sampling alarm stopped Nemotron-H's runs)
+        for n, p in wrapped.named_parameters():
+            p.requires_grad_("lora_" in n)
     used = wrapped.peft_config[first]  # (PEFT rewrites some families' MLP targets onto their fused experts)
     if spec.parameters and (used.rank_pattern or used.alpha_pattern or set(used.target_modules or ()) != set(spec.targets)):
         raise ModelError("model.lora.experts=true: PEFT rewrites this model's MLP targets onto its fused experts (at "
