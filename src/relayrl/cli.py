@@ -179,6 +179,12 @@ def _parser() -> argparse.ArgumentParser:
                    "adapter_config.json and adapter_model.safetensors), or the run's folder: its newest checkpoint")
     x.add_argument("--merge", required=True, metavar="OUT", help="the folder to write: the base model with the "
                    "adapter merged into its weights, and the tokenizer (AutoModelForCausalLM.from_pretrained reads it)")
+    u = sub.add_parser("push", help="upload a checkpoint's model to the Hugging Face hub (or HF_ENDPOINT's)")
+    u.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint folder, a run's folder (its newest), or "
+                   "an exported one: its model, adapter, tokenizer and model card, not the optimiser's state")
+    u.add_argument("repo", metavar="REPO_ID", help="the hub repository (user/name), made if it does not exist")
+    u.add_argument("--private", action="store_true", help="make the repository private (when it is made)")
+    u.add_argument("--revision", default=None, help="the branch to commit to (default: the repository's)")
     b = sub.add_parser("build-demo-model", help="(re)build the demo model into a folder")
     b.add_argument("out", metavar="OUT", help="the folder to write the model and its tokenizer to (created; "
                    "AutoModelForCausalLM.from_pretrained reads it, and model.path=OUT trains it)")
@@ -279,6 +285,11 @@ def _run(argv: list[str] | None) -> int:
         from relayrl.run.show import show
 
         show(ns.run, ns.episode, ns.step, ns.failures, ns.status, ns.min_reward, ns.max_reward, ns.sort, ns.limit)
+        return 0
+    if ns.cmd == "push":
+        from relayrl.run.checkpoint import push_to_hub
+
+        print(push_to_hub(ns.checkpoint, ns.repo, ns.private, ns.revision))
         return 0
     if ns.cmd == "export":
         from relayrl.run.checkpoint import recorded_config

@@ -278,3 +278,32 @@ def restore_rng(trainer_state: dict) -> None:
         cuda = rng.get("cuda")  # absent: saved without CUDA in use, or by an older version
         if cuda and torch.cuda.is_available():  # (on a machine with fewer devices: those it has)
             torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+
+
+# what a checkpoint folder holds for others: the model (or adapter), its tokenizer and card; not the run's own state
+HUB_FILES = ["*.safetensors", "config.json", "generation_config.json", "adapter_config.json", "tokenizer*",
+             "special_tokens_map.json", "chat_template.jinja", "*.model", "vocab.*", "merges.txt", "README.md",
+             "adapters/**", "preprocessor_config.json", "processor_config.json"]
+
+
+def push_to_hub(checkpoint: str, repo_id: str, private: bool = False, revision: str | None = None) -> str:
+    """Upload ``checkpoint``'s model files (``HUB_FILES``: not state.json, not the optimiser's trainer.pt) to the hub
+    repository ``repo_id`` (made if missing), with ``huggingface_hub``'s own client: its token (``HF_TOKEN`` or
+    ``hf auth login``) and endpoint (``HF_ENDPOINT``). Returns the commit's URL."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    folder = Path(checkpoint)
+    if not any(folder.glob("*.safetensors")) and not (folder / "adapters").is_dir():
+        raise ValueError(f"{checkpoint}: no model weights (*.safetensors) to push")
+    api = HfApi()
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision,
+                                 allow_patterns=HUB_FILES, commit_message=f"relayrl: {folder.name} of {folder.parent.parent.name}")
+    except Exception as e:  # an HTTP error, or a hub that cannot be reached (the client's own exceptions)
+        if not (isinstance(e, (HfHubHTTPError, OSError)) or type(e).__module__.startswith(("httpx", "requests"))):
+            raise
+        raise ValueError(f"push {checkpoint} to {repo_id} ({api.endpoint}): {str(e).splitlines()[0] if str(e) else type(e).__name__} "
+                         "(HF_TOKEN, or `hf auth login`, gives the token; HF_ENDPOINT another hub)") from None
+    return info.commit_url
