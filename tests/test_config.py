@@ -469,3 +469,10 @@ def test_relayrl_sft_refuses_what_it_does_not_read():
     for field in ("trainer.updates_per_step=2", "reward.fn_weights=[1]", "algo.kl_coef=0.1"):
         with pytest.raises(ValueError, match=f"{field.split('=')[0]} is set, but relayrl sft does not read it"):
             check_command(load_config(None, [field, "reward.fn=[math]"] if "fn_weights" in field else [field]), "sft")
+
+
+def test_a_teacher_with_gspo_is_refused_for_gspo_token():
+    """GSPO's sequence-level advantage averaged the teacher's per-token term over each response."""
+    with pytest.raises(ConfigError, match=r"teacher with algo.loss=gspo: .*use algo.loss=gspo_token"):
+        load_config(None, ["teacher.path=runs/demo", "algo.loss=gspo"])
+    assert load_config(None, ["teacher.path=runs/demo", "algo.loss=gspo_token"]).algo.loss == "gspo_token"

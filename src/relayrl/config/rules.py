@@ -133,6 +133,10 @@ def _teachers_and_judges(c: BaseModel) -> None:
                          "verifier or a judge")
     if c.reward.fn_weight == 0 and j.weight == 0:
         raise ValueError("reward.fn_weight=0 and reward.judge.weight=0: the reward is always 0")
+    if t.on and c.algo.loss == "gspo":
+        raise ValueError("teacher with algo.loss=gspo: GSPO's ratio and advantage are a sequence's, so the teacher's "
+                         "per-token term would be averaged over each response (its credit to a token lost): use "
+                         "algo.loss=gspo_token (GSPO's ratio, per-token advantages) or ppo_clip")
 
 
 def _several_verifiers(r: BaseModel) -> None:
