@@ -8,7 +8,8 @@ talk to it over real HTTP: ``relayrl.rewards.remote``). It serves a real model (
                                 whose verdicts a test decides)
 
 and misbehaves on demand: the first ``fail_first`` requests get HTTP ``fail_status``, each request waits
-``delay_s``, ``bad_echo`` returns one log-prob too few. ``requests`` counts what arrived."""
+``delay_s``, ``bad_echo`` returns one log-prob too few. ``requests`` counts what arrived, ``max_waiting`` the
+most requests in flight at once (with ``delay_s``)."""
 
 
 import asyncio
@@ -25,7 +26,7 @@ class Server:
         self.model, self.tokenizer, self.name, self.reply = model, tokenizer, name, reply
         self.fail_first, self.fail_status, self.delay_s, self.bad_echo, self.key = (fail_first, fail_status, delay_s,
                                                                                      bad_echo, key)
-        self.requests = 0
+        self.requests = self.waiting = self.max_waiting = 0
         self._lock = threading.Lock()
         self.app = self._app()
 
@@ -42,7 +43,12 @@ class Server:
             if self.key is not None and request.headers.get("authorization") != f"Bearer {self.key}":
                 return JSONResponse({"error": {"message": "bad key"}}, status_code=401)
             if self.delay_s:
+                with self._lock:
+                    self.waiting += 1
+                    self.max_waiting = max(self.max_waiting, self.waiting)  # (requests in flight at once)
                 await asyncio.sleep(self.delay_s)
+                with self._lock:
+                    self.waiting -= 1
             if n <= self.fail_first:
                 return JSONResponse({"error": {"message": "try later"}}, status_code=self.fail_status)
             return None

@@ -248,3 +248,16 @@ def test_a_local_teacher_is_read_under_the_students_sampling(tiny_path):
         want = sampled_logprobs(logits, torch.tensor(r), 0.7, 0, 0.9)  # (the student's, as the trainer reads them)
         assert lps == pytest.approx(want.tolist(), abs=1e-5)
     assert any(abs(a - b) > 1e-3 for x, y in zip(got, _plain(model, ITEMS)) for a, b in zip(x, y))  # (T=1's differ)
+
+
+def test_a_teacher_over_http_scores_a_batch_at_once(tiny_path):
+    """A remote teacher scored a batch one HTTP call after the other (the batch's episodes waiting, their deadline
+    counting the wait): a batch's calls now go at once, seen by the server as requests in flight together."""
+    model, tok = load_policy(tiny_path), load_tokenizer(tiny_path)
+    server = Server(model, tok, delay_s=0.3)
+    with server as url:
+        t = RemoteTeacher(url, "teacher.url")
+        items = ITEMS * 3  # (9 calls)
+        got = t.score(items)
+    assert [len(x) for x in got] == [len(r) for _, r in items]
+    assert server.max_waiting >= 2  # (one after the other: 1)

@@ -101,11 +101,11 @@ class LocalTeacher:
 
 class RemoteTeacher:
     def __init__(self, url: str, field: str, model: str | None = None, key_env: str | None = None,
-                 timeout_s: float = 120.0, retries: int = 3):
+                 timeout_s: float = 120.0, retries: int = 3, concurrency: int = 16):
         self.url, self.name = url.rstrip("/"), f"{field}={url}"
         self.key = api_key(key_env, field.rsplit(".", 1)[0] + ".api_key_env")
         self.model = model or served_models(self.url, self.key, field)[0]
-        self.timeout_s, self.retries = timeout_s, retries
+        self.timeout_s, self.retries, self.concurrency = timeout_s, retries, concurrency
 
     def _one(self, prompt: list[int], response: list[int]) -> list[float]:
         body = {"model": self.model, "prompt": prompt + response, "max_tokens": 1, "echo": True, "logprobs": 0,
@@ -126,7 +126,14 @@ class RemoteTeacher:
         return [float(x) for x in got]
 
     def score(self, items: list[tuple[list[int], list[int]]]) -> list[list[float]]:
-        return [self._one(p, r) for p, r in items]
+        """A batch's calls at once (``concurrency`` of them: the server batches them as it batches generation),
+        not one after the other while the batch's episodes wait (their deadline counts the wait)."""
+        if len(items) <= 1:
+            return [self._one(p, r) for p, r in items]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(self.concurrency, len(items)), thread_name_prefix="relayrl-teacher") as pool:
+            return list(pool.map(lambda item: self._one(*item), items))
 
     def check_tokenizer(self, student, student_field: str, probes: int = 48) -> None:
         """The server's vocabulary must be the student's, as a local teacher's is (``check_tokenizer``): ``probes``
