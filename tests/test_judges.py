@@ -191,3 +191,28 @@ def test_how_a_judges_score_and_the_verifiers_reward_combine():
     failed = Trajectory(PROMPT, "g", 2, [1], reward=1.0)
     s._set(failed, JudgeFailure("no score"), train=True)
     assert failed.failure["kind"] == "judge" and failed.reward == 1.0  # (left out: never a reward of 0)
+
+
+def test_a_ranking_judge_inside_a_run_and_a_judge_in_the_evaluation(tiny_path, tmp_path):
+    """A ranking judge scores each group in a run (here the first response of every pair 1, the second 0: every
+    step's mean reward 0.5); with reward.fn none, the held-out evaluation is the judge's (pointwise: every reply
+    "Score: 1", so accuracy 1). Neither had a test inside a run."""
+    import json
+
+    from relayrl.config import load_config
+    from relayrl.run.loop import train
+
+    def judge(text: str) -> str:
+        return "Scores: 1, 0" if "Response 2:" in text else "Score: 1"
+
+    with Server(reply=judge) as url:
+        common = [f"model.path={tiny_path}", f"run.output_dir={tmp_path}", "run.steps=2", "run.progress=false",
+                  "rollout.max_new_tokens=4", "rollout.prompts_per_step=2", "rollout.group_size=2",
+                  "rollout.budget=fixed", "rollout.dynamic_sampling=false", f"reward.judge.url={url}"]
+        ranked = load_config(None, common + ["reward.judge.mode=ranking", "data.eval_path=null", "run.name=ranked"])
+        train(ranked)
+        steps = [json.loads(x) for x in (ranked.run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [m["reward_mean"] for m in steps] == [0.5, 0.5] and all(m["failures/judge"] == 0 for m in steps)
+        judged = load_config(None, common + ["eval.size=4", "run.name=judged"])
+        summary = train(judged)
+    assert summary["eval_accuracy_before"] == 1.0 and summary["eval_accuracy_after"] == 1.0
