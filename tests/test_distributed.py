@@ -491,3 +491,41 @@ def test_torchrun_fsdp_run_with_an_adapter_per_role_ends_as_one_process(tmp_path
         assert a.keys() == b.keys() and any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k), role
         for k in a:
             assert torch.allclose(a[k], b[k], atol=1e-5), (role, k, (a[k] - b[k]).abs().max())
+
+
+@pytest.mark.slow
+def test_torchrun_fsdp_sft_with_epochs_ends_as_one_process(tiny_path, tmp_path):
+    """``relayrl sft`` under ``torchrun ... trainer.fsdp=true`` with ``sft.epochs`` and a decaying schedule: the
+    follower rank resolves the steps as rank 0 does (it built its schedule from the unresolved run.steps: rank 0
+    decayed to 0 while rank 1 stayed near the peak), and the checkpoint equals a single process's."""
+    import json as _json
+
+    from safetensors.torch import load_file
+
+    from relayrl.config import load_config
+    from relayrl.config.commands import sft_defaults
+    from relayrl.run.sft import sft
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(_json.dumps({"prompt": f"say {i}", "response": f"{i} {i}"}) + "\n" for i in range(12)))
+    args = [f"model.path={tiny_path}", f"data.path={data}", "data.eval_path=null", "sft.epochs=1", "sft.batch_size=4",
+            "trainer.schedule=linear", "trainer.warmup_steps=0", "trainer.lr=2e-2", "trainer.micro_batch_tokens=64",
+            "run.progress=false", "run.threads=1", "run.name=sft"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "relayrl.cli",
+           "sft", *args, f"run.output_dir={tmp_path / 'fsdp'}", "trainer.fsdp=true"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sharded = tmp_path / "fsdp" / "sft" / "checkpoints" / "step_000003"  # ⌈1 epoch × 12 / 4⌉
+    cfg = sft_defaults(load_config(None, args + [f"run.output_dir={tmp_path / 'single'}"]))
+    threads = torch.get_num_threads()
+    try:
+        sft(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    a = load_file(sharded / "model.safetensors")
+    b = load_file(cfg.run_dir / "checkpoints" / "step_000003" / "model.safetensors")
+    initial = load_file(Path(tiny_path) / "model.safetensors")
+    assert any(not torch.equal(a[k], initial[k]) for k in initial)  # it trained
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
