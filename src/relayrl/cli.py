@@ -213,7 +213,9 @@ def interrupted(e: BaseException) -> bool:
 
 def exit_status(e: BaseException) -> int:
     """128 + the signal that stopped the run (130: Ctrl-C)."""
-    while e is not None and not hasattr(e, "signum") and not isinstance(e, KeyboardInterrupt):
+    for _ in range(64):  # (a chain of causes, never a cycle's end)
+        if e is None or hasattr(e, "signum") or isinstance(e, KeyboardInterrupt):
+            break
         e = e.__cause__ or e.__context__
     return 128 + e.signum if hasattr(e, "signum") else INTERRUPTED
 
