@@ -5,7 +5,7 @@ the folders the earlier ones left (runs/demo with its checkpoints before `relayr
 
 One change, said here: a training run of more than 20 steps (the demo's 80) gets `run.steps=2 eval.size=8`
 appended, so the whole reading takes minutes, and a later command's path to one of its checkpoints
-(`runs/x/checkpoints/step_000040/...`) names its step_000002; shorter ones run as written (the README's 20-step
+(`runs/x/checkpoints/step_000040/...`) or a step of its records (`relayrl show runs/x --step 40`) names its step 2; shorter ones run as written (the README's 20-step
 run, whose checkpoint step_000020 a later command names). A command met again is not run again (the reader has run
 it). Lines that cannot run here are left out with their reason (``SKIP``)."""
 
@@ -84,6 +84,8 @@ def _shortened(line: str, folder: Path, shortened: set[str]) -> str:
     ``shortened``), and the checkpoints it names of runs shortened before at their last step."""
     for run in shortened:
         line = re.sub(rf"\b({re.escape(run)}/checkpoints/)step_\d{{6}}", r"\1step_000002", line)
+        if re.search(rf"\b{re.escape(run)}\b", line):  # (`relayrl show runs/demo --step 40`: its step 2)
+            line = re.sub(r"--step \d+", "--step 2", line)
     words = shlex.split(line, comments=True)
     if words[:2] not in (["relayrl", "train"], ["relayrl", "sft"]) or "--help" in words:
         return line
