@@ -65,7 +65,7 @@ def fmt_eval(e: dict) -> str:
         return f"win rate {e['win_rate']:.1%} (sampled, T={e['temperature']}), greedy {e['win_rate_greedy']:.1%}"
     line = f"accuracy {e['accuracy']:.1%} (sampled, T={e['temperature']}), greedy {e['accuracy_greedy']:.1%}"
     if _partial(e):
-        line += f"; mean reward {e['reward_mean']:.3f}, greedy {e['reward_mean_greedy']:.3f}"
+        line += f"; mean reward {e['reward_mean']:.3f}, greedy {e.get('reward_mean_greedy', e['accuracy_greedy']):.3f}"
     return line
 
 
@@ -74,8 +74,9 @@ def fmt_change(before: dict, after: dict) -> str:
     line = (f"held-out accuracy: {before['accuracy']:.1%} → {after['accuracy']:.1%} "
             f"(greedy {before['accuracy_greedy']:.1%} → {after['accuracy_greedy']:.1%})")
     if _partial(before) or _partial(after):
-        line += (f"; mean reward {before['reward_mean']:.3f} → {after['reward_mean']:.3f} "
-                 f"(greedy {before['reward_mean_greedy']:.3f} → {after['reward_mean_greedy']:.3f})")
+        mean = lambda e, k: e.get(k.replace("accuracy", "reward_mean"), e[k])  # noqa: E731 (an older run's: accuracy)
+        line += (f"; mean reward {mean(before, 'accuracy'):.3f} → {mean(after, 'accuracy'):.3f} "
+                 f"(greedy {mean(before, 'accuracy_greedy'):.3f} → {mean(after, 'accuracy_greedy'):.3f})")
     return line
 
 
