@@ -7,7 +7,8 @@ talk to it over real HTTP: ``relayrl.rewards.remote``). It serves a real model (
     POST /v1/chat/completions   a reply: the model's greedy generation, or ``reply(text)`` where given (a judge
                                 whose verdicts a test decides)
 
-and misbehaves on demand: the first ``fail_first`` requests get HTTP ``fail_status``, each request waits
+and misbehaves on demand: the first ``fail_first`` requests get HTTP ``fail_status`` (or every one after the first
+``fail_after``), each request waits
 ``delay_s``, ``bad_echo`` returns one log-prob too few. ``requests`` counts what arrived, ``max_waiting`` the
 most requests in flight at once (with ``delay_s``)."""
 
@@ -22,10 +23,12 @@ import torch
 
 class Server:
     def __init__(self, model=None, tokenizer=None, name: str = "test-model", reply=None, fail_first: int = 0,
-                 fail_status: int = 503, delay_s: float = 0.0, bad_echo: bool = False, key: str | None = None):
+                 fail_status: int = 503, delay_s: float = 0.0, bad_echo: bool = False, key: str | None = None,
+                 fail_after: int | None = None):
         self.model, self.tokenizer, self.name, self.reply = model, tokenizer, name, reply
         self.fail_first, self.fail_status, self.delay_s, self.bad_echo, self.key = (fail_first, fail_status, delay_s,
                                                                                      bad_echo, key)
+        self.fail_after = fail_after  # (requests after the first fail_after fail: a server that breaks mid-run)
         self.requests = self.waiting = self.max_waiting = 0
         self._lock = threading.Lock()
         self.app = self._app()
@@ -49,7 +52,7 @@ class Server:
                 await asyncio.sleep(self.delay_s)
                 with self._lock:
                     self.waiting -= 1
-            if n <= self.fail_first:
+            if n <= self.fail_first or (self.fail_after is not None and n > self.fail_after):
                 return JSONResponse({"error": {"message": "try later"}}, status_code=self.fail_status)
             return None
 

@@ -153,7 +153,8 @@ def test_a_judge_that_cannot_be_read_fails_episodes_and_stops_the_run_naming_it(
         cfg = load_config(None, [a for a in EASY if not a.startswith("reward.fn")] + [
             f"model.path={tiny_path}", f"run.output_dir={tmp_path}", "run.steps=2", f"reward.judge.url={url}"])
         with pytest.raises(UserCodeError, match=r"step 1: reward.judge.url=http://127.0.0.1:\d+/v1 failed in 32 of 32 "
-                                                r"episodes: no score in the judge's reply: 'Looks good to me!'"):
+                                                r"episodes: no score in the judge's reply \(a 'Score: X' line, X in "
+                                                r"\[0, 1\], or a reply that is only a number\): 'Looks good to me!'"):
             train(cfg)
 
 

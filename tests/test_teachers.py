@@ -207,7 +207,8 @@ def test_a_teacher_that_fails_mid_run_fails_its_episodes_and_stops_the_run_namin
     from relayrl.failures import UserCodeError
     from relayrl.run.loop import train
 
-    with Server(load_policy(tiny_path), load_tokenizer(tiny_path), fail_first=10**6, fail_status=500) as url:
+    # (its first request, the vocabulary check at start, answered; every one after it fails)
+    with Server(load_policy(tiny_path), load_tokenizer(tiny_path), fail_after=1, fail_status=500) as url:
         cfg = load_config(None, OPD + [f"model.path={tiny_path}", f"teacher.url={url}", "teacher.timeout_s=30",
                                        "reward.fn=tests.rewards_for_tests:digit_fraction", "run.steps=2",
                                        f"run.output_dir={tmp_path}"])
@@ -261,3 +262,10 @@ def test_a_teacher_over_http_scores_a_batch_at_once(tiny_path):
         got = t.score(items)
     assert [len(x) for x in got] == [len(r) for _, r in items]
     assert server.max_waiting >= 2  # (one after the other: 1)
+
+
+def test_a_teacher_server_failing_its_vocabulary_check_is_one_line_at_start(tiny_path):
+    model, tok = load_policy(tiny_path), load_tokenizer(tiny_path)
+    with Server(model, tok, fail_first=10**6, fail_status=500) as url:
+        with pytest.raises(ModelError, match=r"teacher.url=.*: the request that checks its vocabulary failed: HTTP 500"):
+            Teachers(TeacherCfg(url=url), tok)

@@ -147,8 +147,8 @@ class RemoteTeacher:
         try:
             reply = call(self.url + "/completions", body, self.key, self.timeout_s, self.retries)
             texts = reply["choices"][0]["logprobs"]["tokens"][: len(probe)]
-        except RemoteError as e:
-            raise TeacherError(str(e)) from None
+        except RemoteError as e:  # (at start: one line, before any work)
+            raise ModelError(f"{self.name}: the request that checks its vocabulary failed: {e}") from None
         except (KeyError, IndexError, TypeError):
             raise ModelError(f"{self.name}: its /completions reply gives no token texts (choices[0].logprobs.tokens) "
                              "to check its vocabulary against the student's; a teacher must share the student's "
