@@ -100,6 +100,32 @@ def test_a_sigterm_finishes_the_step_saves_it_and_stops(tiny_path, tmp_path, mon
     assert not (run / "summary.json").exists()  # not finished: resumed later
 
 
+
+def test_a_step_that_fails_after_a_stop_signal_stops_as_asked(tiny_path, tmp_path, monkeypatch):
+    """slurm's SIGTERM to every process of the job can end a verifier's or an engine's process mid-step:
+    that step fails, is not trained, and the run stops as the signal asked (not as a user code error)."""
+    taken = loop.take_failures
+
+    def killed(groups, state, cfg):
+        if state.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise loop.failures.UserCodeError("step 3: the worker pool's server died")
+        return taken(groups, state, cfg)
+
+    monkeypatch.setattr(loop, "take_failures", killed)
+    threads = torch.get_num_threads()
+    cfg = load_config(None, SMALL + [f"model.path={tiny_path}", f"run.output_dir={tmp_path}", "run.steps=50",
+                                     "run.name=r", "run.log_every_s=0", "run.save_every=1"])
+    try:
+        with pytest.raises(StopRequested, match="after step 2") as e:
+            train(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    assert isinstance(e.value.__cause__, loop.failures.UserCodeError)
+    run = tmp_path / "r"
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_000001", "step_000002"]
+
 def test_a_stop_signal_before_the_first_step_stops_at_once_and_a_second_one_too():
     with StopSignals() as stop:
         with pytest.raises(KeyboardInterrupt):  # nothing to finish: as Ctrl-C
@@ -162,5 +188,5 @@ def test_kill_term_under_a_pipe_prints_lines_and_the_resume_command_and_the_resu
                 load_file(tmp_path / name / "checkpoints" / f"step_{n:06d}" / "model.safetensors"))
 
     (ms, ws), (mw, ww) = trained("stopped"), trained("whole")
-    assert ms == mw and [r[0] for r in ms] == list(range(1, n + 1))
+    assert ms == mw and [r[0] for r in ms] == list(range(1, n + 1)), (k, ms, mw)
     assert all(torch.equal(ws[key], ww[key]) for key in ww)

@@ -254,6 +254,18 @@ def test_a_dead_server_fails_its_calls_and_restarts(pool):
         pool.submit(F + "echo", [1])
 
 
+
+def test_a_stop_signal_to_the_whole_job_is_left_to_the_trainer(pool):
+    """slurm's SIGTERM reaches every process of the job, Ctrl-C's SIGINT the trainer's process group: the
+    server is in neither group, and a SIGTERM while its trainer lives does not end it (the trainer finishes
+    its step with it, then closes it)."""
+    fut = pool.submit(F + "sleep_then", [0.5, 7], timeout_s=20)
+    old = pool.server_pid
+    assert os.getpgid(old) != os.getpgrp()
+    os.kill(old, signal.SIGTERM)
+    assert fut.result(timeout=10) == 7
+    assert pool.server_pid == old and pool.map(F + "echo", [[1]]) == [[1]]
+
 # ---------------------------------------------------------------- RewardRunner on the pool
 
 

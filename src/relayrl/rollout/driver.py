@@ -101,7 +101,8 @@ class EpisodeRollout:
         self.runner.continued = counters.get("partial_resumed", self.runner.continued)
         self.filter, self.filter_cap = filter_groups, filter_max * batch
         self.filtered_ids: list[str] = list(counters.get("filtered_pending", []))  # since the last step
-        self.filtered_tokens = 0  # generated for filtered groups since the last step
+        self.filtered_tokens = counters.get("filtered_tokens_pending", 0)  # generated for filtered groups since the last step
+        self.runner.generated += counters.get("generated_pending", 0)  # (a resumed run: what the stopped one had not taken)
         self.filtered_groups: list[Group] = []  # since the last step (for the rollout records)
         self.last_filtered: list[Group] = []  # those ``take_filtered`` took
         self.filtered_total = counters.get("filtered_total", 0)
@@ -225,7 +226,8 @@ class EpisodeRollout:
     def counters(self) -> dict:
         with self.cv:
             out = {"partial_resumed": self.runner.continued, "filtered_pending": list(self.filtered_ids),
-                   "filtered_total": self.filtered_total}
+                   "filtered_total": self.filtered_total, "filtered_tokens_pending": self.filtered_tokens,
+                   "generated_pending": self.runner.generated}  # (tokens of groups not yet taken: counted at their step)
             if self.budget:
                 live = [g.window for g in (*self.ready, *self.running.values(), *self.waiting) if g.window is not None]
                 first = min(live + [self.admitted // self.batch])  # older windows have no group left to draw

@@ -174,6 +174,10 @@ def _train(cfg: Config, c: Components, state: RunState, trainer_state, ckpt, log
         summary = finish(cfg, c, state, log, startup)
         metrics.finish(summary, timeline)  # curves.png; the pictures and the summary to the trackers
         return summary
+    except (failures.UserCodeError, EngineError) as e:  # a stop signal sent to every process of the job may
+        if stop.signum is None:  # have ended a tool's, a verifier's or an engine's process mid-step: the
+            raise  # step is not trained and the run stops as asked (a resume runs that step again)
+        raise StopRequested(stop.signum, state.step) from e
     finally:
         source.close()
         writer.wait()

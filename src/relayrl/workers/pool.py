@@ -273,7 +273,8 @@ class WorkerPool:
         cmd = self._prefix + [sys.executable, "-c", _BOOT, json.dumps(cfg), _package_root()]
         try:
             proc = subprocess.Popen(cmd, pass_fds=(req_r, rep_w), stdin=subprocess.DEVNULL,
-                                    stdout=self._log or subprocess.DEVNULL, stderr=self._log, cwd=self.cwd)
+                                    stdout=self._log or subprocess.DEVNULL, stderr=self._log, cwd=self.cwd,
+                                    start_new_session=True)  # (a signal to the trainer's group is the trainer's)
         finally:
             os.close(req_r)
             os.close(rep_w)

@@ -28,14 +28,18 @@ class _Shutdown(BaseException):
     """SIGTERM (the trainer died, or someone asked): leave the loop through its cleanup."""
 
 
-def _on_sigterm(signum, frame):
-    raise _Shutdown
+def _on_sigterm(parent_pid: int | None):
+    def handler(signum, frame):
+        if parent_pid is not None and os.getppid() == parent_pid:
+            return  # the trainer lives: a scheduler's SIGTERM to every process of the job is the trainer's to handle
+        raise _Shutdown
+    return handler
 
 
 def _serve(settings_json: str) -> None:
     settings = json.loads(settings_json)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes us
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, _on_sigterm(settings["parent_pid"]))
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)  # SIGTERM, not SIGKILL: we clean up our workers first
     if settings["parent_pid"] is not None and os.getppid() != settings["parent_pid"]:
         return  # the trainer died before the line above
