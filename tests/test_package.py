@@ -163,7 +163,7 @@ def test_the_benchmarks_import_only_what_relayrl_has():
 # the four imports that ran back up — demo → run, models → data, envs → rewards, and rewards → train before train
 # was put below rewards — were moved where their users are). The modules at the top (records, failures, extras,
 # fault_injection, lora_weights, files) are the floor; relayrl/__init__'s lazy `relayrl.Run` is not a layer.
-LAYERS = ["demo", "algos", "config", "tracking", "models", "workers", "engine", "envs", "data", "train", "rewards",
+LAYERS = ["demo", "algos", "config", "tracking", "models", "workers", "workspaces", "engine", "envs", "data", "train", "rewards",
           "rollout", "serve", "run", "cli"]
 
 

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 from relayrl.failures import one_line
 from relayrl.records import Prompt
+from relayrl.workspaces import tasks as workspace_tasks
 from relayrl.data.prompt_sampler import PromptSampler, SamplerState  # noqa: F401 (the sampler of these prompts)
 
 
@@ -246,6 +247,20 @@ def row_id(row: dict, n: int, id_field: str | None, at: str) -> str:
     raise DataError(f"{at} must be a non-empty string or an integer, got {describe(value)}")
 
 
+def _task_prompt(row: dict, path: str, where: str, system_prompt: str | None, seen: set[str]) -> Prompt:
+    """A workspace task's prompt (``relayrl.workspaces.tasks``): its problem statement, its instance id."""
+    try:
+        task = workspace_tasks.from_row(row, path, where)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    if task.instance_id in seen:
+        raise DataError(f"{where}: field 'instance_id': duplicate id {task.instance_id!r:.80}")
+    seen.add(task.instance_id)
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return Prompt(id=task.instance_id, messages=messages + [{"role": "user", "content": task.problem_statement}],
+                  metadata={workspace_tasks.KEY: task.to_dict()})
+
+
 def load_prompts(
     path: str,
     prompt_field: str = "prompt",
@@ -269,6 +284,11 @@ def load_prompts(
         where = f"{path}: {label} {n}"
         if not isinstance(row, dict):
             raise DataError(f"{where}: expected an object with fields, got {describe(row)}")
+        if prompt_field not in row and workspace_tasks.is_task(row):  # SWE-bench's format: nothing to set
+            out.append(_task_prompt(row, path, where, system_prompt, seen))
+            if limit is not None and len(out) >= limit:
+                break
+            continue
         if prompt_field not in row:
             raise DataError(f"{where}: missing field '{prompt_field}' (data.prompt_field); has: "
                             f"{', '.join(map(str, row))[:200]}")

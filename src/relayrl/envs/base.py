@@ -133,6 +133,7 @@ BUILTIN = {
     "single_turn": "relayrl.envs.base:Env",
     "calculator": "relayrl.envs.builtin:CalculatorEnv",
     "python": "relayrl.envs.builtin:PythonEnv",
+    "workspace": "relayrl.envs.workspace:WorkspaceEnv",  # a coding agent in a sandboxed repository (relayrl.workspaces)
     "nim": "relayrl.envs.games:Nim",  # a two-player game (relayrl.envs.multi): self-play
     "proposer_solver": "relayrl.envs.games:ProposerSolver",  # a curriculum on the demo task (relayrl.envs.multi)
 }

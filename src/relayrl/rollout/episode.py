@@ -183,6 +183,8 @@ async def _run_env_episode(runner: EpisodeHost, env, t: Trajectory, params: Samp
         runner.append(t, suffix, [0.0] * len(suffix), [t.versions[-1]] * len(suffix), 0, turn)
         messages += result.messages
         anchors.append(anchor(result.messages))
+    if final is None and callable(getattr(env, "final_reward", None)):  # (a workspace: its tests decide)
+        final = await env_call(runner, env, "final_reward", (), budget, final=True)
     if final is None:  # the verifier decides on the last turn
         final, t.failure = await runner.verified(messages[-1]["content"], t.prompt)
         if t.failure is not None:
@@ -191,4 +193,5 @@ async def _run_env_episode(runner: EpisodeHost, env, t: Trajectory, params: Samp
     t.reward = sum(step_rewards)
     t.text = messages[-1]["content"]
     t.info = {"turns": len(step_rewards), "step_rewards": step_rewards, "anchors": anchors[: len(step_rewards)],
-              **{k: int(v) for k, v in counts.items()}, **({"tool_raised_example": raised} if raised else {})}
+              **{k: int(v) for k, v in counts.items()}, **({"tool_raised_example": raised} if raised else {}),
+              **({"record": env.record} if getattr(env, "record", None) else {})}  # (a workspace: diff, tests)
