@@ -30,6 +30,7 @@ class Prompt:
     messages: list[dict[str, str]]
     answer: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    workspace = None  # an agent program's episode of a workspace task: its workspace (relayrl.workspaces.episode)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ def check(c: BaseModel) -> None:
     _preset(c)
     _adaptive_sampling_where_it_applies(c)
     _lora_learning_rate(c)
+    _workspace_deadlines(c)
     _teachers_and_judges(c)
     r, t = c.rollout, c.trainer
     batch = r.prompts_per_step * r.group_size
@@ -188,6 +189,19 @@ def _adaptive_sampling_where_it_applies(c: BaseModel) -> None:
         r.__dict__["budget"] = "adaptive" if groups else "fixed"
     if "dynamic_sampling" not in r.model_fields_set:
         r.__dict__["dynamic_sampling"] = groups
+
+
+# env.name=workspace: a step may run a task's tests (up to its test_timeout_s, 120 s by default) in a workspace
+WORKSPACE_DEADLINES = {"step_timeout_s": 300.0, "episode_timeout_s": 1800.0}
+
+
+def _workspace_deadlines(c: BaseModel) -> None:
+    """env.step_timeout_s and env.episode_timeout_s, where the user left them unset, for env.name=workspace: room
+    for the final step's test run in a fresh workspace (``relayrl.workspaces.grading``)."""
+    if c.env.name == "workspace":
+        for field, value in WORKSPACE_DEADLINES.items():
+            if field not in c.env.model_fields_set:
+                c.env.__dict__[field] = value
 
 
 def _lora_learning_rate(c: BaseModel) -> None:

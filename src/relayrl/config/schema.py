@@ -17,6 +17,7 @@ from relayrl.config.rules import check
 from relayrl.config.sections import DataCfg, EnvCfg, EvalCfg, ModelCfg, RayCfg, RewardCfg, RolloutCfg, RunCfg, ServeCfg
 from relayrl.config.teachers import SftCfg, TeacherCfg
 from relayrl.config.training import AlgoCfg, CriticCfg, TrainerCfg
+from relayrl.config.workspaces import WorkspaceCfg
 
 
 # A built-in training set's held-out prompts: data.eval_path when it is left unset (data of one's own: none, never
@@ -43,6 +44,7 @@ class Config(BaseModel):
     ray: RayCfg = Field(default_factory=RayCfg)
     sft: SftCfg = Field(default_factory=SftCfg)
     teacher: TeacherCfg = Field(default_factory=TeacherCfg)
+    workspace: WorkspaceCfg = Field(default_factory=WorkspaceCfg)
 
     @property
     def run_dir(self) -> Path:

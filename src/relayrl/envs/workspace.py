@@ -18,14 +18,14 @@ episode: it is left out and counted (``run.max_failure_frac``), never scored 0.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 
 from relayrl.envs.base import StepResult, ToolEnv
 from relayrl.envs.tools import parse_tool_calls
 from relayrl.workspaces import grading
-from relayrl.workspaces.sandbox import PATH, Limits, Workspace, prepare
+from relayrl.workspaces.episode import EpisodeWorkspace, Settings
+from relayrl.workspaces.sandbox import PATH
 from relayrl.workspaces.tasks import Task
 
 _EDITOR = "relayrl/workspaces/editor.py"
@@ -34,53 +34,27 @@ INSTRUCTIONS = ("The repository is checked out at {path} (your working folder). 
                 "when the issue is fixed.")
 
 
-class _Slots:
-    """The run's bound on live workspaces: one semaphore per event loop (episodes share a loop)."""
-
-    def __init__(self):
-        self.by_loop: dict[int, tuple[int, asyncio.Semaphore]] = {}
-
-    def get(self, n: int) -> asyncio.Semaphore:
-        loop = id(asyncio.get_running_loop())
-        if loop not in self.by_loop or self.by_loop[loop][0] != n:
-            self.by_loop[loop] = (n, asyncio.Semaphore(n))
-        return self.by_loop[loop][1]
-
-
-_SLOTS = _Slots()
-
-
 class WorkspaceEnv(ToolEnv):
-    def __init__(self, max_workspaces: int = 16, memory_mb: int = 1024, disk_mb: int = 256,
-                 command_timeout_s: float = 30.0, output_chars: int = 10000, reward: str = "resolved",
-                 max_calls: int = 4):
-        if reward not in grading.REWARDS:
-            raise ValueError(f"reward={reward!r}: one of {', '.join(grading.REWARDS)}")
-        if max_workspaces < 1:
-            raise ValueError("max_workspaces must be at least 1")
-        self.limits = Limits(memory_mb=memory_mb, disk_mb=disk_mb, output_chars=output_chars)
-        self.max_workspaces, self.reward, self.command_timeout_s = max_workspaces, reward, command_timeout_s
+    """Made by the run with the config's ``workspace`` section (``relayrl.workspaces.episode.Settings``)."""
+
+    def __init__(self, settings: Settings = Settings(), max_calls: int = 4):
+        if settings.reward not in grading.REWARDS:
+            raise ValueError(f"workspace.reward={settings.reward!r}: one of {', '.join(grading.REWARDS)}")
+        self.settings, self.command_timeout_s = settings, settings.command_timeout_s
         super().__init__([self.bash, self.view, self.create, self.str_replace, self.submit],
-                         timeout_s=command_timeout_s + 30, max_calls=max_calls)
-        self.ws: Workspace | None = None
-        self.task: Task | None = None
-        self.record: dict | None = None
-        self._slot: asyncio.Semaphore | None = None
+                         timeout_s=settings.command_timeout_s + 30, max_calls=max_calls)
+        self.ws: EpisodeWorkspace | None = None
+
+    @property
+    def record(self) -> dict | None:
+        return self.ws.record if self.ws else None
 
     async def reset(self, prompt) -> list[dict]:
-        self.task = Task.of(prompt)
-        if self.task is None:
+        task = Task.of(prompt)
+        if task is None:
             raise ValueError(f"prompt {prompt.id!r} is no workspace task: env.name=workspace needs rows in "
                              "SWE-bench's format (instance_id, repo, base_commit, problem_statement, ...)")
-        self.lower = await asyncio.to_thread(prepare, self.task.repo, self.task.base_commit)
-        self._slot = _SLOTS.get(self.max_workspaces)
-        await self._slot.acquire()
-        try:
-            self.ws = await Workspace.start(self.lower, self.limits)
-        except BaseException:
-            self._slot.release()
-            self._slot = None
-            raise
+        self.ws = await EpisodeWorkspace(task, self.settings).open()
         messages = [dict(m) for m in prompt.messages]
         messages[-1]["content"] += "\n\n" + INSTRUCTIONS.format(path=PATH)
         return messages
@@ -93,13 +67,7 @@ class WorkspaceEnv(ToolEnv):
 
     async def final_reward(self) -> float:
         """The tests' verdict on the workspace as it stands (also when the episode ran out of turns)."""
-        diff = await self.ws.run("git add -A && git diff --cached --binary HEAD", timeout=60, keep=1 << 22)
-        if diff.exit_code != 0:
-            raise RuntimeError(f"git diff failed in the workspace: {diff.output[-300:]}")
-        await self.close()
-        outcome = await grading.grade(self.task, diff.output, self.lower, self.limits, self.reward)
-        self.record = outcome.summary()
-        return outcome.reward
+        return await self.ws.verdict()
 
     def _info(self) -> dict:
         r = self.record or {}
@@ -107,13 +75,7 @@ class WorkspaceEnv(ToolEnv):
 
     async def close(self) -> None:
         if self.ws is not None:
-            ws, self.ws = self.ws, None
-            try:
-                await ws.close()
-            finally:
-                if self._slot is not None:
-                    self._slot.release()
-                    self._slot = None
+            await self.ws.close()
 
     # -- the tools (what the model sees: their names, arguments and docstrings)
 
@@ -123,7 +85,7 @@ class WorkspaceEnv(ToolEnv):
         Args:
             command: The command, run by bash.
         """
-        r = await self.ws.run(command, timeout=self.command_timeout_s)
+        r = await self.ws.run(command)
         status = f"[timed out after {self.command_timeout_s:g} s]" if r.timed_out else f"[exit code {r.exit_code}]"
         return f"{r.output}{'' if not r.output or r.output.endswith(chr(10)) else chr(10)}{status}"
 

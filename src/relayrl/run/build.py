@@ -98,7 +98,7 @@ def make_rollout(cfg: Config, c: Components, state: RunState, tl: Timeline) -> E
         sampler_state=c.sampler.snapshot)
 
 
-def env_factory(env: EnvCfg, group_size: int | None = None):
+def env_factory(env: EnvCfg, group_size: int | None = None, workspace=None):
     """What makes an episode's environment (``env.name``): None (single-turn), a function making one
     environment per episode, ``Players`` (a multi-agent environment: one per match, and who plays each
     role) or an ``AgentProgram`` (``env.name=agent:...``: sessions of the endpoint)."""
@@ -108,7 +108,7 @@ def env_factory(env: EnvCfg, group_size: int | None = None):
     if kind == "agent":
         if env.eval_roles:
             raise ValueError("env.eval_roles: an agent program plays its roles itself (env.roles names them)")
-        return AgentProgram.load(env.name, name, env.args, env.roles)
+        return AgentProgram.load(env.name, name, env.args, env.roles, workspace)
     if kind == "textarena" and env.args.get("num_players", 1) != 1:  # a two-player game: matches
         from relayrl.envs.adapters.textarena import TextArenaMatch
 
@@ -120,6 +120,8 @@ def env_factory(env: EnvCfg, group_size: int | None = None):
             raise ValueError(f"env.args do not fit TextArenaMatch: {e}") from None
         return Players.of(lambda: TextArenaMatch(name, **args), TextArenaMatch, env.name, env.roles, env.eval_roles,
                           group_size)
+    if env.name == "workspace":  # (its settings: the workspace section)
+        return make_workspace_env(env, workspace)
     make = make_env_factory(env.name, env.args)
     cls = None if kind in ADAPTERS and name else load_env_class(env.name)
     if cls is not None and is_multi_agent(cls):
@@ -128,6 +130,18 @@ def env_factory(env: EnvCfg, group_size: int | None = None):
         raise ValueError(f"env.roles/env.eval_roles: env.name={env.name} is not a multi-agent environment (no roles "
                          "list and turn(): relayrl.envs.multi.MultiAgentEnv)")
     return make
+
+
+def make_workspace_env(env: EnvCfg, workspace):
+    """env.name=workspace: one ``WorkspaceEnv`` per episode, with the workspace section's settings."""
+    from relayrl.envs.workspace import WorkspaceEnv
+    from relayrl.workspaces.episode import Settings
+
+    if env.args or env.roles or env.eval_roles:
+        raise ValueError("env.name=workspace takes no env.args, env.roles or env.eval_roles: its settings are the "
+                         "workspace section's (workspace.max_workspaces, workspace.memory_mb, ...)")
+    settings = Settings.of(workspace) if workspace is not None else Settings()
+    return lambda: WorkspaceEnv(settings)
 
 
 def make_reward_runner(cfg: Config) -> RewardRunner:
@@ -228,7 +242,7 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         reward = make_reward_runner(cfg)  # first: a bad reward.fn fails before the model loads
         undo.callback(reward.close)
         reward.stats.failures, reward.stats.timeouts = state.reward_failures, state.reward_timeouts
-        make_env = env_factory(cfg.env, cfg.rollout.group_size)
+        make_env = env_factory(cfg.env, cfg.rollout.group_size, cfg.workspace)
         if isinstance(make_env, Players) and cfg.rollout.budget == "adaptive":
             if "budget" in cfg.rollout.model_fields_set:  # (set by the user: said, not changed)
                 raise ValueError(f"rollout.budget=adaptive does not combine with env.name={cfg.env.name}, a multi-agent "
@@ -326,7 +340,8 @@ def follower_trainer(cfg: Config) -> Trainer:
         torch.set_num_threads(cfg.run.threads)
     base = resolve_model_path(cfg.model.path, log=lambda *a, **k: None)
     # (model.lora.per_role: the environment's roles, whose adapters rank 0's policy holds)
-    roles = adapter_roles(cfg, env_factory(cfg.env, cfg.rollout.group_size)) if cfg.model.lora.per_role else ()
+    roles = (adapter_roles(cfg, env_factory(cfg.env, cfg.rollout.group_size, cfg.workspace))
+             if cfg.model.lora.per_role else ())
     policy, _ = load_adapter(cfg, load_policy(base, cfg.model.dtype), None, roles)  # (rank 0's weights: by broadcast)
     ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 and not cfg.model.lora.r else None
     return make_trainer(cfg, policy, ref)
@@ -396,7 +411,7 @@ def evaluate_only(cfg: Config, out_dir: str | Path | None = None, settings: str 
             if adapter is not None:
                 engine.load_weights(adapter, 0)
             runner = make_runner(cfg, engine, tokenizer, reward,
-                                 env_factory(cfg.env),
+                                 env_factory(cfg.env, workspace=cfg.workspace),
                                  eos_token_ids(path, tokenizer), model_context(path),
                                  make_scoring(cfg, tokenizer, train=False))
             try:

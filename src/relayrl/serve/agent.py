@@ -31,6 +31,7 @@ program that raises *because* the endpoint refused a request at the episode's li
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import math
 import time
@@ -50,12 +51,13 @@ class AgentProgram:
     fn: Callable
     args: dict
     roles: tuple[str, ...] = ()  # env.roles: each served as the model "<serve.model_name>/<role>"
+    workspace: object = None  # the workspace section (relayrl.workspaces.episode.Settings), for rows that are tasks
 
     def __call__(self, client, prompt):
         return self.fn(client, prompt, **self.args)
 
     @classmethod
-    def load(cls, spec: str, target: str, args: dict, roles=()) -> AgentProgram:
+    def load(cls, spec: str, target: str, args: dict, roles=(), workspace=None) -> AgentProgram:
         """The coroutine function ``target`` (``module:run`` or ``file.py:run``) that ``env.name=spec``
         names; a ``ValueError`` naming the field when it cannot be one."""
         for module in ("fastapi", "uvicorn", "openai"):
@@ -73,7 +75,9 @@ class AgentProgram:
         if bad or len(set(roles)) != len(roles):
             raise ValueError(f"env.roles: {list(roles)} must be distinct names without '/' (each is served as the "
                              "model <serve.model_name>/<role>)")
-        return cls(spec, fn, dict(args), tuple(roles))
+        from relayrl.workspaces.episode import Settings
+
+        return cls(spec, fn, dict(args), tuple(roles), Settings.of(workspace) if workspace is not None else Settings())
 
 
 def _need(module: str) -> None:
@@ -123,14 +127,26 @@ class AgentEpisodes:
 
     async def episode(self, runner, t: Trajectory, params: SamplingParams, train: bool) -> None:
         """Run the program for ``t`` from its prompt; ``t`` gets the latest reply's branch, the other
-        branches go in ``t.info["branches"]`` (``rollout.groups.expand_branches``)."""
+        branches go in ``t.info["branches"]`` (``rollout.groups.expand_branches``). A row that is a workspace
+        task gets its workspace (``prompt.workspace``), closed when the episode ends."""
+        source = f"agent program {self.name} (env.name={runner.limits.env_name})"
+        try:
+            prompt, ws = await _with_workspace(t.prompt, self.program.workspace)
+        except Exception as e:  # noqa: BLE001 - infrastructure: the episode fails, it is not scored
+            raise EpisodeFailed("env", source, f"its workspace: {describe_error(e)}") from None
+        try:
+            await self._episode(runner, t, params, train, prompt, ws, source)
+        finally:
+            if ws is not None:
+                await ws.close()
+
+    async def _episode(self, runner, t: Trajectory, params: SamplingParams, train: bool, prompt, ws, source) -> None:
         lim = runner.limits
-        source = f"agent program {self.name} (env.name={lim.env_name})"
         clear_tokens(t)
         t.finish_reason, t.info = None, {}
         s = self.table.new(runner, t, params, train, lim.max_turns, lim.max_tokens, self.context)
         client, http = self.client(s)
-        task = asyncio.get_running_loop().create_task(self.program(client, t.prompt))
+        task = asyncio.get_running_loop().create_task(self.program(client, prompt))
         try:
             try:
                 result = await _watch(task, s, lim, source)
@@ -155,6 +171,11 @@ class AgentEpisodes:
         branches = s.trained()
         if not branches:
             raise EpisodeFailed("env", source, "it never asked the model anything: there is nothing to train")
+        if result is None and ws is not None:  # a workspace task: its tests decide
+            try:
+                result = await ws.verdict()
+            except Exception as e:  # noqa: BLE001 - infrastructure: the episode fails, it is not scored
+                raise EpisodeFailed("env", source, f"its workspace's tests: {describe_error(e)}") from None
         reward_of = _rewards(result, self.program.roles, {b.info.get("role") for b in branches}, source)
         final = s.last[1]
         if reward_of is None:
@@ -173,6 +194,8 @@ class AgentEpisodes:
                   "branches": len(branches) - 1, "sampling_overrides": c["sampling_overrides"],
                   "merged_turns": c["merged"], "new_branch_tools_changed": c["new_branch_tools_changed"],
                   **({"turn_limit": 1} if s.limit_hit else {}), **({"role": role} if role else {})}
+        if ws is not None and ws.record:
+            t.info["record"] = ws.record  # (the diff that was tested, the tests' statuses)
         if len(branches) > 1:  # (each other role's latest reply: a trajectory of its own, "own"; the rest branches)
             mains = {id(b.traj) for r, b in s.last_of.items() if r != role}
             t.info["branch_tokens"] = [tokens_of(b, json_safe=True)
@@ -180,6 +203,22 @@ class AgentEpisodes:
                                          | ({"role": b.info["role"], "reward": reward_of(b.info["role"]),
                                              "own": id(b) in mains} if b.info.get("role") else {})
                                          for b in branches[:-1]]
+
+
+async def _with_workspace(prompt, settings):
+    """(the prompt the program gets, its workspace): for a row that is a workspace task, a copy of the prompt
+    whose ``workspace`` is the episode's (``relayrl.workspaces.episode.EpisodeWorkspace``: ``.path``,
+    ``await .run(command, timeout=...)``); else the prompt, whose ``workspace`` is None."""
+    from relayrl.workspaces.episode import EpisodeWorkspace
+    from relayrl.workspaces.tasks import Task
+
+    task = Task.of(prompt)
+    if task is None:
+        return prompt, None
+    ws = await EpisodeWorkspace(task, settings).open()
+    prompt = copy.copy(prompt)
+    object.__setattr__(prompt, "workspace", ws)  # (a frozen dataclass: this episode's copy)
+    return prompt, ws
 
 
 def _rewards(result, roles: tuple[str, ...], played: set, source: str) -> Callable[[str | None], float] | None:
