@@ -88,7 +88,7 @@ def test_a_workspace_contains_what_a_command_tries(task, tmp_path):
     outside, marker = tmp_path / "outside", f"1000.{random.randrange(10**9)}"
 
     async def go():
-        async with await Workspace.start(lower, Limits(output_chars=1000)) as ws:
+        async with await Workspace.start(lower, Limits(output_chars=1000, disk_mb=32, memory_mb=256)) as ws:
             out = {}
             for name, cmd, timeout in [
                     ("net", "python -c 'import socket; socket.create_connection((\"1.1.1.1\", 80), timeout=2)'", 10),
@@ -98,6 +98,8 @@ def test_a_workspace_contains_what_a_command_tries(task, tmp_path):
                     ("hang", f"sleep {marker} & sleep 30", 1),
                     ("bomb", "bomb() { bomb | bomb & }; bomb", 3),
                     ("self", "kill -9 $$", 10),
+                    ("disk", "head -c 64000000 /dev/zero > big; echo $?; rm -f big", 10),
+                    ("memory", "python -c 'x = bytearray(512 << 20)'", 10),
                     ("after", "echo still here", 10)]:
                 out[name] = await ws.run(cmd, timeout=timeout)
             return out
@@ -113,6 +115,7 @@ def test_a_workspace_contains_what_a_command_tries(task, tmp_path):
     assert out["hang"].timed_out and out["hang"].exit_code is None and not _procs_with(marker)
     assert out["bomb"].timed_out or out["bomb"].exit_code is not None
     assert out["self"].exit_code == -9 and out["after"].output == "still here\n"
+    assert "No space left on device" in out["disk"].output and "MemoryError" in out["memory"].output
 
 
 def test_killing_the_trainer_leaves_no_workspace_behind(task, tmp_path):
@@ -223,3 +226,19 @@ def test_the_workspace_environment_edits_runs_and_submits(task):
     assert "1 passed" in ran.messages[0]["content"] and ran.messages[0]["content"].endswith("\n[exit code 3]")
     assert submitted.done and submitted.reward == 1.0 and submitted.info == {"resolved": 1, "patch_files_dropped": 0}
     assert "a + b" in env.record["patch"] and env.ws.ws is None  # (graded, closed)
+
+
+def test_the_built_in_task_set_is_fixed_by_its_one_line_and_not_without_it():
+    """builtin:swe-demo-eval (relayrl.demo.swe_task): the bug its statement names is fixed by one line, which its
+    hidden tests see; unchanged, the tests fail."""
+    from relayrl.demo import swe_task
+
+    rows = swe_task.make_rows(32, seed=2, split="eval")
+    assert len({r["repo"] for r in rows}) == 32 and not {r["repo"] for r in rows} & {
+        r["repo"] for r in swe_task.make_rows(100, seed=1, split="train")}
+    for row in rows[:2]:
+        task = from_row(row, "builtin:swe-demo-eval", "row")
+        fix = row["fix"]
+        edit = f"python -c \"import pathlib; p = pathlib.Path('{fix['path']}'); p.write_text(p.read_text().replace(" \
+               f"'{fix['old']}', '{fix['new']}', 1))\""
+        assert _graded(task, edit).reward == 1.0 and _graded(task, NOTHING).reward == 0.0, row["problem_statement"]

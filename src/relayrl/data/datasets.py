@@ -144,12 +144,17 @@ def _builtin_rows(path: str) -> list[dict]:
         if which == "agent-demo":
             return agent_task.make_rows(4000, seed=1, id_prefix="agent-train")
         return agent_task.make_rows(200, seed=2, id_prefix="agent-eval", split="eval")
+    if which in ("swe-demo", "swe-demo-eval"):  # generated repositories (relayrl.demo.swe_task), made on first use
+        from relayrl.demo import swe_task
+
+        return swe_task.make_rows(100, seed=1, split="train") if which == "swe-demo" else \
+            swe_task.make_rows(32, seed=2, split="eval")
     if which in ("nim", "nim-eval", "nim-sft", "proposer-solver", "proposer-solver-eval", "proposer-sft"):  # (examples/self_play.yaml, ...)
         from relayrl.envs import games
 
         return games.rows(which)
     raise DataError(f"unknown built-in dataset {path!r}; valid: builtin:demo, builtin:demo-eval, builtin:demo-sft, "
-                    "builtin:agent-demo, builtin:agent-demo-eval, builtin:nim, builtin:nim-eval, builtin:nim-sft, "
+                    "builtin:agent-demo, builtin:agent-demo-eval, builtin:swe-demo, builtin:swe-demo-eval, builtin:nim, builtin:nim-eval, builtin:nim-sft, "
                     "builtin:proposer-solver, builtin:proposer-solver-eval, builtin:proposer-sft")
 
 

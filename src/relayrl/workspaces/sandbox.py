@@ -158,11 +158,12 @@ class Workspace:
         self.closed = False
 
     @classmethod
-    async def start(cls, lower: Path, limits: Limits = Limits(), timeout_s: float = 60.0) -> Workspace:
+    async def start(cls, lower: Path, limits: Limits = Limits(), timeout_s: float = 60.0, copy: bool = False) -> Workspace:
+        """``copy``: a copy of the checkout, never the overlay (what a kernel refusing it gets; measured against)."""
         root = os.geteuid() == 0
         settings = {"lower": _LOWER, "path": PATH, "scratch": _SCRATCH, "uid": NOBODY if root else None,
                     "nproc": _count_tasks(NOBODY) + limits.procs if root else None, "memory_mb": limits.memory_mb,
-                    "file_mb": limits.file_mb,
+                    "file_mb": limits.file_mb, "copy": copy,
                     "bin_path": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin"}
         cmd = _prefix(lower, limits) + [sys.executable, "-I", "-S", _KEEPER, json.dumps(settings)]
         try:
