@@ -212,3 +212,14 @@ def test_piped_tokens_name_their_versions_and_broken_bytes_show_as_bytes(tiny_pa
     assert text.plain.startswith("[v4]é[v5]\\xc3 2") and "\ufffd" not in text.plain
     _, text = token_view(rec, tok).renderables  # (in colour, the colours say it)
     assert text.plain.startswith("é\\xc3 2")
+
+
+def test_a_workspace_episode_shows_its_tests_and_the_diff_they_ran_on(tmp_path, capsys, monkeypatch):
+    record = {"reward": 0.0, "resolved": False, "statuses": {"tests/test_add.py::test_add": "FAILED"},
+              "patch": "diff --git a/calc.py b/calc.py\n-    return a - b\n+    return a * b\n",
+              "dropped": ["conftest.py"], "note": ""}
+    _write(tmp_path / "run", [_rec(1, 0, 0.0, 3, info={"turns": 2, "record": record})])
+    out = _show(capsys, monkeypatch, tmp_path / "run", "--episode", "0")[1]
+    assert "tests: not resolved, reward 0.0" in out and "FAILED   tests/test_add.py::test_add" in out
+    assert "+    return a * b" in out and "dropped from the diff (tests and their configuration): conftest.py" in out
+    assert "record=" not in out and "turns=2" in out

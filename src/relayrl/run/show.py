@@ -233,8 +233,10 @@ def episode_view(console: Console, run_dir: Path, rec: dict) -> None:
             ("versions", versions_text(rec["versions"])), ("answer", safe(rec.get("answer")))]
     if rec.get("failure"):
         rows.append(("failure", f"[red]{safe(rec['failure'])}"))
-    if rec.get("info"):
-        rows.append(("info", safe(", ".join(f"{k}={v}" for k, v in rec["info"].items()))))
+    info = dict(rec.get("info") or {})
+    record = info.pop("record", None)  # (a workspace task's: the diff that was tested, the tests' statuses)
+    if info:
+        rows.append(("info", safe(", ".join(f"{k}={v}" for k, v in info.items()))))
     for k, v in rows:
         facts.add_row(k, v)
     console.print(facts)
@@ -248,8 +250,23 @@ def episode_view(console: Console, run_dir: Path, rec: dict) -> None:
         if turn.get("env"):
             console.print(Panel(safe(turn["env"]), title=f"turn {k}: environment (tool results, observations)",
                                 title_align="left", border_style="yellow"))
+    if record:
+        _workspace_view(console, record)
     console.print(Panel(token_view(rec, tok, console.color_system is not None), title="tokens by policy version",
                         title_align="left", border_style="magenta"))
+
+
+def _workspace_view(console: Console, record: dict) -> None:
+    """A workspace episode's verdict: each test's status, the diff the tests ran on, what was dropped from it."""
+    verdict = "resolved" if record.get("resolved") else "not resolved"
+    lines = [f"{status:8} {test}" for test, status in sorted(record.get("statuses", {}).items())]
+    lines += [f"dropped from the diff (tests and their configuration): {', '.join(record['dropped'])}"] \
+        if record.get("dropped") else []
+    lines += [f"note: {record['note']}"] if record.get("note") else []
+    console.print(Panel(safe("\n".join(lines) or "(no test ran)"), title=f"tests: {verdict}, reward {record.get('reward')}",
+                        title_align="left", border_style="cyan"))
+    console.print(Panel(safe(record.get("patch") or "(no change)"), title="the diff the tests ran on",
+                        title_align="left", border_style="cyan"))
 
 
 def _response(rec: dict, tok) -> str:
