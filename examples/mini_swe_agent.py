@@ -68,17 +68,18 @@ class WorkspaceEnvironment:
 
 
 async def run(client, prompt, config: str = "mini_textbased.yaml", step_limit: int = 8, timeout: float = 30.0,
-              agent: dict | None = None):
-    """``config``: mini-swe-agent's config (a name it ships or a path); ``agent``: settings of its agent section
-    to replace (examples/mini_swe_agent.yaml shortens its prompts for the demo model's 512-token context)."""
+              agent: dict | None = None, model: dict | None = None):
+    """``config``: mini-swe-agent's config (a name it ships or a path); ``agent``, ``model``: settings of its agent
+    and model sections to replace (examples/mini_swe_agent.yaml shortens their templates for the demo model's
+    512-token context)."""
     if prompt.workspace is None:
         raise ValueError("examples/mini_swe_agent.py: its rows must be tasks in SWE-bench's format (a workspace each)")
     settings = yaml.safe_load(get_config_path(config).read_text())
-    model = get_model(config={**settings.get("model", {}), "model_name": "openai/policy",
-                              "model_class": "litellm_textbased", "cost_tracking": "ignore_errors",
-                              "model_kwargs": {"api_base": str(client.base_url), "api_key": client.api_key}})
+    llm = get_model(config={**settings.get("model", {}), **(model or {}), "model_name": "openai/policy",
+                            "model_class": "litellm_textbased", "cost_tracking": "ignore_errors",
+                            "model_kwargs": {"api_base": str(client.base_url), "api_key": client.api_key}})
     env = WorkspaceEnvironment(prompt.workspace, asyncio.get_running_loop(), timeout)
-    agent = DefaultAgent(model, env, **{**settings.get("agent", {}), **(agent or {}), "step_limit": step_limit,
-                                        "cost_limit": 0})
-    await asyncio.to_thread(agent.run, prompt.messages[-1]["content"])
+    runner = DefaultAgent(llm, env, **{**settings.get("agent", {}), **(agent or {}), "step_limit": step_limit,
+                                       "cost_limit": 0})
+    await asyncio.to_thread(runner.run, prompt.messages[-1]["content"])
     return None  # the task's tests decide

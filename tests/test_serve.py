@@ -355,6 +355,29 @@ def test_a_session_refuses_requests_past_the_episodes_limits(tok):
         runner.close()
 
 
+def test_a_history_that_outgrows_the_context_ends_the_episode_and_a_first_prompt_too_long_is_an_error(tok):
+    runner = served(tok, lambda c: "x " * 5)
+    try:
+        s, client = session(runner)
+        s.context = 60
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "long " * 40}])
+        assert e.value.code == "context_length_exceeded" and s.limit_hit is None  # the program's own input: an error
+        said = client.chat.completions.create(model="policy", messages=PROMPT.messages).choices[0].message.content
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="policy", messages=PROMPT.messages + [
+                {"role": "assistant", "content": said}, {"role": "user", "content": "and more " * 20}])
+        assert s.limit_hit == "the model's context (60 tokens)"  # scored as it stands, like a turn limit
+        s2, client = session(runner)  # a rewritten history (a new branch) too long for the context, after a reply
+        s2.context = 60
+        client.chat.completions.create(model="policy", messages=PROMPT.messages)
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "summary " * 20}])
+        assert s2.limit_hit == "the model's context (60 tokens)"
+    finally:
+        runner.close()
+
+
 @pytest.mark.parametrize("program,kind,error", [
     ("raises", "env", "ZeroDivisionError"),
     ("hangs", "env_timeout", "env.step_timeout_s=0.3"),

@@ -148,6 +148,8 @@ class Session:
 
     def _new(self, prompt_ids: list[int], kind: str, role: str | None = None) -> Branch:
         if self.context is not None and len(prompt_ids) >= self.context:
+            if self.branches:  # the episode's history outgrew the context: it ends there (the first request: an error)
+                self.limit_hit = f"the model's context ({self.context} tokens)"
             raise ApiError(400, f"the prompt is {len(prompt_ids)} tokens; the model's context is {self.context}",
                            code="context_length_exceeded")
         e = self.episode
@@ -187,7 +189,9 @@ class Session:
         limit = min(want or math.inf, self.params.max_new_tokens, self.max_tokens - start,
                     math.inf if self.context is None else self.context - len(t.prompt_ids) - start)
         if limit < 1:
-            self.limit_hit = f"the episode's token budget env.max_tokens={self.max_tokens}"
+            self.limit_hit = (f"the episode's token budget env.max_tokens={self.max_tokens}" if self.max_tokens - start < 1
+                              or min(want or math.inf, self.params.max_new_tokens) < 1
+                              else f"the model's context ({self.context} tokens)")
             raise ApiError(400, "no tokens left for a reply in this episode's budget (env.max_tokens="
                                 f"{self.max_tokens}) or the model's context", code="context_length_exceeded")
         p = self.params
