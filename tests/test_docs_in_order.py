@@ -1,5 +1,5 @@
-"""The docs' commands run in the order a reader meets them: the README, then getting started, then the LoRA
-guide, in one folder, as written (shell lines through bash, heredocs included; the files the pages name on
+"""The docs' commands run in the order a reader meets them, in two readings (``READINGS``, each in its own
+folder: the README, getting started and the guides that use their runs; the agents' guides): as written (shell lines through bash, heredocs included; the files the pages name on
 a block's first line, `# my.yaml`, saved when met). Every command run must exit 0: a later command meets
 the folders the earlier ones left (runs/demo with its checkpoints before `relayrl train run.mode=async`).
 
@@ -25,9 +25,12 @@ from relayrl.config import load_config
 from relayrl.config.naming import run_name
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", ROOT / "docs" / "getting-started.md", ROOT / "docs" / "guides" / "lora.md",
-         *(ROOT / "docs" / "guides" / f"{g}.md" for g in ("sft", "distillation", "judges", "environments",
-                                                           "agent-programs", "multi-agent", "tracking"))]
+GUIDES = ROOT / "docs" / "guides"
+# two readings, each in a folder of its own (the slow tier's two processes take one each): the README's runs and
+# the guides that read them; the agents' guides, which make their own
+READINGS = {"readme-and-training": [ROOT / "README.md", ROOT / "docs" / "getting-started.md",
+                                    *(GUIDES / f"{g}.md" for g in ("lora", "sft", "distillation", "judges", "tracking"))],
+            "agents": [GUIDES / f"{g}.md" for g in ("environments", "agent-programs", "multi-agent", "workspaces")]}
 SHORT = ["run.steps=2", "eval.size=8"]
 LONG = 20  # steps: a run longer than this is shortened
 SKIP = {  # the start of a line -> why it does not run here
@@ -101,13 +104,14 @@ def _shortened(line: str, folder: Path, shortened: set[str]) -> str:
 
 
 @pytest.mark.slow
-def test_the_docs_commands_run_in_the_order_a_reader_meets_them(tmp_path):
+@pytest.mark.parametrize("name", list(READINGS))
+def test_the_docs_commands_run_in_the_order_a_reader_meets_them(tmp_path, name):
     folder = tmp_path / "relayrl"  # (a clone's name)
     folder.mkdir()
     (folder / "examples").symlink_to(ROOT / "examples")  # the pages' commands run in the repository's root
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done, skipped, shortened = [], [], set()
-    for page in PAGES:
+    for page in READINGS[name]:
         for kind, item in reading(page):
             if kind == "file":
                 name, _, body = item.partition("\n")
@@ -124,8 +128,12 @@ def test_the_docs_commands_run_in_the_order_a_reader_meets_them(tmp_path):
             assert proc.returncode == 0, f"{page.name}: {line!r} exited {proc.returncode}: {proc.stderr[-2000:]}"
             done.append(key)
     runs = {p.name for p in (folder / "runs").iterdir() if p.is_dir()}
-    assert {"demo", "demo-run.mode-async", "my-run", "weather-demo", "openai_agent", "demo-model.lora.r-8",
-            "demo-model.lora.r-8-run.mode-async", "demo-model.lora.r-1-trainer.lr-2e-3"} <= runs, runs
+    if name == "agents":
+        assert {"weather-demo", "openai_agent", "swe-demo", "mini_swe_agent"} <= runs, runs
+        assert len(done) >= 10, (done, skipped)
+        return
+    assert {"demo", "demo-run.mode-async", "my-run", "demo-model.lora.r-8", "demo-model.lora.r-8-run.mode-async",
+            "demo-model.lora.r-1-trainer.lr-2e-3"} <= runs, runs
     assert (folder / "runs" / "my-run" / "checkpoints" / "step_000020" / "eval.json").exists()
     assert (folder / "merged" / "model.safetensors").exists()
     assert len(done) >= 15, (done, skipped)
