@@ -274,6 +274,8 @@ _EVAL = (lambda c: c.data.eval_path is not None, "when data.eval_path is set", (
 _ENV = (lambda c: c.env.name is not None, "with an environment (env.name set)", ("env.name",))
 _SERVE = (lambda c: (c.env.name or "").startswith("agent:"), "with an agent program (env.name=agent:...)",
           ("env.name",))
+_WORKSPACE = (lambda c: c.env.name == "workspace" or (c.env.name or "").startswith("agent:"),
+              "with env.name=workspace or an agent program (env.name=agent:...) on workspace tasks", ("env.name",))
 _VLLM = (lambda c: c.rollout.engine == "vllm", "with rollout.engine=vllm", ("rollout.engine",))
 _RAY = (lambda c: c.run.backend == "ray", "with run.backend=ray", ("run.backend",))
 _PROJECT_TRACKERS = ("wandb", "mlflow", "trackio", "swanlab")
@@ -352,6 +354,8 @@ APPLIES_ONLY: dict[str, tuple[Callable[[BaseModel], bool], str, tuple[str, ...]]
     "env.max_tokens": _ENV,
     "env.step_timeout_s": _ENV,
     "env.episode_timeout_s": _ENV,
+    **{f"workspace.{f}": _WORKSPACE for f in ("max_workspaces", "memory_mb", "disk_mb", "command_timeout_s",
+                                                "output_chars", "reward")},
     "serve.host": _SERVE,
     "serve.port": _SERVE,
     "serve.model_name": _SERVE,
