@@ -69,6 +69,23 @@ def test_killed_run_of_an_agent_program_resumes_exactly(tmp_path):
         f"attempt {i} log tail:\n{a['log_tail']}" for i, a in enumerate(r["attempts"]) if a["log_tail"])
 
 
+WORKSPACE = ["data.path=builtin:swe-demo", "env.name=workspace", "env.max_turns=2",
+             "rollout.max_new_tokens=32", "rollout.dynamic_sampling=false", "rollout.budget=fixed"]  # (all 0: nothing to filter)
+
+
+@pytest.mark.slow
+def test_killed_run_of_workspace_episodes_resumes_with_no_workspace_left(tmp_path):
+    """Case 6 (async + partial rollouts, SIGKILLed in a training micro-batch) on workspace tasks
+    (env.name=workspace, builtin:swe-demo): episodes have sandboxes and test runs in flight when the kill
+    lands; no process of the run survives it (bwrap, the keepers and their commands carry the run's marker or
+    die with their sandbox), and every prompt is trained once after the resume."""
+    r = kill_torture.run_case(5, tmp_path, seed=0, extra=WORKSPACE)
+    assert r["kills"] == 1, r["notes"]
+    assert r["passed"], json.dumps({k: r[k] for k in ("where", "checks", "notes", "resumed_from")}, indent=1,
+                                   ensure_ascii=False) + "\n" + "\n".join(
+        f"attempt {i} log tail:\n{a['log_tail']}" for i, a in enumerate(r["attempts"]) if a["log_tail"])
+
+
 # ---------------------------------------------------------------- re-planning a kill that cannot land (fast)
 
 

@@ -40,6 +40,7 @@ def _scripted(*commands: str):
     return reply, asked
 
 
+@pytest.mark.slow  # (~15 s: three episodes with litellm's import; the fast tier's budget is 20 s a test)
 def test_mini_swe_agent_unchanged_in_a_workspace_is_scored_by_the_tests(tmp_path):
     example = _example()
     task = from_row(make_task(tmp_path), str(tmp_path / "tasks.jsonl"), "tasks.jsonl: line 1")
