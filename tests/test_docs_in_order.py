@@ -114,8 +114,8 @@ def test_the_docs_commands_run_in_the_order_a_reader_meets_them(tmp_path, name):
     for page in READINGS[name]:
         for kind, item in reading(page):
             if kind == "file":
-                name, _, body = item.partition("\n")
-                (folder / name).write_text(body)
+                file, _, body = item.partition("\n")
+                (folder / file).write_text(body)
                 continue
             why = next((why for start, why in SKIP.items() if item.startswith(start)), None)
             key = item if "<<" in item else shlex.join(shlex.split(item, comments=True))  # (as the shell reads it)
