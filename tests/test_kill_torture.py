@@ -69,7 +69,7 @@ def test_killed_run_of_an_agent_program_resumes_exactly(tmp_path):
         f"attempt {i} log tail:\n{a['log_tail']}" for i, a in enumerate(r["attempts"]) if a["log_tail"])
 
 
-WORKSPACE = ["data.path=builtin:swe-demo", "env.name=workspace", "env.max_turns=2",
+WORKSPACE = ["data.path=builtin:swe-demo", "env.name=workspace", "env.max_turns=2", "rollout.group_size=2",
              "rollout.max_new_tokens=32", "rollout.dynamic_sampling=false", "rollout.budget=fixed"]  # (all 0: nothing to filter)
 
 
