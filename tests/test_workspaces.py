@@ -157,14 +157,18 @@ def _graded(task, command: str, reward: str = "resolved") -> grading.Outcome:
     return asyncio.run(go())
 
 
-def test_the_tests_decide_and_a_policy_that_edits_or_hooks_them_scores_zero(task):
-    fixed, nothing, edited, forged = (_graded(task, c) for c in (FIX, NOTHING, EDIT_TESTS, FORGE))
+def test_the_tests_decide(task):
+    fixed, nothing = (_graded(task, c) for c in (FIX, NOTHING))
     assert (fixed.reward, fixed.resolved) == (1.0, True) and "a + b" in fixed.patch
     assert fixed.statuses == {"tests/test_add.py::test_add": "PASSED", "tests/test_zero.py::test_zero": "PASSED"}
     assert nothing.reward == 0.0 and nothing.statuses["tests/test_add.py::test_add"] == "FAILED"
-    assert edited.reward == 0.0 and edited.dropped == ["tests/test_add.py"]
-    assert forged.reward == 0.0 and forged.dropped == ["conftest.py"]
     assert _graded(task, NOTHING, reward="fraction").reward == 0.5  # the PASS_TO_PASS test of two
+
+
+def test_a_policy_that_edits_or_hooks_the_tests_scores_zero(task):
+    edited, forged = (_graded(task, c) for c in (EDIT_TESTS, FORGE))
+    assert edited.reward == 0.0 and edited.dropped == ["tests/test_add.py"]
+    assert forged.reward == 0.0 and forged.dropped == ["conftest.py"]  # (without the filter: 1.0)
 
 
 def test_grading_rules_by_hand():
