@@ -129,10 +129,10 @@ def test_the_docs_commands_run_in_the_order_a_reader_meets_them(tmp_path, name):
             done.append(key)
     runs = {p.name for p in (folder / "runs").iterdir() if p.is_dir()}
     if name == "agents":
-        assert {"weather-demo", "openai_agent", "swe-demo", "mini_swe_agent"} <= runs, runs
+        assert {"openai_agent", "swe-demo", "mini_swe_agent", "fsp"} <= runs, runs
         assert len(done) >= 10, (done, skipped)
         return
-    assert {"demo", "demo-run.mode-async", "my-run", "demo-model.lora.r-8", "demo-model.lora.r-8-run.mode-async",
+    assert {"demo", "demo-run.mode-async", "my-run", "weather-demo", "demo-model.lora.r-8", "demo-model.lora.r-8-run.mode-async",
             "demo-model.lora.r-1-trainer.lr-2e-3"} <= runs, runs
     assert (folder / "runs" / "my-run" / "checkpoints" / "step_000020" / "eval.json").exists()
     assert (folder / "merged" / "model.safetensors").exists()
