@@ -18,12 +18,13 @@ import pytest
 from relayrl.data.datasets import DataError, load_prompts
 from relayrl.envs.workspace import WorkspaceEnv
 from relayrl.records import Prompt
+from relayrl.workers.isolation import _python_paths
 from relayrl.workspaces import grading
 from relayrl.workspaces.episode import Settings
-from relayrl.workers.isolation import _python_paths
 from relayrl.workspaces.sandbox import Limits, Workspace, prepare
 from relayrl.workspaces.tasks import KEY, Task, from_row
 from tests.swe_tasks import EDIT_TESTS, FIX, FORGE, NOTHING, git, make_task, write_tasks
+from tests.test_workers import _descendants  # (the trainer's process tree)
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
 ROOT = os.geteuid() == 0
@@ -50,21 +51,6 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
     except OSError:
         return False
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            children.setdefault(int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1]), []).append(int(pid))
-        except OSError:
-            pass
-    found, todo = [], [root]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
 
 
 def test_a_checkout_shows_no_future_and_each_workspace_writes_only_its_own_layer(task):
