@@ -21,9 +21,9 @@ import tempfile
 import time
 
 from relayrl.workers.isolation import _LINUX_CAPABILITY_VERSION_3, _CapData, _CapHeader
+from relayrl.workspaces.keeper import Kept
 
 _DIR_PREFIX = "relayrl-python-"
-_CONTINUATION = bytes(range(0x80, 0xC0))  # UTF-8 continuation bytes: not the start of a character
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -91,23 +91,9 @@ def _start_error(e: BaseException, code: str) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-class _Kept:
-    """The first and the last ``n`` bytes of a stream, and how many characters between them
-    were dropped."""
-
-    def __init__(self, n: int):
-        self.n, self.head, self.tail, self.cut = n, bytearray(), bytearray(), 0
-
-    def add(self, data: bytes) -> None:
-        room = self.n - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        self.tail += data
-        extra = len(self.tail) - self.n
-        if extra > 0:
-            self.cut += len(bytes(self.tail[:extra]).translate(None, _CONTINUATION))
-            del self.tail[:extra]
+class _Kept(Kept):
+    """``Kept`` (``relayrl.workspaces.keeper``: the first and the last ``n`` bytes of a stream), as the tool's
+    result reads it: [head, tail, characters cut]."""
 
     def result(self) -> list:
         if not self.cut:

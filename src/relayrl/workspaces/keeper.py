@@ -86,8 +86,9 @@ def _child(settings: dict, timeout: float):
     return setup
 
 
-class _Kept:
-    """The first and the last ``n`` bytes of a stream, and how many characters between them were dropped."""
+class Kept:
+    """The first and the last ``n`` bytes of a stream, and how many characters between them were dropped (also the
+    python tool's: ``relayrl.envs.python_exec``)."""
 
     def __init__(self, n: int):
         self.n, self.head, self.tail, self.cut = n, bytearray(), bytearray(), 0
@@ -124,7 +125,7 @@ def _kill_the_rest() -> None:
 
 
 def _run(settings: dict, req: dict) -> dict:
-    timeout, kept = float(req.get("timeout", 10.0)), _Kept(int(req.get("keep", 10000)))
+    timeout, kept = float(req.get("timeout", 10.0)), Kept(int(req.get("keep", 10000)))
     env = {"PATH": settings["bin_path"], "HOME": os.path.join(settings["scratch"], "home"), "TMPDIR": "/tmp",
            "LANG": "C.UTF-8", "TERM": "dumb", "PAGER": "cat", "GIT_PAGER": "cat", "PYTHONDONTWRITEBYTECODE": "1",
            "OMP_NUM_THREADS": "1", "GIT_CONFIG_NOSYSTEM": "1"}
