@@ -69,6 +69,18 @@ def test_a_checkout_shows_no_future_and_each_workspace_writes_only_its_own_layer
     assert "a + b" in mine and "a - b" in theirs and "a - b" in (lower / "calc.py").read_text()
 
 
+def test_a_run_started_from_tmp_starts_its_workspaces(task, monkeypatch):
+    monkeypatch.chdir("/tmp")  # (hidden as a working folder, the sandbox's own /tmp was left read-only)
+    lower = prepare(task.repo, task.base_commit)
+
+    async def go():
+        async with await Workspace.start(lower) as ws:
+            return await ws.run("cat calc.py && touch new && ls /tmp")
+
+    r = asyncio.run(go())
+    assert r.exit_code == 0 and "a - b" in r.output
+
+
 def test_a_workspace_contains_what_a_command_tries(task, tmp_path):
     lower = prepare(task.repo, task.base_commit)
     outside, marker = tmp_path / "outside", f"1000.{random.randrange(10**9)}"

@@ -277,8 +277,10 @@ def _python_paths() -> list[str]:
 def private_folders() -> list[str]:
     """What a sandbox for model-written code hides by default: the folder the trainer runs in
     (the project, its runs and checkpoints) and the home folder (tokens: ~/.cache/huggingface,
-    ~/.ssh, ~/.netrc), where they are folders other than /."""
-    return [p for p in (os.getcwd(), os.path.expanduser("~")) if os.path.isdir(p) and os.path.realpath(p) != "/"]
+    ~/.ssh, ~/.netrc), where they are folders other than / and /tmp (a sandbox's /tmp is its own already:
+    hiding it would leave it read-only, so a run started from /tmp could start no sandbox)."""
+    return [p for p in (os.getcwd(), os.path.expanduser("~"))
+            if os.path.isdir(p) and os.path.realpath(p) not in ("/", "/tmp")]
 
 
 def _check_bwrap(prefix: list[str]) -> None:
