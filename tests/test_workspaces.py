@@ -163,6 +163,16 @@ def test_the_tests_decide(task):
     assert _graded(task, NOTHING, reward="fraction").reward == 0.5  # the PASS_TO_PASS test of two
 
 
+def test_a_patch_already_tested_is_not_tested_again(task, monkeypatch):
+    first = _graded(task, FIX)
+    started, real = [], grading._test
+    monkeypatch.setattr(grading, "_test", lambda *a: started.append(1) or real(*a))
+    again = _graded(task, FIX + " && " + EDIT_TESTS)  # the same patch once the test file's change is dropped
+    assert (again.reward, again.patch, again.statuses) == (first.reward, first.patch, first.statuses)
+    assert again.dropped == ["tests/test_add.py"] and first.dropped == [] and started == []
+    assert _graded(task, NOTHING).reward == 0.0 and started == [1]  # another patch: tested
+
+
 def test_a_policy_that_edits_or_hooks_the_tests_scores_zero(task):
     edited, forged = (_graded(task, c) for c in (EDIT_TESTS, FORGE))
     assert edited.reward == 0.0 and edited.dropped == ["tests/test_add.py"]

@@ -13,6 +13,10 @@ and binary files. The rest goes to a **fresh** workspace, where the test patch i
 counts when PASSED (or XFAIL), a PASS_TO_PASS test when PASSED (or SKIPPED, XFAIL); a test missing from the
 summary has failed. A run that exits non-zero while reporting no failure is a forged report: 0.
 
+A task's tests run once per distinct patch in a process: the verdict on a patch that was tested already (a
+group's episodes that made the same change, or none) is the one it got, without running the tests again. As
+SWE-bench, this takes a task's tests to be deterministic; a run of them that timed out is never reused.
+
 Rewards (``WorkspaceEnv(reward=...)``): ``resolved`` (default): 1 when every FAIL_TO_PASS and every
 PASS_TO_PASS test passes, else 0; ``fraction``: the share of those tests that pass (0 for a forged run).
 
@@ -22,8 +26,11 @@ reports from there (as in every harness that imports the code under test, SWE-be
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 
 from relayrl.workspaces.sandbox import Limits, Workspace
@@ -31,6 +38,8 @@ from relayrl.workspaces.sandbox import Limits, Workspace
 _DIFF_HEAD = re.compile(r"^diff --git a/(.*?) b/(.*)$", re.MULTILINE)
 _STATUS = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+)", re.MULTILINE)
 _TEST_DIRS = {"tests", "test", "testing"}
+_TESTED: OrderedDict[str, Outcome] = OrderedDict()  # verdicts by task and patch (the module doc), newest last
+_TESTED_MAX = 4096
 _CONFIG = {"conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "sitecustomize.py",
            "usercustomize.py", "pytest.py", "noxfile.py"}
 REWARDS = ("resolved", "fraction")
@@ -115,6 +124,19 @@ async def grade(task, diff: str, lower: Path, limits: Limits = Limits(), reward:
     """The outcome of ``diff`` on ``task`` (a ``relayrl.workspaces.tasks.Task``): see the module doc.
     ``WorkspaceError`` when the fresh workspace fails (infrastructure: the episode fails, it is not scored)."""
     patch, dropped = filter_patch(diff, patch_paths(task.test_patch))
+    key = hashlib.sha256(json.dumps([task.to_dict(), patch, reward], sort_keys=True).encode()).hexdigest()
+    if key in _TESTED:
+        _TESTED.move_to_end(key)
+        return replace(_TESTED[key], dropped=dropped)
+    outcome = await _test(task, patch, dropped, lower, limits, reward)
+    if not outcome.note.startswith("the tests did not finish"):
+        _TESTED[key] = outcome
+        while len(_TESTED) > _TESTED_MAX:
+            _TESTED.popitem(last=False)
+    return outcome
+
+
+async def _test(task, patch: str, dropped: list[str], lower: Path, limits: Limits, reward: str) -> Outcome:
     async with await Workspace.start(lower, limits) as ws:
         if patch.strip():
             applied = await ws.run(["git", "apply", "--whitespace=nowarn", "-"], timeout=60, stdin=patch)
