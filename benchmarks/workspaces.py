@@ -11,6 +11,13 @@ at once running a task's tests.
    tests/swe_tasks.py) and closed: the wall time, the peak memory the machine used above its idle level
    (MemTotal - MemAvailable, sampled every 20 ms; tmpfs pages included) and the processes and mounts left
    after (none may be).
+3. ``--episodes`` episodes of the workspace demo (``examples/swe_demo.yaml``: its warm-started model, the held-out
+   repositories, env.name=workspace), played twice on the same engine: **one at a time** (an agent loop that
+   waits for each tool, as a synchronous harness runs), then **all at once** (relayrl's episodes, whose tool calls
+   overlap the others' generation). Per episode, the share of its wall time spent in environment calls (sandbox,
+   tools, tests: OS-level work); for the concurrent play, from its timeline (``timeline.png`` in the results
+   folder's ``workspaces-timeline/``), the share of the wall time in which OS-level work stalled generation (the environment lane busy, no
+   request in flight) against the OS-level time it hid.
 """
 
 from __future__ import annotations
@@ -81,6 +88,59 @@ async def many(lower: Path, n: int, task_cmd: list[str]) -> dict:
             "timed_out": sum(c is None for c in codes)}
 
 
+def episodes(n: int, out: Path) -> tuple[list, dict]:
+    """Part 3 (the module doc): the demo's episodes one at a time, then all at once."""
+    from relayrl.config import load_config
+    from relayrl.records import Trajectory
+    from relayrl.run.build import build, load_data
+    from relayrl.run.checkpoint import RunState
+    from relayrl.tracking.timeline import Timeline
+
+    cfg = load_config(str(ROOT / "examples" / "swe_demo.yaml"), [f"eval.size={n}"])
+    c = build(cfg, RunState(), None, load_data(cfg), log=lambda *a, **k: None)
+    try:
+        prompts, result = c.eval_prompts[:n], {}
+        for how in ("one at a time", "all at once"):
+            c.runner.timeline = tl = Timeline()
+            trajs = [Trajectory(p, f"{how[0]}{i}", 0, []) for i, p in enumerate(prompts)]
+            start = time.perf_counter()
+            if how == "one at a time":
+                for t in trajs:
+                    c.runner.run(c.runner.episode(t, c.params, train=False))
+            else:
+                async def together():
+                    await asyncio.gather(*(c.runner.episode(t, c.params, train=False) for t in trajs))
+                c.runner.run(together())
+            wall = time.perf_counter() - start
+            c.runner.mark_engine()
+            env_s, ep_s = sum(t.info["env_s"] for t in trajs), sum(t.info["episode_s"] for t in trajs)
+            stalled = _lane_alone(tl, "environment", "engine")
+            result[how] = {"wall_s": wall, "env_s": env_s, "episode_s": ep_s, "os_share": env_s / ep_s,
+                           "stalled_s": stalled, "resolved": sum(t.reward for t in trajs) / n}
+            if how == "all at once":
+                (out / "workspaces-timeline").mkdir(parents=True, exist_ok=True)
+                tl.save(out / "workspaces-timeline")
+        return [[f"{n} demo episodes, {how}", f"{r['wall_s']:.1f} s", f"OS-level {r['os_share']:.0%} of an episode's "
+                 f"wall time", f"OS-level work alone (no generation) {r['stalled_s'] / r['wall_s']:.0%} of the wall; "
+                 f"{1 - r['stalled_s'] / r['env_s']:.0%} of its {r['env_s']:.1f} s hidden"]
+                for how, r in result.items()], result
+    finally:
+        c.close()
+
+
+def _lane_alone(tl, lane: str, other: str) -> float:
+    """Seconds ``lane`` was busy while ``other`` was not."""
+    edges = sorted([(s, 1 if ln == lane else 2) for ln, s, _ in tl.intervals if ln in (lane, other)] +
+                   [(e, -1 if ln == lane else -2) for ln, _, e in tl.intervals if ln in (lane, other)])
+    alone, depth, last = 0.0, {1: 0, 2: 0}, 0.0
+    for at, kind in edges:
+        if depth[1] > 0 and depth[2] == 0:
+            alone += at - last
+        depth[abs(kind)] += 1 if kind > 0 else -1
+        last = at
+    return alone
+
+
 def leftovers() -> tuple[int, int]:
     keepers = subprocess.run(["pgrep", "-f", "workspaces/keeper.py"], capture_output=True, text=True).stdout.split()
     mounts = Path("/proc/self/mountinfo").read_text().count(" overlay ")
@@ -92,11 +152,12 @@ def main() -> None:
     p.add_argument("--files", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--many", type=int, default=64)
+    p.add_argument("--episodes", type=int, default=32, help="demo episodes played each way (0: none)")
     p.add_argument("--check", action="store_true", help="a tiny scale: checks the script")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if a.check:
-        a.files, a.repeats, a.many = 20, 2, 4
+        a.files, a.repeats, a.many, a.episodes = 20, 2, 4, 2
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         repo = big_repo(tmp, a.files)
@@ -132,7 +193,11 @@ def main() -> None:
                      f"peak +{peak[0] - idle:.0f} MiB ({(peak[0] - idle) / a.many:.0f} MiB each)",
                      f"exit codes {out['exit_codes']}, {out['timed_out']} timed out; left after: {keepers} keepers, "
                      f"{mounts} overlay mounts"])
-    write_results(results_dir(a.out, a.check), "workspaces", ["what", "time", "size / memory", "note"], rows, data)
+    out = results_dir(a.out, a.check)
+    if a.episodes:
+        more, data["episodes"] = episodes(a.episodes, out)
+        rows += more
+    write_results(out, "workspaces", ["what", "time", "size / memory", "note"], rows, data)
 
 
 if __name__ == "__main__":

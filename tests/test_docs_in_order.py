@@ -3,8 +3,8 @@ folder: the README, getting started and the guides that use their runs; the agen
 a block's first line, `# my.yaml`, saved when met). Every command run must exit 0: a later command meets
 the folders the earlier ones left (runs/demo with its checkpoints before `relayrl train run.mode=async`).
 
-One change, said here: a training run of more than 20 steps (the demo's 80) gets `run.steps=2 eval.size=8`
-appended, so the whole reading takes minutes, and a later command's path to one of its checkpoints
+One change, said here: a training run of more than 20 steps (the demo's 80), or of more than 2 on workspaces,
+gets `run.steps=2 eval.size=8` appended, so the whole reading takes minutes, and a later command's path to one of its checkpoints
 (`runs/x/checkpoints/step_000040/...`) or a step of its records (`relayrl show runs/x --step 40`) names its step 2; shorter ones run as written (the README's 20-step
 run, whose checkpoint step_000020 a later command names). A command met again is not run again (the reader has run
 it). Lines that cannot run here are left out with their reason (``SKIP``)."""
@@ -94,7 +94,7 @@ def _shortened(line: str, folder: Path, shortened: set[str]) -> str:
         return line
     config, overrides = cli._split([w for w in words[2:] if not w.startswith("--")])
     cfg = load_config(str(folder / config) if config else None, overrides)  # (relayrl sft's default: 80 steps too)
-    if cfg.run.steps <= LONG:
+    if cfg.run.steps <= (LONG if cfg.env.name != "workspace" else 2):  # (a workspace episode takes seconds)
         return line
     short = SHORT if cfg.data.eval_path else SHORT[:1]  # (eval.size is refused where nothing is evaluated)
     named = "name" in cfg.run.model_fields_set

@@ -219,6 +219,82 @@ def test_calls_of_one_turn_run_at_once(tok):
     assert b0 < a1  # the second started before the first ended
 
 
+def test_an_episodes_time_in_its_environment_is_measured_and_on_the_timeline(tok):
+    from relayrl.run.evaluation import env_share
+    from relayrl.tracking.timeline import Timeline
+
+    def timed(seconds: float) -> str:
+        """Sleep in a thread.
+
+        Args:
+            seconds: How long.
+        """
+        time.sleep(seconds)
+        return "slept"
+
+    call = '<tool_call>{"name": "timed", "arguments": {"seconds": 0.3}}</tool_call>'
+    runner = make_runner(tok, lambda c: "\\boxed{5}" if "<tool_response>" in c else call,
+                         lambda: ToolEnv([timed], timeout_s=5))
+    runner.timeline = tl = Timeline()
+    try:
+        t = run(runner, Trajectory(PROMPT, "g", 0, []))
+    finally:
+        runner.close()
+    assert 0.3 <= t.info["env_s"] <= t.info["episode_s"]
+    lane = [(s, e) for ln, s, e in tl.intervals if ln == "environment"]
+    assert tl.busy_seconds("environment") >= 0.3 and all(0 <= s <= e <= tl.now() for s, e in lane)
+    assert env_share([t.info, {"env_s": 1.0, "episode_s": 4.0}, {"turns": 1}]) == {
+        "env_time_frac": (t.info["env_s"] + 1.0) / (t.info["episode_s"] + 4.0)}
+    assert env_share([{"turns": 1}]) == {}  # (no environment: no share)
+
+
+def long_output(n: int) -> str:
+    """Words, many of them.
+
+    Args:
+        n: How many.
+    """
+    return " ".join(["word"] * n)
+
+
+def test_env_context_elide_goes_on_in_a_new_branch_trained_as_sampled(tok):
+    """env.context=elide: where the next observations do not fit, the earlier tool outputs become a marker and the
+    episode goes on as a new branch; each branch is exactly what the engine sampled from (its prompt the rewritten
+    history), trained with the episode's reward. With env.context=end the same episode ends at the limit."""
+    from relayrl.envs.chat import elide
+    from relayrl.rollout.groups import expand_branches
+    from relayrl.records import Group
+
+    call = '<tool_call>{"name": "long_output", "arguments": {"n": 20}}</tool_call>'
+    reply = lambda c: call if c.count("<tool_response>") < 3 else "\\boxed{5}"  # noqa: E731
+    outcomes = {}
+    for context in ("end", "elide"):
+        runner = make_runner(tok, reply, lambda: ToolEnv([long_output]),
+                             EpisodeLimits(6, 300, context=context, max_context_tokens=650))
+        try:
+            outcomes[context] = run(runner, Trajectory(PROMPT, "g", 0, []), SamplingParams(80, 1.0))
+        finally:
+            runner.close()
+    ended, t = outcomes["end"], outcomes["elide"]
+    assert ended.finish_reason == FinishReason.LENGTH and ended.reward == 0.0 and "branch_tokens" not in ended.info
+    assert t.reward == 1.0 and t.info["context_rewrites"] == len(t.info["branch_tokens"]) >= 1
+    assert "characters of output elided]" in tok.decode(t.prompt_ids)
+    g = Group(PROMPT, "g", [t])
+    expand_branches(g)
+    assert len(g.trajectories) == 1 + t.info["context_rewrites"]
+    for b in g.trajectories:
+        assert len(b.prompt_ids) + len(b.response_ids) <= 650 and b.reward == 1.0
+        assert len(b.behav_logprobs) == len(b.versions) == len(b.mask) == len(b.response_ids)
+        sampled = tok.decode([x for x, m in zip(b.response_ids, b.mask) if m])
+        assert sampled.replace(call, "").replace("\\boxed{5}", "").replace(tok.eos_token, "") == ""
+    assert [b.info.get("branch_of") for b in g.trajectories[1:]] == [0] * t.info["context_rewrites"]
+    # by hand: every tool output is elided, once
+    msgs = [{"role": "user", "content": "q"}, {"role": "tool", "content": "abc"}, {"role": "assistant", "content": "a"}]
+    once = elide(msgs)
+    assert once[1]["content"] == "[3 characters of output elided]" and once[0] == msgs[0] and msgs[1]["content"] == "abc"
+    assert elide(once) is None
+
+
 def test_max_turns_and_the_token_budget_end_an_episode(tok):
     always = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>'
     runner = make_runner(tok, lambda c: always, lambda: ToolEnv([add]), limits=EpisodeLimits(3, 10_000))

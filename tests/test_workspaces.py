@@ -252,5 +252,5 @@ def test_the_built_in_task_set_is_fixed_by_its_one_line_and_not_without_it():
         task = from_row(row, "builtin:swe-demo-eval", "row")
         fix = row["fix"]
         edit = f"python -c \"import pathlib; p = pathlib.Path('{fix['path']}'); p.write_text(p.read_text().replace(" \
-               f"'{fix['old']}', '{fix['new']}', 1))\""
+               f"{fix['old']!r}, {fix['new']!r}, 1))\""
         assert _graded(task, edit).reward == 1.0 and _graded(task, NOTHING).reward == 0.0, row["problem_statement"]

@@ -57,6 +57,9 @@ def check(c: BaseModel) -> None:
                          "program's episodes carry no anchor states to group its steps by, and the extra "
                          "branches of its session would count as episodes of their group; use an episode-level "
                          "advantage (grpo, rloo, ...)")
+    if c.algo.advantage == "gigpo" and c.env.context == "elide":
+        raise ValueError("algo.advantage='gigpo' does not combine with env.context=elide: a rewritten history's "
+                         "branches carry no anchor states of their own; use an episode-level advantage (grpo, rloo, ...)")
     _check_algo(c)
     if r.engine == "vllm" and c.model.lora.r:
         vllm_lora_rank(c.model.lora.r)
@@ -364,6 +367,9 @@ APPLIES_ONLY: dict[str, tuple[Callable[[BaseModel], bool], str, tuple[str, ...]]
     "algo.gamma": (lambda c: c.algo.advantage in ("gigpo", "reinforce_pp", "gae", "evpo"),
                    "with algo.advantage=gigpo, reinforce_pp, gae or evpo", ("algo.advantage",)),
     "algo.lam": _CRITIC,
+    "env.context": (lambda c: bool(c.env.name) and not c.env.name.startswith("agent:"), "with an environment's "
+                    "episodes (env.name; an agent program's history is its own)", ("env.name",)),
+    "env.max_context_tokens": (lambda c: c.env.context == "elide", "with env.context=elide", ("env.context",)),
     "algo.evpo_level": (lambda c: c.algo.advantage == "evpo", "with algo.advantage=evpo", ("algo.advantage",)),
     "algo.kl_mode": (lambda c: c.algo.kl_coef > 0, "with algo.kl_coef > 0", ("algo.kl_coef",)),
     "algo.dual_clip": (lambda c: c.algo.loss == "ppo_clip", "with algo.loss=ppo_clip (the other losses have no "

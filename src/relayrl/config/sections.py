@@ -25,12 +25,9 @@ class RunCfg(_Section):
     output_dir: str = Field("runs", description="Parent folder of run directories.")
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
     steps: int = Field(80, ge=1, description="Number of training steps (one policy update each).")
-    mode: Literal["sync", "periodic", "async"] = Field(
-        "sync",
-        description="Pipeline mode. 'sync': generate, then train. 'periodic': the next batch is generated while "
-        "this one trains; weights are published between batches (one version of lag, corrected). 'async': "
-        "generation streams continuously, at most rollout.max_staleness versions ahead of training.",
-    )
+    mode: Literal["sync", "periodic", "async"] = Field("sync", description="Pipeline mode. 'sync': generate, then "
+        "train. 'periodic': the next batch is generated while this one trains; weights are published between batches (one "
+        "version of lag, corrected). 'async': generation streams continuously, at most rollout.max_staleness versions ahead.")
     save_every: int = Field(10, ge=0, description="Checkpoint every N steps (0: only at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="How many recent checkpoints to keep.")
     save_rollouts: int = Field(
@@ -216,17 +213,15 @@ class DataCfg(_Section):
         "sampling from per-prompt Beta posteriors of success, preferring prompts whose reward variance p(1-p) is "
         "high (neither solved nor hopeless). 'cures': drawn with probability ∝ sqrt(p(1-p)) of the posterior mean. "
         "Selection reorders each epoch (every prompt still comes once per epoch); its posteriors are checkpointed.")
-    selection_pool: int = Field(
-        4, ge=2, le=64, description="Selection: candidates considered per prompt drawn (the next pool × n of the "
-        "epoch's order; those passed over go to the epoch's end).")
-    selection_forget: float = Field(
-        0.9, gt=0, le=1, description="Selection: weight kept by a prompt's evidence per policy version since it was "
-        "gathered (1: never forget).")
+    selection_pool: int = Field(4, ge=2, le=64, description="Selection: candidates considered per prompt drawn (the "
+                                "next pool × n of the epoch's order; those passed over go to the epoch's end).")
+    selection_forget: float = Field(0.9, gt=0, le=1, description="Selection: weight kept by a prompt's evidence per "
+                                    "policy version since it was gathered (1: never forget).")
     selection_key: str | None = Field(
         None, description="Selection: a metadata field grouping prompts (a difficulty level, a task name): a prompt "
         "not seen yet starts from its group's pooled success rate (null: all prompts' pooled rate).")
-    selection_prior: float = Field(
-        2.0, gt=0, description="Selection: strength of a prompt's prior, in pseudo-observations of its group's rate.")
+    selection_prior: float = Field(2.0, gt=0, description="Selection: strength of a prompt's prior, in "
+                                   "pseudo-observations of its group's rate.")
 
 
 class RolloutCfg(_Section):
@@ -462,6 +457,11 @@ class EnvCfg(_Section):
         256, ge=1, description="Token budget of one episode after its prompt: the policy's turns and the tool "
         "results and template tokens between them (rollout.max_new_tokens bounds each turn; an agent program: "
         "each branch of its session).")
+    context: Literal["end", "elide"] = Field("end", description="When the next observations do not fit (env.max_tokens, "
+        "env.max_context_tokens): end the episode there, scored as it stands; or elide every earlier tool output to a marker "
+        "and go on in a new branch of the episode, its tokens, versions and log-probs its own, trained with its reward.")
+    max_context_tokens: int | None = Field(None, ge=16, description="env.context=elide: the most tokens a turn's context "
+                                           "may hold with rollout.max_new_tokens free (null: the prompt's + env.max_tokens).")
     step_timeout_s: float = Field(
         60.0, gt=0, description="Deadline of each environment call (reset, step, close; an agent program: each "
         "stretch it runs between its requests); past it the episode fails and is left out of training "

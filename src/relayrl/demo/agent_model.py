@@ -66,6 +66,12 @@ RECIPE = {
 
 
 def build_tokenizer(seed: int, vocab_size: int, n_texts: int = 2000):
+    text = [m["content"] for conv in agent_task.corpus(n_texts, seed, tool_rate=0.5) for m in conv]
+    return train_tokenizer(text, vocab_size)
+
+
+def train_tokenizer(text: list[str], vocab_size: int, special: list[str] = SPECIAL, template: str = CHAT_TEMPLATE):
+    """A byte-level BPE tokenizer trained on ``text``, with ``special`` tokens (pad, end of turn, the roles)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -81,18 +87,17 @@ def build_tokenizer(seed: int, vocab_size: int, n_texts: int = 2000):
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    text = [m["content"] for conv in agent_task.corpus(n_texts, seed, tool_rate=0.5) for m in conv]
     tok.train_from_iterator(text, trainer)
     # padding_side survives save_pretrained only when given to the constructor.
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        pad_token="<|pad|>",
-        eos_token="<|end|>",
+        pad_token=special[0],
+        eos_token=special[1],
         padding_side="left",
-        chat_template=CHAT_TEMPLATE,
-        additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"],
+        chat_template=template,
+        additional_special_tokens=special[2:],
     )
 
 

@@ -89,7 +89,7 @@ def build_model(tokenizer, recipe: dict):
         num_hidden_layers=recipe["layers"],
         num_attention_heads=recipe["heads"],
         num_key_value_heads=recipe["heads"],
-        max_position_embeddings=512,
+        max_position_embeddings=recipe.get("max_positions", 512),
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,

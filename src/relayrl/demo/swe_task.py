@@ -6,7 +6,8 @@ statement describes and hidden tests (its test patch) that catch it, in SWE-benc
 
 Each repository: ``<module>.py`` with three functions of the bug families below (one of them wrong), and
 ``tests/test_<module>.py`` testing the other two (the PASS_TO_PASS tests). The test patch adds
-``tests/test_<function>.py`` (the FAIL_TO_PASS test). The fix is one line.
+``tests/test_<function>.py`` (the FAIL_TO_PASS test). The fix is one line. ``content`` makes a repository's
+files without git, for the warm start's scripted episodes (``relayrl.demo.swe_model``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-VERSION = 2
+VERSION = 3
+# The tests, without the plugins of the trainer's environment (pytest-randomly, hypothesis, ...: 1.3 s of each
+# run here, for tests that need none of them).
+TEST_CMD = "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -m pytest -rA -p no:cacheprovider tests"
 MODULES = ["mathutil", "helpers", "calc", "tools", "core", "ops", "basic", "util"]  # (none a standard module)
 # (name, correct line, buggy line, call, expected, the statement's wrong value), with {a} {b} filled per repository
 FAMILIES = [
@@ -48,43 +52,51 @@ def _git(repo: Path, *args: str) -> str:
                           check=True, capture_output=True, text=True).stdout.strip()
 
 
-def _make_one(folder: Path, rng: random.Random, iid: str) -> dict:
+def content(rng: random.Random) -> dict:
+    """One repository's files and task, from ``rng`` (no git): ``files`` (path -> text), ``test_file`` and
+    ``test_body`` (what the test patch adds), ``statement``, ``fix`` (the file, the wrong function's first two
+    lines and what they must become: one exact occurrence), ``hidden`` and ``visible`` (test ids)."""
     module = rng.choice(MODULES)
     fams = rng.sample(FAMILIES, 3)
     suffix = rng.choice(SUFFIXES)
     a, b = rng.randint(3, 9), rng.randint(3, 9)  # (3 and more: n + n != n * n)
     fill = {"a": a, "b": b, "s": suffix}
     names = [f[0].format(**fill) for f in fams]
-    src = []
-    for i, (name, (_, right, wrong, *_)) in enumerate(zip(names, fams)):
-        base = name.rsplit("_", 1)[0]
-        src.append(f"def {name}({ARG[base]}):\n    {wrong if i == 0 else right}\n")
-    repo = folder / iid
-    (repo / "tests").mkdir(parents=True)
-    (repo / f"{module}.py").write_text("\n\n".join(src))
+    heads = [f"def {name}({ARG[name.rsplit('_', 1)[0]]}):" for name in names]
+    src = [f"{head}\n    {wrong if i == 0 else right}\n" for i, (head, (_, right, wrong, *_)) in enumerate(zip(heads, fams))]
     old = [f"from {module} import {', '.join(names[1:])}\n"]
     for name, (_, _, _, call, expected, _) in zip(names[1:], fams[1:]):
         old.append(f"\n\ndef test_{name}():\n    assert {name}{call.format(**fill)} == {expected.format(**fill)}\n")
-    (repo / "tests" / f"test_{module}.py").write_text("".join(old))
+    name, (_, right, wrong, call, expected, wrong_value) = names[0], fams[0]
+    shown = eval(wrong_value.format(**fill))  # noqa: S307 - our own arithmetic on small ints
+    want = eval(expected.format(**fill))  # noqa: S307
+    hidden = f"tests/test_{name}.py"
+    return {"files": {f"{module}.py": "\n\n".join(src), f"tests/test_{module}.py": "".join(old)},
+            "test_file": hidden, "test_body": f"from {module} import {name}\n\n\ndef test_{name}():\n    assert "
+                                              f"{name}{call.format(**fill)} == {expected.format(**fill)}\n",
+            "statement": f"`{name}{call.format(**fill)}` in `{module}.py` returns {shown!r}; it should return {want!r}. "
+                         f"Fix `{name}`.",
+            "fix": {"path": f"{module}.py", "old": f"{heads[0]}\n    {wrong}", "new": f"{heads[0]}\n    {right}"},
+            "hidden": [f"{hidden}::test_{name}"], "visible": [f"tests/test_{module}.py::test_{n}" for n in names[1:]]}
+
+
+def _make_one(folder: Path, rng: random.Random, iid: str) -> dict:
+    c = content(rng)
+    repo = folder / iid
+    (repo / "tests").mkdir(parents=True)
+    for path, text in c["files"].items():
+        (repo / path).write_text(text)
     _git(repo, "init", "-q", "-b", "main")
     _git(repo, "add", "-A")
     _git(repo, "commit", "-qm", "initial")
     base_commit = _git(repo, "rev-parse", "HEAD")
-    name, (_, _, _, call, expected, wrong_value) = names[0], fams[0]
-    hidden = f"tests/test_{name}.py"
-    body = f"from {module} import {name}\n\n\ndef test_{name}():\n    assert {name}{call.format(**fill)} == {expected.format(**fill)}\n"
-    (repo / hidden).write_text(body)
+    (repo / c["test_file"]).write_text(c["test_body"])
     _git(repo, "add", "-A")
     test_patch = _git(repo, "diff", "--cached", "HEAD") + "\n"
     _git(repo, "reset", "-q", "--hard", base_commit)
-    shown = eval(wrong_value.format(**fill))  # noqa: S307 - our own arithmetic on small ints
-    want = eval(expected.format(**fill))  # noqa: S307
-    statement = (f"`{name}{call.format(**fill)}` in `{module}.py` returns {shown!r}; it should return {want!r}. "
-                 f"Fix `{name}`.")
-    return {"instance_id": iid, "repo": str(repo), "base_commit": base_commit, "problem_statement": statement,
-            "test_patch": test_patch, "FAIL_TO_PASS": [f"{hidden}::test_{name}"],
-            "PASS_TO_PASS": [f"tests/test_{module}.py::test_{n}" for n in names[1:]],
-            "fix": {"path": f"{module}.py", "old": fams[0][2], "new": fams[0][1]}}
+    return {"instance_id": iid, "repo": str(repo), "base_commit": base_commit, "problem_statement": c["statement"],
+            "test_patch": test_patch, "FAIL_TO_PASS": c["hidden"], "PASS_TO_PASS": c["visible"], "test_cmd": TEST_CMD,
+            "fix": c["fix"]}
 
 
 def make_rows(n: int, seed: int, split: str) -> list[dict]:

@@ -53,3 +53,19 @@ def next_turn_suffix(tokenizer, messages: list[dict], new: list[dict], tools: li
                                f"{tokenizer.eos_token!r} (id {eos}), where generation stops")
     after_eos = len(base) - base[::-1].index(eos)  # the separator the template puts after the turn's end
     return base[after_eos:] + full[len(base):]
+
+
+ELIDED = "[{n} characters of output elided]"
+
+
+def elide(messages: list[dict]) -> list[dict] | None:
+    """``messages`` (copied) with every tool output replaced by a marker saying how much was cut (``env.context=
+    elide``: the policy keeps its own turns, and the observations after them come whole); None when none is left
+    to elide."""
+    out, cut = [dict(m) for m in messages], 0
+    for m in out:
+        text = m.get("content")
+        if m.get("role") == "tool" and isinstance(text, str) and not (text.startswith("[") and text.endswith(
+                " characters of output elided]")):
+            m["content"], cut = ELIDED.format(n=len(text)), cut + 1
+    return out if cut else None

@@ -36,10 +36,10 @@ from typing import Any, Protocol
 
 from relayrl.engine.base import EngineError
 from relayrl.envs.base import Env
-from relayrl.envs.chat import TemplateMismatch, next_turn_suffix, render_ids
+from relayrl.envs.chat import TemplateMismatch, elide, next_turn_suffix, render_ids
 from relayrl.envs.tools import tool_schemas
 from relayrl.failures import UserCodeError
-from relayrl.records import FinishReason, SamplingParams, Trajectory, clear_tokens
+from relayrl.records import FinishReason, SamplingParams, Trajectory, clear_tokens, tokens_of
 
 class EpisodeHost(Protocol):
     """What an episode is written on: ``rollout.runner.EpisodeRunner`` is one; a test's stand-in or
@@ -64,6 +64,8 @@ class EpisodeLimits:
     step_timeout_s: float = 60.0  # each call of the environment: reset, step, close
     episode_timeout_s: float = 600.0  # all of one episode's environment calls together
     env_name: str = "env"  # how failures name the environment (env.name's value)
+    context: str = "end"  # when the next observations do not fit: end the episode, or "elide" (a new branch)
+    max_context_tokens: int | None = None  # env.context=elide: a turn's whole context (null: prompt + max_tokens)
 
 
 class EpisodeFailed(Exception):
@@ -101,12 +103,16 @@ async def env_episode(runner: EpisodeHost, make_env: Callable[[], Env], t: Traje
     """An episode with an environment (``env.name``): reset, then turns and steps until done; the
     verifier decides on the last turn unless the environment gave the final reward."""
     budget = [runner.limits.episode_timeout_s]  # what is left of the episode's time in environment calls
+    started = time.monotonic()
     try:
         env = make_env()
     except Exception as e:  # noqa: BLE001 - user code
         raise EpisodeFailed("env", f"env.name={runner.limits.env_name} (constructor)", describe_error(e)) from None
     try:
         await _run_env_episode(runner, env, t, params, train, budget)
+        # its wall time, and of it the time in environment calls (sandboxes, tools, tests: OS-level work)
+        t.info |= {"env_s": round(runner.limits.episode_timeout_s - budget[0], 4),
+                   "episode_s": round(time.monotonic() - started, 4)}
     finally:
         if callable(getattr(env, "close", None)):  # skyrl-gym style: release what the episode held
             await env_call(runner, env, "close", (), budget, final=True)
@@ -121,6 +127,9 @@ async def env_call(runner: EpisodeHost, env, method: str, args: tuple, budget: l
         raise EpisodeFailed("env_timeout", source, f"the episode's environment calls passed env.episode_timeout_s="
                                                 f"{lim.episode_timeout_s:g}")
     start = time.monotonic()
+    busy = getattr(runner, "env_busy", None)  # (the timeline's environment lane)
+    if busy is not None:
+        busy(+1)
     try:
         out = getattr(env, method)(*args)
         if inspect.isawaitable(out):
@@ -136,6 +145,8 @@ async def env_call(runner: EpisodeHost, env, method: str, args: tuple, budget: l
         raise EpisodeFailed("env", source, describe_error(e)) from None
     finally:
         budget[0] -= time.monotonic() - start
+        if busy is not None:
+            busy(-1)
 
 async def _run_env_episode(runner: EpisodeHost, env, t: Trajectory, params: SamplingParams, train: bool,
                            budget: list[float]) -> None:
@@ -147,6 +158,8 @@ async def _run_env_episode(runner: EpisodeHost, env, t: Trajectory, params: Samp
         t.prompt_ids, t.finish_reason = prompt_ids, None
         clear_tokens(t)
     counts: Counter = Counter()
+    context = runner.limits.max_context_tokens or len(t.prompt_ids) + runner.limits.max_tokens
+    branches: list[dict] = []  # env.context=elide: the episode's branches before its history was rewritten
     step_rewards, anchors = [], [anchor(messages)]
     final: float | None = None
     carry = 0.0
@@ -175,13 +188,21 @@ async def _run_env_episode(runner: EpisodeHost, env, t: Trajectory, params: Samp
         suffix = next_turn_suffix(runner.tokenizer, messages, result.messages, tools)
         if t.response_ids[-1] != runner.tokenizer.eos_token_id:  # stopped on another EOS id: end the turn
             suffix = [runner.tokenizer.eos_token_id] + suffix  # as the template does (not trained)
-        if len(t.response_ids) + len(suffix) >= runner.limits.max_tokens:
-            t.finish_reason = FinishReason.LENGTH  # no room for the observations: this turn is the last,
-            carry = float(result.reward or 0.0)  # its step reward and the verifier's together (one step)
-            break
+        if _full(runner.limits, t, suffix, params, context):
+            rewritten = _rewrite(runner, messages, result.messages, tools, params, context)
+            if rewritten is None:
+                t.finish_reason = FinishReason.LENGTH  # no room for the observations: this turn is the last,
+                carry = float(result.reward or 0.0)  # its step reward and the verifier's together (one step)
+                break
+            # env.context=elide: what was sampled so far is a branch of the episode, trained as sampled; the rest
+            # goes on from the rewritten history, as a prompt of its own
+            branches.append(tokens_of(t, json_safe=True) | {"finish_reason": FinishReason.STOP.value})
+            messages, t.prompt_ids = rewritten
+            clear_tokens(t)
+        else:
+            runner.append(t, suffix, [0.0] * len(suffix), [t.versions[-1]] * len(suffix), 0, turn)
+            messages += result.messages
         step_rewards.append(float(result.reward or 0.0))
-        runner.append(t, suffix, [0.0] * len(suffix), [t.versions[-1]] * len(suffix), 0, turn)
-        messages += result.messages
         anchors.append(anchor(result.messages))
     if final is None and callable(getattr(env, "final_reward", None)):  # (a workspace: its tests decide)
         final = await env_call(runner, env, "final_reward", (), budget, final=True)
@@ -194,4 +215,25 @@ async def _run_env_episode(runner: EpisodeHost, env, t: Trajectory, params: Samp
     t.text = messages[-1]["content"]
     t.info = {"turns": len(step_rewards), "step_rewards": step_rewards, "anchors": anchors[: len(step_rewards)],
               **{k: int(v) for k, v in counts.items()}, **({"tool_raised_example": raised} if raised else {}),
-              **({"record": env.record} if getattr(env, "record", None) else {})}  # (a workspace: diff, tests)
+              **({"record": env.record} if getattr(env, "record", None) else {}),  # (a workspace: diff, tests)
+              **({"branch_tokens": branches, "context_rewrites": len(branches)} if branches else {})}
+
+
+def _full(limits: EpisodeLimits, t: Trajectory, suffix: list[int], params: SamplingParams, context: int) -> bool:
+    """No room for the observations' tokens: past env.max_tokens, or (env.context=elide) past the context with
+    a turn's tokens after them."""
+    if len(t.response_ids) + len(suffix) >= limits.max_tokens:
+        return True
+    return limits.context == "elide" and len(t.prompt_ids) + len(t.response_ids) + len(suffix) + \
+        params.max_new_tokens > context
+
+
+def _rewrite(runner: EpisodeHost, messages: list[dict], new: list[dict], tools, params: SamplingParams,
+             context: int) -> tuple[list[dict], list[int]] | None:
+    """env.context=elide: the history with its tool outputs elided, then the new observations, and its tokens as
+    the next branch's prompt; None when it still leaves no room for a turn (or the policy is "end")."""
+    if runner.limits.context != "elide" or (elided := elide(messages)) is None:
+        return None
+    ids = render_ids(runner.tokenizer, elided + new, add_generation_prompt=True, tools=tools)
+    room = min(context - len(ids), runner.limits.max_tokens)
+    return (elided + new, ids) if room >= min(params.max_new_tokens, runner.limits.max_tokens) else None

@@ -118,6 +118,7 @@ class EpisodeRunner:
         self.scoring = EpisodeScoring(self.loop, self._verify, **scoring) if scoring else None
         self.timeline = None  # a Timeline: the engine lane is busy while a request is in flight
         self._busy_since: float | None = None
+        self._env_calls, self._env_since = 0, 0.0  # environment calls in flight, since when
         if agent is not None:  # the endpoint, served on this loop
             try:
                 self.submit(agent.start()).result(timeout=60)
@@ -242,10 +243,19 @@ class EpisodeRunner:
                 "process (or Ray actor) is alive, and its device (nvidia-smi: busy, out of memory?)")
 
     def mark_engine(self) -> None:
-        """Record the engine lane up to now (a busy period not ended yet too), so a step's idle
-        fraction sees it. The lane is busy while requests are in flight."""
+        """Record the engine lane (busy while requests are in flight) up to now, an open busy period too."""
         with self._lock:
             self._mark(split=True)
+
+    def env_busy(self, delta: int) -> None:
+        """An environment call starts (+1) or ends (-1): the timeline's environment lane is busy while one is in
+        flight (OS-level work: sandboxes, tools, tests), which the engine lane shows generation overlapping."""
+        with self._lock:
+            self._env_calls += delta
+            if self.timeline is not None and delta > 0 and self._env_calls == 1:
+                self._env_since = self.timeline.now()
+            elif self.timeline is not None and self._env_calls == 0:
+                self.timeline.record("environment", self._env_since, self.timeline.now())
 
     def _mark(self, split: bool = False) -> None:
         if self.timeline is None:

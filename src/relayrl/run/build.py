@@ -361,7 +361,8 @@ def make_runner(cfg: Config, engine, tokenizer, reward: RewardRunner, make_env=N
         return reward.score([(text, prompt.answer, dict(prompt.metadata)) for text, prompt in items])
 
     e, agent = cfg.env, None
-    limits = EpisodeLimits(e.max_turns, e.max_tokens, e.step_timeout_s, e.episode_timeout_s, e.name) if make_env else None
+    limits = EpisodeLimits(e.max_turns, e.max_tokens, e.step_timeout_s, e.episode_timeout_s, e.name, e.context,
+                           e.max_context_tokens) if make_env else None
     if isinstance(make_env, AgentProgram):
         s = cfg.serve
         agent = AgentEpisodes(make_env, e.name, s.model_name, context, s.host, s.port, s.max_requests,

@@ -39,7 +39,16 @@ def episode_stats(trajs: list) -> dict:
         "tool_timeouts": sum(i.get("tool_timeouts", 0) for i in info),
         "tool_raised": sum(i.get("tool_raised", 0) for i in info),  # exceptions inside tools (of tool_errors)
         "turns_mean": sum(i.get("turns", 1) for i in info) / n,
+        **env_share(info),
     }
+
+
+def env_share(info: list[dict]) -> dict:
+    """Of environment episodes' wall time, the share spent in environment calls (``env_time_frac``: OS-level
+    work, for workspaces: sandboxes, tools, tests); nothing where no episode had an environment."""
+    timed = [i for i in info if i.get("episode_s")]
+    total = sum(i["episode_s"] for i in timed)
+    return {"env_time_frac": sum(i["env_s"] for i in timed) / total} if total > 0 else {}
 
 
 def match_stats(info: list[dict]) -> dict:

@@ -102,7 +102,8 @@ def render(config: dict, step: int, samples: int, before: dict | None, after: di
     return f"---\n{meta.to_yaml()}\n---\n\n" + "\n".join(lines)
 
 
-REBUILD = {"builtin:demo": "`relayrl build-demo-model OUT`", "builtin:agent-demo": "`python -m relayrl.demo.agent_model OUT`"}
+REBUILD = {"builtin:demo": "`relayrl build-demo-model OUT`", "builtin:agent-demo": "`python -m relayrl.demo.agent_model OUT`",
+           "builtin:swe-demo": "`python -m relayrl.demo.swe_model OUT`"}
 
 
 def _base_note(path: str, adapter: bool) -> str:

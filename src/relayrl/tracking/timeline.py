@@ -2,7 +2,8 @@
 
 Components record ``(lane, start, end)`` with ``time.perf_counter`` clocks; the run writes the
 intervals to ``timeline.json`` and draws one bar per lane, so a user can see where time goes:
-in ``sync`` mode the lanes alternate, in ``periodic`` mode they overlap.
+in ``sync`` mode the lanes alternate, in ``periodic`` mode they overlap. Runs with an environment have a
+third lane, busy while one of its calls is in flight (for workspaces: sandboxes, tools, tests).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class Timeline:
             iv = list(self.intervals)
         (run_dir / "timeline.json").write_text(json.dumps([{"lane": ln, "start": s, "end": e} for ln, s, e in iv]))
         lanes = sorted({ln for ln, _, _ in iv}) or ["engine", "trainer"]
-        colors = {"engine": "tab:blue", "trainer": "tab:orange"}
+        colors = {"engine": "tab:blue", "trainer": "tab:orange", "environment": "tab:green"}
         fig, ax = plt.subplots(figsize=(12, 0.8 + 0.6 * len(lanes)))
         for y, lane in enumerate(lanes):
             bars = [(s, e - s) for ln, s, e in iv if ln == lane]
