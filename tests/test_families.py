@@ -106,6 +106,17 @@ def test_a_map_it_cannot_reproduce_is_refused_in_one_line(tok, fn, why):
     _trainer(_hooked(tok, _set_logits(fn)), logprob_chunk_tokens=0)  # (whole logits: the model's own)
 
 
+def test_a_teacher_whose_head_map_it_cannot_reproduce_is_refused_without_the_trainers_advice(tok, monkeypatch):
+    from relayrl.models import ModelError
+    from relayrl.rewards.teachers import LocalTeacher
+    from relayrl.train import lora
+
+    monkeypatch.setattr(lora, "load_model", lambda *a, **k: _hooked(tok, _set_logits(lambda m, x: x + 0.01 * x * x)))
+    with pytest.raises(ModelError, match=r"teacher.path=t: .*is not a scale or a softcap\); a teacher's log-probs") as e:
+        LocalTeacher("t", "teacher.path", device="cpu")
+    assert "logprob_chunk_tokens" not in str(e.value) and "\n" not in str(e.value)
+
+
 def test_the_start_up_check_refuses_a_head_that_is_not_reproduced(tok, monkeypatch):
     """Belt and braces: should the probe find a wrong map, the first comparison with the model's own logits
     refuses the chunked head (never wrong numbers)."""

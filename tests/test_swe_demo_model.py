@@ -71,3 +71,16 @@ def test_shipped_weights_load_and_match_the_recipe():
     tok = AutoTokenizer.from_pretrained(SHIPPED)
     episode = swe_demo.corpus(1, seed=9, fix_rate=1.0)[0]
     assert len(tok.apply_chat_template(episode, tokenize=True)["input_ids"]) < RECIPE["max_positions"] // 4
+
+
+@pytest.mark.slow
+def test_a_recipe_of_its_own_is_built_by_relayrl_sft_in_a_process_of_its_own(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from relayrl.demo.swe_model import build_swe_demo_model
+
+    tiny = {"episodes": 64, "sft_epochs": 1, "sft_batch": 16, "hidden_size": 32, "layers": 1, "heads": 2,
+            "intermediate_size": 64, "vocab_size": 400}
+    out = build_swe_demo_model(tmp_path / "model", tiny, log=lambda *_: None)
+    assert json.loads((out / "relayrl_recipe.json").read_text()) == {**RECIPE, **tiny}
+    assert AutoModelForCausalLM.from_pretrained(out).config.hidden_size == 32

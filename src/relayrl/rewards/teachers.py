@@ -46,15 +46,21 @@ class LocalTeacher:
         under the same transform of its logits (the student's are: a student equal to its teacher has no gap)."""
         from relayrl.models.devices import resolve_device
         from relayrl.train.lora import load_model
+        from relayrl.train.head_transform import HeadTransformError
         from relayrl.train.logprobs import Readout, check_head, install_head
 
         self.name, self.batch_tokens = f"{field}={path}", batch_tokens
         self.device = resolve_device(device, field.rsplit(".", 1)[0] + ".device")
         self.model = load_model(path, dtype, field).eval().requires_grad_(False)
-        install_head(self.model, float32=False)
         temperature, top_k, top_p = sampling
         self.readout = Readout(chunk, temperature, top_k, top_p)
-        check_head(self.model, self.readout)
+        try:
+            install_head(self.model, float32=False)
+            check_head(self.model, self.readout)
+        except HeadTransformError as e:  # (the trainer's advice, whole logits, is no teacher's: it has none)
+            why = str(e).removeprefix("trainer.logprob_chunk_tokens: ").split(": set trainer.logprob_chunk_tokens=0")[0]
+            raise HeadTransformError(f"{self.name}: {why}; a teacher's log-probs are read through the chunked head "
+                                     "only, so this model cannot be a teacher") from None
         self.model.to(self.device)
         self.pad = 0
         self._lock = threading.Lock()  # (one forward at a time: the runner scores from several threads)
