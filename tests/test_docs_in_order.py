@@ -3,8 +3,9 @@ folder: the README, getting started and the guides that use their runs; the agen
 a block's first line, `# my.yaml`, saved when met). Every command run must exit 0: a later command meets
 the folders the earlier ones left (runs/demo with its checkpoints before `relayrl train run.mode=async`).
 
-One change, said here: a training run of more than 20 steps (the demo's 80), or of more than 2 on workspaces,
-gets `run.steps=2 eval.size=8` appended, so the whole reading takes minutes, and a later command's path to one of its checkpoints
+One change, said here: a training run of more than 20 steps (the demo's 80), or of more than 2 on workspaces or
+the multi-agent guide's fictitious self-play (`run.name=fsp`, 192 s as written), gets `run.steps=2 eval.size=8`
+appended, so the whole reading takes minutes, and a later command's path to one of its checkpoints
 (`runs/x/checkpoints/step_000040/...`) or a step of its records (`relayrl show runs/x --step 40`) names its step 2; shorter ones run as written (the README's 20-step
 run, whose checkpoint step_000020 a later command names). A command met again is not run again (the reader has run
 it). Lines that cannot run here are left out with their reason (``SKIP``)."""
@@ -94,7 +95,8 @@ def _shortened(line: str, folder: Path, shortened: set[str]) -> str:
         return line
     config, overrides = cli._split([w for w in words[2:] if not w.startswith("--")])
     cfg = load_config(str(folder / config) if config else None, overrides)  # (relayrl sft's default: 80 steps too)
-    if cfg.run.steps <= (LONG if cfg.env.name != "workspace" else 2):  # (a workspace episode takes seconds)
+    long = 2 if cfg.env.name == "workspace" or "run.name=fsp" in words else LONG  # (seconds an episode; 192 s)
+    if cfg.run.steps <= long:
         return line
     short = SHORT if cfg.data.eval_path else SHORT[:1]  # (eval.size is refused where nothing is evaluated)
     named = "name" in cfg.run.model_fields_set
@@ -129,7 +131,7 @@ def test_the_docs_commands_run_in_the_order_a_reader_meets_them(tmp_path, name):
             done.append(key)
     runs = {p.name for p in (folder / "runs").iterdir() if p.is_dir()}
     if name == "agents":
-        assert {"openai_agent", "swe-demo", "mini_swe_agent", "fsp"} <= runs, runs
+        assert {"openai_agent", "swe_demo", "mini_swe_agent", "fsp"} <= runs, runs
         assert len(done) >= 10, (done, skipped)
         return
     assert {"demo", "demo-run.mode-async", "my-run", "weather-demo", "demo-model.lora.r-8", "demo-model.lora.r-8-run.mode-async",
