@@ -263,6 +263,7 @@ def test_env_context_elide_goes_on_in_a_new_branch_trained_as_sampled(tok):
     history), trained with the episode's reward. With env.context=end the same episode ends at the limit."""
     from relayrl.envs.chat import elide
     from relayrl.rollout.groups import expand_branches
+    from relayrl.run.evaluation import episode_stats
     from relayrl.records import Group
 
     call = '<tool_call>{"name": "long_output", "arguments": {"n": 20}}</tool_call>'
@@ -278,6 +279,8 @@ def test_env_context_elide_goes_on_in_a_new_branch_trained_as_sampled(tok):
     ended, t = outcomes["end"], outcomes["elide"]
     assert ended.finish_reason == FinishReason.LENGTH and ended.reward == 0.0 and "branch_tokens" not in ended.info
     assert t.reward == 1.0 and t.info["context_rewrites"] == len(t.info["branch_tokens"]) >= 1
+    assert episode_stats([t, ended])["context_rewrites"] == t.info["context_rewrites"]
+    assert "context_rewrites" not in episode_stats([ended])
     assert "characters of output elided]" in tok.decode(t.prompt_ids)
     g = Group(PROMPT, "g", [t])
     expand_branches(g)

@@ -40,6 +40,8 @@ def episode_stats(trajs: list) -> dict:
         "tool_raised": sum(i.get("tool_raised", 0) for i in info),  # exceptions inside tools (of tool_errors)
         "turns_mean": sum(i.get("turns", 1) for i in info) / n,
         **env_share(info),
+        **({"context_rewrites": sum(i.get("context_rewrites", 0) for i in info)}  # (env.context=elide)
+           if any("context_rewrites" in i for i in info) else {}),
     }
 
 
