@@ -15,9 +15,9 @@ at once running a task's tests.
    repositories, env.name=workspace), played twice on the same engine: **one at a time** (an agent loop that
    waits for each tool, as a synchronous harness runs), then **all at once** (relayrl's episodes, whose tool calls
    overlap the others' generation). Per episode, the share of its wall time spent in environment calls (sandbox,
-   tools, tests: OS-level work); for the concurrent play, from its timeline (``timeline.png`` in the results
-   folder's ``workspaces-timeline/``), the share of the wall time in which OS-level work stalled generation (the environment lane busy, no
-   request in flight) against the OS-level time it hid.
+   tools, tests: OS-level work); from each play's timeline (``workspaces-timeline-*/timeline.png`` in the
+   results folder), the time in which OS-level work stalled generation (the environment lane
+   busy, no request in flight), against the one-at-a-time play's.
 """
 
 from __future__ import annotations
@@ -117,13 +117,17 @@ def episodes(n: int, out: Path) -> tuple[list, dict]:
             stalled = _lane_alone(tl, "environment", "engine")
             result[how] = {"wall_s": wall, "env_s": env_s, "episode_s": ep_s, "os_share": env_s / ep_s,
                            "stalled_s": stalled, "resolved": sum(t.reward for t in trajs) / n}
-            if how == "all at once":
-                (out / "workspaces-timeline").mkdir(parents=True, exist_ok=True)
-                tl.save(out / "workspaces-timeline")
-        return [[f"{n} demo episodes, {how}", f"{r['wall_s']:.1f} s", f"OS-level {r['os_share']:.0%} of an episode's "
-                 f"wall time", f"OS-level work alone (no generation) {r['stalled_s'] / r['wall_s']:.0%} of the wall; "
-                 f"{1 - r['stalled_s'] / r['env_s']:.0%} of its {r['env_s']:.1f} s hidden"]
-                for how, r in result.items()], result
+            folder = out / f"workspaces-timeline-{how.replace(' ', '-')}"
+            folder.mkdir(parents=True, exist_ok=True)
+            tl.save(folder)
+        seq, conc = result["one at a time"], result["all at once"]
+        return [[f"{n} demo episodes, one at a time", f"{seq['wall_s']:.1f} s", f"OS-level {seq['os_share']:.0%} of an "
+                 f"episode's wall time", f"generation stalled on OS-level work {seq['stalled_s']:.1f} s "
+                 f"({seq['stalled_s'] / seq['wall_s']:.0%} of the wall)"],
+                [f"{n} demo episodes, all at once", f"{conc['wall_s']:.1f} s ({seq['wall_s'] / conc['wall_s']:.1f}x)",
+                 f"OS-level {conc['os_share']:.0%} of an episode's wall time", f"generation stalled on OS-level work "
+                 f"{conc['stalled_s']:.1f} s ({conc['stalled_s'] / conc['wall_s']:.0%} of the wall): "
+                 f"{1 - conc['stalled_s'] / seq['stalled_s']:.0%} of the stall hidden"]], result
     finally:
         c.close()
 
