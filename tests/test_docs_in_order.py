@@ -40,6 +40,7 @@ SKIP = {  # the start of a line -> why it does not run here
     "relayrl train my.yaml model.path=Qwen/": "needs a GPU and the Hugging Face hub",
     "python examples/minimal_loop.py": "tests/test_minimal_loop.py runs it",
     "python benchmarks/": "a benchmark: minutes of measuring",
+    "python examples/pypi_swe_tasks.py": "downloads releases from PyPI (tests/test_workspace_pypi.py runs it)",
     "relayrl train reward.judge.url=": "needs a judge's server (tests/test_judges.py runs one on loopback)",
     "relayrl train reward.judge.path=my-judge": "a judge of the reader's own",
     "python examples/judge_demo/": "makes a judge in ~10 minutes (its pieces: tests/test_judges.py, tests/test_sft.py)",
