@@ -103,7 +103,7 @@ def render(config: dict, step: int, samples: int, before: dict | None, after: di
 
 
 REBUILD = {"builtin:demo": "`relayrl build-demo-model OUT`", "builtin:agent-demo": "`python -m relayrl.demo.agent_model OUT`",
-           "builtin:swe-demo": "`python -m relayrl.demo.swe_model OUT`"}
+           "builtin:swe-demo": "`python -m relayrl.run.swe_demo OUT`"}
 
 
 def _base_note(path: str, adapter: bool) -> str:
