@@ -36,27 +36,6 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_reward_goes_up_on_an_easy_task(tiny_path, tmp_path):
-    cfg = load_config(None, EASY + [f"model.path={tiny_path}", f"run.output_dir={tmp_path}", "run.steps=25"])
-    summary = train(cfg)
-    m = _metrics(cfg.run_dir)
-    first = sum(x["reward_mean"] for x in m[:5]) / 5
-    last = sum(x["reward_mean"] for x in m[-5:]) / 5
-    assert last > first + 0.15, (first, last)
-    assert summary["steps"] == 25 and summary["samples"] == 25 * 32
-    for key in ("reward_std", "response_len_max", "tokens_per_s", "step_time", "logprob_mismatch_mean",
-                "clip_frac", "grad_norm", "kl", "entropy", "ess_frac", "staleness_max", "staleness_hist"):
-        assert key in m[-1]
-    assert m[-1]["logprob_mismatch_mean"] < 1e-3  # engine and trainer agree on log-probs
-    from transformers import AutoModelForCausalLM
-
-    ckpt = cfg.run_dir / "checkpoints" / "step_000025"
-    AutoModelForCausalLM.from_pretrained(ckpt)
-    assert (cfg.run_dir / "config.yaml").exists() and (cfg.run_dir / "timeline.png").exists()
-    assert 0 <= m[-1]["engine_idle_frac"] <= 1 and 0 <= m[-1]["trainer_idle_frac"] <= 1
-
-
-@pytest.mark.slow
 def test_raising_reward_does_not_stop_the_run(tiny_path, tmp_path):
     cfg = load_config(None, EASY + [f"model.path={tiny_path}", f"run.output_dir={tmp_path}", "run.steps=2",
                                     "reward.fn=tests.rewards_for_tests:flaky"])
@@ -92,18 +71,41 @@ def kill_at_checkpoint_then_resume(args: list[str], run_dir: Path, step: int, ho
     return done.stdout
 
 
+@pytest.fixture(scope="module")
+def easy_run(tiny_path, tmp_path_factory) -> Path:
+    """One run of the easy task, 25 steps, killed (SIGKILL) once its step-10 checkpoint exists and finished
+    with --resume: several tests read its folder (it learns; its counts continue across the kill)."""
+    out = tmp_path_factory.mktemp("easy")
+    args = EASY + [f"model.path={tiny_path}", f"run.output_dir={out}", "run.steps=25", "run.save_every=5",
+                   "run.name=easy"]
+    kill_at_checkpoint_then_resume(args, out / "easy", step=10)
+    return out / "easy"
+
+
 @pytest.mark.slow
-def test_kill_and_resume_continues_counts(tiny_path, tmp_path):
-    args = EASY + [f"model.path={tiny_path}", f"run.output_dir={tmp_path}", "run.steps=8", "run.save_every=2",
-                   "run.name=killed"]
-    kill_at_checkpoint_then_resume(args, tmp_path / "killed", step=4)
-    ckpt_dir = tmp_path / "killed" / "checkpoints"
-    summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
-    assert summary["steps"] == 8 and summary["samples"] == 8 * 32
-    steps = [m["step"] for m in _metrics(tmp_path / "killed")]
-    assert steps == list(range(1, 9))  # each step logged once: lines past the checkpoint were dropped
-    state = json.loads((ckpt_dir / "step_000008" / "state.json").read_text())
-    assert state["sampler"]["consumed"] == 8 * 4
+def test_reward_goes_up_on_an_easy_task(easy_run):
+    m = _metrics(easy_run)
+    first = sum(x["reward_mean"] for x in m[:5]) / 5
+    last = sum(x["reward_mean"] for x in m[-5:]) / 5
+    assert last > first + 0.15, (first, last)
+    for key in ("reward_std", "response_len_max", "tokens_per_s", "step_time", "logprob_mismatch_mean",
+                "clip_frac", "grad_norm", "kl", "entropy", "ess_frac", "staleness_max", "staleness_hist"):
+        assert key in m[-1]
+    assert m[-1]["logprob_mismatch_mean"] < 1e-3  # engine and trainer agree on log-probs
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(easy_run / "checkpoints" / "step_000025")
+    assert (easy_run / "config.yaml").exists() and (easy_run / "timeline.png").exists()
+    assert 0 <= m[-1]["engine_idle_frac"] <= 1 and 0 <= m[-1]["trainer_idle_frac"] <= 1
+
+
+@pytest.mark.slow
+def test_kill_and_resume_continues_counts(easy_run):
+    summary = json.loads((easy_run / "summary.json").read_text())
+    assert summary["steps"] == 25 and summary["samples"] == 25 * 32
+    assert [m["step"] for m in _metrics(easy_run)] == list(range(1, 26))  # each step logged once: lines past the
+    state = json.loads((easy_run / "checkpoints" / "step_000025" / "state.json").read_text())  # checkpoint dropped
+    assert state["sampler"]["consumed"] == 25 * 4
 
 
 # (no KL term: the reference forward slows the trainer, and what these tests need to happen — a long tail

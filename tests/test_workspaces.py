@@ -81,6 +81,21 @@ def test_a_run_started_from_tmp_starts_its_workspaces(task, monkeypatch):
     assert r.exit_code == 0 and "a - b" in r.output
 
 
+def test_a_command_that_closes_its_output_before_it_exits_keeps_its_exit_status(task):
+    """The output's end is not the command's: coreutils close theirs in their exit handlers (`ls`, the last of a
+    command, was killed between the two on a loaded machine and its status read as -9)."""
+    lower = prepare(task.repo, task.base_commit)
+
+    async def go():
+        async with await Workspace.start(lower) as ws:
+            return (await ws.run("echo done; exec >&- 2>&-; sleep 0.3; exit 3", timeout=10),
+                    await ws.run("exec >&- 2>&-; sleep 30", timeout=1))
+
+    ended, hung = asyncio.run(go())
+    assert (ended.exit_code, ended.output, ended.timed_out) == (3, "done\n", False)
+    assert hung.timed_out and hung.exit_code is None
+
+
 def test_a_workspace_contains_what_a_command_tries(task, tmp_path):
     lower = prepare(task.repo, task.base_commit)
     outside, marker = tmp_path / "outside", f"1000.{random.randrange(10**9)}"

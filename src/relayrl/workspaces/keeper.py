@@ -151,7 +151,11 @@ def _run(settings: dict, req: dict) -> dict:
         ready, _, _ = select.select([fd], [], [], min(left, 0.1))
         if ready:
             chunk = os.read(fd, 65536)
-            if not chunk:
+            if not chunk:  # its output closed: it is ending (coreutils close their output before they exit)
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    timed_out = True
                 break
             kept.add(chunk)
         elif proc.poll() is not None:
