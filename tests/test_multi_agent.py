@@ -77,6 +77,25 @@ def test_evaluation_plays_each_role_against_the_scripted_player(chatml_tokenizer
     assert all(not failed(t) and t.info["outcome"] in ("win", "loss") for t in g.trajectories)
 
 
+def test_the_greedy_evaluation_plays_each_role_once(chatml_tokenizer):
+    """Greedy, as sampled, the policy plays every role of env.eval_roles (it played the first alone: half the
+    matches, and a win rate of that side only)."""
+    from relayrl.run.evaluation import EvalSettings, evaluate
+
+    tok, records = chatml_tokenizer, []
+    runner = runner_for(tok, nim_players(eval_roles=["first", "second"]))
+    piles = [Prompt(f"pile{n}", [{"role": "user", "content": str(n)}]) for n in (8, 9, 12)]
+    try:
+        out = evaluate(runner, tok, piles, EvalSettings(samples=2, seed=0, temperature=1.0, max_new_tokens=8),
+                       samples=records)
+    finally:
+        runner.close()
+    greedy = [r for r in records if r["kind"] == "greedy"]
+    assert sorted((r["prompt_id"], r["sample"]) for r in greedy) == sorted((f"pile{n}", i) for n in (8, 9, 12)
+                                                                          for i in (0, 1))
+    assert out["win_rate_greedy"] == sum(r["reward"] for r in greedy) / 6
+
+
 def test_a_random_player_loses_to_the_rule(chatml_tokenizer):
     """The scripted player is a fixed function of the game: a policy that always takes 1 wins less."""
     tok = chatml_tokenizer

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relayrl import failures
+from relayrl.envs.multi import Players
 from relayrl.fault_injection import fault_point
 from relayrl.records import Prompt, SamplingParams
 from relayrl.rollout.groups import family, make_groups
@@ -140,7 +141,8 @@ def evaluate(runner, tokenizer, prompts: list[Prompt], s: EvalSettings, when: st
              ) -> dict:
     """``accuracy``: the fraction of ``eval.samples`` sampled episodes per prompt at ``rollout.temperature``
     that succeeded (reward ≥ 1, ``SUCCESS``: what the built-in verifiers give a right answer, and pass@k's
-    threshold), and with several, ``pass_at_k``; ``accuracy_greedy``: the same of the greedy one;
+    threshold), and with several, ``pass_at_k``; ``accuracy_greedy``: the same of the greedy one (a multi-agent environment's: one greedy
+    match per role of ``env.eval_roles``, each against the scripted player);
     ``reward_mean`` and ``reward_mean_greedy``: their mean rewards (equal to the accuracies for a 0/1 reward;
     with partial credit, what a verifier's mean says, never called accuracy). With an environment, also the tool-call rate (sampled and greedy) and tool errors of
     the sampled ones. Episodes whose user code failed are left out of the means and counted
@@ -152,7 +154,9 @@ def evaluate(runner, tokenizer, prompts: list[Prompt], s: EvalSettings, when: st
     import asyncio
 
     out = {"temperature": s.temperature, "prompts": len(prompts)}
-    for key, temp, n in (("accuracy", s.temperature, s.samples), ("accuracy_greedy", 0.0, 1)):
+    players = getattr(runner, "make_env", None)
+    greedy = len(players.eval) if isinstance(players, Players) else 1  # (matches: one per role the policy plays)
+    for key, temp, n in (("accuracy", s.temperature, s.samples), ("accuracy_greedy", 0.0, greedy)):
         groups = make_groups(prompts, tokenizer, n, f"eval-{key}-v{runner.engine.version}", s.prompt_format)
         params = SamplingParams(s.max_new_tokens, temp, s.top_p, s.top_k, seed=s.seed)
 
