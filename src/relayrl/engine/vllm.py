@@ -89,7 +89,8 @@ class VLLMEngine(Engine):
     def __init__(self, model: str, eos_token_ids: list[int], dtype: str = "float32", version: int = 0,
                  max_model_len: int = 2048, seed: int = 0, gpu_memory_utilization: float = 0.5,
                  max_num_seqs: int = 256, enforce_eager: bool | None = None, sleep: bool = False,
-                 lora: LoraSpec | None = None, lora_versions: int = 2, routes: bool = False, speculative: int = 0):
+                 lora: LoraSpec | None = None, lora_versions: int = 2, routes: bool = False, speculative: int = 0,
+                 weight_sync: str = "file", sync_bucket_mb: int = 256, sync_timeout_s: float = 120.0):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU build only; vLLM's default takes a lot
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # (per-update warnings would bury the run's own lines)
         try:
@@ -123,6 +124,13 @@ class VLLMEngine(Engine):
         self._lora = None  # (with lora: the AdapterVersions, once vLLM runs)
         # rollout.speculative: vLLM's n-gram drafts (``vllm_spec``: relayrl's prompt source), counted from its stats
         self._spec = SpecCounts() if speculative else None
+        # rollout.weight_sync: full updates broadcast to vLLM's workers (engine.weight_sync), or through a file
+        if weight_sync not in ("auto", "collective", "file"):
+            raise EngineError(f"rollout.weight_sync={weight_sync!r}: auto, collective or file")
+        self._sync = "file" if lora is not None else weight_sync  # (adapters travel as adapters: vllm_lora)
+        self._bucket_bytes, self._sync_timeout = int(sync_bucket_mb * (1 << 20)), float(sync_timeout_s)
+        self._channel = None
+        self.sync_note = "file (model.lora: adapters are loaded as adapters)" if lora is not None else ""
         lora_args = {}
         if lora is not None:
             from relayrl.engine.vllm_lora import engine_args
@@ -146,6 +154,8 @@ class VLLMEngine(Engine):
                                # a mixture of experts: each fed token's experts on the final output (R3's routes)
                                **({"enable_return_routed_experts": True} if routes else {}),
                                **({"speculative_config": speculative_config(speculative)} if speculative else {}),
+                               **({"worker_extension_cls": "relayrl.engine.weight_sync.VLLMReceiver"}
+                                  if self._sync != "file" else {}),
                                **lora_args)
         try:
             self._llm = self._call(self._start(args), timeout=900)
@@ -156,6 +166,8 @@ class VLLMEngine(Engine):
             from relayrl.engine.vllm_lora import AdapterVersions
 
             self._lora = AdapterVersions(self._llm, lora, model, self._shm, DTYPES.get(dtype))
+        if self._sync != "file":
+            self._form_group()
 
     async def _start(self, args):
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -303,10 +315,50 @@ class VLLMEngine(Engine):
         if any(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in state_dict):
             raise EngineError("the vLLM engine was sent adapter tensors (model.lora) but started without LoRA "
                               "(EngineSpec.lora unset): it would load them as its weights")
+        if self._channel is not None:
+            with self.pause():
+                self._broadcast(state_dict, version)
+                self._call(self._llm.reset_prefix_cache())
+                self._version = version
+            return
         save_for_reload(state_dict, self._shm)
         with self.pause():
             self._call(self._reload(str(self._shm)))
             self._version = version
+
+    def _form_group(self) -> None:
+        """The weight-sync group: this process rank 0, each vLLM worker one more. ``auto``: the file path, with the
+        reason in ``sync_note``, where it cannot be formed; ``collective``: an EngineError naming the cause."""
+        from relayrl.engine.weight_sync import Channel, SyncError
+
+        world = 1 + self._llm.vllm_config.parallel_config.world_size
+        try:
+            store = Channel.store(world, self._sync_timeout)
+            joined = asyncio.run_coroutine_threadsafe(self._llm.collective_rpc(
+                "relayrl_join", args=(store.host, store.port, world, self._sync_timeout)), self._loop)
+            self._channel = Channel.host(store, world, self._sync_timeout)
+            joined.result(self._sync_timeout + 30)
+            self.sync_note = f"collective (gloo, {world} ranks, buckets of ≤ {self._bucket_bytes >> 20} MB)"
+        except (SyncError, RuntimeError, OSError, TimeoutError) as e:
+            self._channel = None
+            if self._sync == "collective":
+                raise EngineError(f"rollout.weight_sync=collective: the group could not be formed: {_reason(e)}") from e
+            self.sync_note = f"file (rollout.weight_sync=auto: the collective could not be formed: {_reason(e)})"
+
+    def _broadcast(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Each bucket broadcast from this thread while vLLM's workers receive and load it (generation paused)."""
+        from relayrl.engine.weight_sync import SyncError, metas, plan_buckets
+
+        plan = plan_buckets(metas(state_dict), self._bucket_bytes)
+        wire = [[(m.name, m.dtype, m.shape) for m in bucket] for bucket in plan]
+        loaded = asyncio.run_coroutine_threadsafe(self._llm.collective_rpc("relayrl_receive", args=(wire,)), self._loop)
+        try:
+            self._channel.send(state_dict, plan)
+            loaded.result(self._sync_timeout)
+        except (SyncError, RuntimeError, TimeoutError) as e:
+            loaded.cancel()
+            raise EngineError(f"rollout.engine=vllm: the weight update to version {version} through the collective "
+                              f"failed: {_reason(e)}") from e
 
     async def _publish(self, adapters: list) -> None:
         await self._lora.publish(adapters)
@@ -337,6 +389,9 @@ class VLLMEngine(Engine):
             raise EngineError(f"the vLLM engine failed: {_reason(self._error)}")
 
     def close(self) -> None:
+        if getattr(self, "_channel", None) is not None:
+            self._channel.close()
+            self._channel = None
         llm, self._llm = getattr(self, "_llm", None), None
         self._lora = None  # (it holds the AsyncLLM too)
         if llm is not None:
