@@ -8,7 +8,16 @@ import time
 import pytest
 import torch
 
-from relayrl.engine.weight_sync import MB, Channel, Meta, SyncError, metas, pack, plan_buckets, unpack
+from relayrl.engine.weight_sync import (
+    MB,
+    Channel,
+    Meta,
+    SyncError,
+    metas,
+    pack,
+    plan_buckets,
+    unpack,
+)
 
 
 def test_buckets_by_hand():

@@ -109,11 +109,11 @@ class Channel:
         return TCPStore(host, 0, world, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
     @classmethod
-    def host(cls, store, world: int, timeout_s: float) -> "Channel":
+    def host(cls, store, world: int, timeout_s: float) -> Channel:
         return cls(store, 0, world, timeout_s, (store.host, store.port))
 
     @classmethod
-    def join(cls, address: tuple[str, int], rank: int, world: int, timeout_s: float) -> "Channel":
+    def join(cls, address: tuple[str, int], rank: int, world: int, timeout_s: float) -> Channel:
         from torch.distributed import TCPStore
 
         try:
