@@ -142,6 +142,9 @@ IGNORED = {
     "serve.model_name": ("mine", [[], ["env.name=python"]]),
     "serve.max_requests": (8, [[]]),
     "trainer.share_prefix": (False, [["trainer.fsdp=true"]]),
+    "rollout.weight_sync": ("file", [[], ["rollout.engine=hf-cb"]]),  # (and adapters: test_weight_sync_vllm.py)
+    "rollout.sync_bucket_mb": (64, [[]]),
+    "rollout.sync_timeout_s": (30.0, [["rollout.engine=hf"]]),
 }
 NOISE = ["trainer.lr=1e-5", "run.steps=5", "rollout.group_size=4", "run.seed=3", "rollout.top_p=0.9",
          "algo.clip_high=0.3", "trainer.warmup_steps=0", "run.progress=false"]

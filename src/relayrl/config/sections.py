@@ -1,8 +1,7 @@
 """The configuration's sections, one class each: every field typed, bounded and documented where it is
 defined (``relayrl train --help`` prints these docs). The root, ``Config``, is in ``config.schema``;
-the rules across sections in ``config.rules``; loading in ``config.load``. The learning sections
-(``algo``, ``critic``, ``trainer``) are in ``config.training``.
-"""
+the rules across sections in ``config.rules``; loading in ``config.load``; the learning sections (``algo``,
+``critic``, ``trainer``) in ``config.training``; the rollout's weight-update fields in ``config.weight_sync``."""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from relayrl.config.base import ConfigError, _Section  # noqa: F401 - (ConfigError: imported from here)
+from relayrl.config.weight_sync import WeightSyncFields
 
 TrackerName = Literal["jsonl", "tensorboard", "wandb", "mlflow", "trackio", "swanlab"]
 
@@ -224,8 +224,8 @@ class DataCfg(_Section):
                                    "pseudo-observations of its group's rate.")
 
 
-class RolloutCfg(_Section):
-    """Generation: engine, group size, sampling."""
+class RolloutCfg(WeightSyncFields):
+    """Generation: engine, group size, sampling (and how weights reach vLLM: ``config.weight_sync``)."""
 
     engine: Literal["hf", "hf-cb", "vllm"] = Field(
         "hf",

@@ -84,7 +84,8 @@ def build_local_engine(spec: EngineSpec, driven: bool = False, model=None, token
                           version=spec.version, max_model_len=spec.max_model_len, seed=spec.seed,
                           gpu_memory_utilization=r.vllm_gpu_memory_utilization, max_num_seqs=r.max_batch,
                           sleep=r.vllm_sleep, lora=spec.lora, lora_versions=lora_versions(r), routes=spec.routes,
-                          speculative=r.speculative_max_draft if r.speculative == "on" else 0)
+                          speculative=r.speculative_max_draft if r.speculative == "on" else 0,
+                          weight_sync=r.weight_sync, sync_bucket_mb=r.sync_bucket_mb, sync_timeout_s=r.sync_timeout_s)
     from relayrl.models.devices import resolve_device
 
     adapter = None

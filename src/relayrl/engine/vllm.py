@@ -8,13 +8,15 @@ text), with the sampled token's log-prob taken *after* temperature and top-k/top
 is tagged with the policy version loaded when it arrived.
 
 Weight update: ``pause_generation(mode="keep")`` (in-flight requests stay, with their KV
-cache, as with the ``hf`` engine; with ``rollout.partial`` the rollout aborts them first), the
-new weights are written to a safetensors file in shared memory and the workers reload from it
+cache, as with the ``hf`` engine; with ``rollout.partial`` the rollout aborts them first), then the
+new weights reach the workers one of two ways (``rollout.weight_sync``). ``collective``: broadcast
+in a gloo group of their own, bucket by bucket, each bucket loaded as it arrives through vLLM's
+in-place reload (``engine.weight_sync``; every step under a deadline: a dead or stalled engine fails
+the update with its cause). ``file``: a safetensors file in shared memory the workers reload
 (``collective_rpc("reload_weights")``: in place, on CPU too, where ``load_weights`` fails on
-repacked layers), the prefix cache is reset, then generation resumes under the new version.
-On GPUs faster transports exist (CUDA IPC when colocated, NCCL broadcast when not, vLLM's
-weight-transfer engines); they are not wired yet: the file path works on both and costs one
-write of the weights to ``/dev/shm`` per update (measured in benchmarks/engines.py).
+repacked layers). ``auto``, the default, takes the collective where its group forms at start and
+says why where not. Then the prefix cache is reset and generation resumes under the new version.
+NCCL (GPUs) is the same protocol on another backend: not wired yet.
 
 With ``model.lora`` (``lora``) the engine keeps its base weights and an update is an adapter, loaded under a
 version of its own while generation goes on (``vllm_lora``): a request samples under the version current when
@@ -36,6 +38,7 @@ import queue
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -167,7 +170,11 @@ class VLLMEngine(Engine):
 
             self._lora = AdapterVersions(self._llm, lora, model, self._shm, DTYPES.get(dtype))
         if self._sync != "file":
-            self._form_group()
+            try:
+                self._form_group()
+            except BaseException:
+                self.close()  # (vLLM is running: stopped before the error goes up)
+                raise
 
     async def _start(self, args):
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -269,13 +276,18 @@ class VLLMEngine(Engine):
             first = self._pause_depth == 1
         if first:
             self._call(self._pause())
+        failed = True
         try:
             yield
+            failed = False
         finally:
             with self._lock:
                 self._pause_depth -= 1
                 last = self._pause_depth == 0
-            if last:
+            if last and failed:  # (what failed inside is the error to see, not a dead engine's at the resume)
+                with contextlib.suppress(Exception):
+                    self._call(self._resume(), timeout=5)
+            elif last:
                 self._call(self._resume())
 
     async def _pause(self) -> None:
@@ -352,13 +364,25 @@ class VLLMEngine(Engine):
         plan = plan_buckets(metas(state_dict), self._bucket_bytes)
         wire = [[(m.name, m.dtype, m.shape) for m in bucket] for bucket in plan]
         loaded = asyncio.run_coroutine_threadsafe(self._llm.collective_rpc("relayrl_receive", args=(wire,)), self._loop)
+        failed = f"rollout.engine=vllm: the weight update to version {version} through the collective failed"
         try:
-            self._channel.send(state_dict, plan)
-            loaded.result(self._sync_timeout)
-        except (SyncError, RuntimeError, TimeoutError) as e:
+            self._channel.send(state_dict, plan)  # (a bucket the socket takes is sent: a dead peer may show only after)
+            deadline = time.monotonic() + self._sync_timeout
+            while not loaded.done():
+                with contextlib.suppress(TimeoutError):
+                    loaded.result(1.0)
+                if self._llm.errored:
+                    raise EngineError(f"{failed}: vLLM's engine core died during it")
+                if time.monotonic() > deadline:
+                    raise EngineError(f"{failed}: vLLM's workers had not loaded it after rollout.sync_timeout_s="
+                                      f"{self._sync_timeout:g}")
+            loaded.result()
+        except EngineError:
+            raise
+        except (SyncError, RuntimeError) as e:
+            raise EngineError(f"{failed}: {_reason(e)}") from e
+        finally:
             loaded.cancel()
-            raise EngineError(f"rollout.engine=vllm: the weight update to version {version} through the collective "
-                              f"failed: {_reason(e)}") from e
 
     async def _publish(self, adapters: list) -> None:
         await self._lora.publish(adapters)

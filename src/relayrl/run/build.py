@@ -273,8 +273,11 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
                            cfg.run.seed * 1_000_003 + state.step, engine_threads, lora_spec,
                            routes=cfg.algo.routing_replay == "r3" and moe.is_moe(policy))
         first = lora.adapter_state(policy) if adapter else policy.state_dict()
+        check_sync_buckets(cfg, first, adapter)
         engine = open_engine(spec, cfg.run, cfg.ray, first, tokenizer)
         undo.callback(engine.close)
+        if getattr(engine, "sync_note", ""):  # (vLLM: the collective, or the file and why)
+            log(f"weight updates: {engine.sync_note}")
         if adapter:  # the engines start from the base: the adapter of this version goes to them as any update
             engine.load_weights(first, state.version)
         runner = make_runner(cfg, engine, tokenizer, reward, make_env, eos_token_ids(weights, tokenizer),
@@ -291,6 +294,18 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.top_k, seed=seed)
     return Components(tokenizer, policy, engine, trainer, reward, sampler, eval_prompts, params, runner,
                       lora_spec.adapter_config(base) if lora_spec else None)
+
+
+def check_sync_buckets(cfg: Config, weights: dict, adapter: bool) -> None:
+    """rollout.sync_bucket_mb must hold the policy's largest tensor where updates may go through the collective:
+    refused at start, before an engine starts."""
+    if cfg.rollout.engine == "vllm" and cfg.rollout.weight_sync != "file" and not adapter:
+        from relayrl.engine.weight_sync import SyncError, metas, plan_buckets
+
+        try:
+            plan_buckets(metas(weights), cfg.rollout.sync_bucket_mb << 20)
+        except SyncError as e:
+            raise ValueError(str(e)) from None
 
 
 def adapter_roles(cfg: Config, make_env) -> tuple[str, ...]:
