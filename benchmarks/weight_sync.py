@@ -8,7 +8,7 @@ step, in the sync and the async modes alike), the trainer's and the engine core'
 level before the updates, and the ratio file / collective.
 
     python benchmarks/weight_sync.py
-    python benchmarks/weight_sync.py --shape 8b-layers --bucket-mb 256 512
+    python benchmarks/weight_sync.py --shape 8b-layers --bucket-mb 1100 2048
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--bucket-mb", type=int, nargs="+", default=[256])
+    ap.add_argument("--bucket-mb", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

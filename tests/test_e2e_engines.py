@@ -80,6 +80,8 @@ def test_pipeline_with_vllm_engine(tmp_path, capfd):
     assert metrics[-1]["logprob_mismatch_mean"] < 1e-3 and metrics[-1]["staleness_max"] == 0
     out, err = capfd.readouterr()
     assert "EngineDeadError" not in out + err  # the engine shuts down without a traceback
+    # rollout.weight_sync=auto: every update went through the collective (its group formed at each start)
+    assert (out + err).count("weight updates: collective (gloo, 2 ranks, buckets of ≤ 2048 MB)") == 2
 
 
 @pytest.mark.slow

@@ -20,8 +20,9 @@ class WeightSyncFields(_Section):
         "/dev/shm the workers reload), or auto (the collective where it can be formed, else the file, the reason "
         "logged at start). Adapters (model.lora) always travel as adapters.")
     sync_bucket_mb: int = Field(
-        256, ge=1, description="rollout.weight_sync=collective: the most megabytes broadcast at once (the host holds one "
-        "bucket's copy at a time); it must hold the largest tensor of the policy, checked at start.")
+        2048, ge=1, description="rollout.weight_sync=collective: the most megabytes broadcast at once (the host holds one "
+        "bucket's copy at a time); it must hold the largest tensor of the policy, checked at start (an embedding: "
+        "260 MB for Qwen2.5-0.5B in bf16, 1,040 MB for Qwen2.5-7B, 2,004 MB for Llama-3-70B).")
     sync_timeout_s: float = Field(
         120.0, gt=0, description="rollout.weight_sync=collective: the deadline of forming the group and of each bucket; "
         "an engine that dies mid-update stops the run at once, one that stalls at this deadline (never a hang).")

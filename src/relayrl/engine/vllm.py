@@ -93,7 +93,7 @@ class VLLMEngine(Engine):
                  max_model_len: int = 2048, seed: int = 0, gpu_memory_utilization: float = 0.5,
                  max_num_seqs: int = 256, enforce_eager: bool | None = None, sleep: bool = False,
                  lora: LoraSpec | None = None, lora_versions: int = 2, routes: bool = False, speculative: int = 0,
-                 weight_sync: str = "file", sync_bucket_mb: int = 256, sync_timeout_s: float = 120.0):
+                 weight_sync: str = "file", sync_bucket_mb: int = 2048, sync_timeout_s: float = 120.0):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU build only; vLLM's default takes a lot
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # (per-update warnings would bury the run's own lines)
         try:
