@@ -41,13 +41,20 @@ def _perturbed(model, seed=1):
     return {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
 
 
-def _engine_core():
+def _engine_core(before: set[int]):
+    """The engine core this test started (not another test's engine, alive beside it)."""
     import psutil
 
-    cores = [p for p in psutil.Process().children(recursive=True) if "EngineCore" in " ".join(p.cmdline()) or
-             "EngineCore" in p.name()]
-    assert cores, [p.name() for p in psutil.Process().children(recursive=True)]
+    cores = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and
+             ("EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline()))]
+    assert len(cores) == 1, [(p.pid, p.name()) for p in psutil.Process().children(recursive=True)]
     return cores[0]
+
+
+def _children() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +94,9 @@ def test_an_engine_that_dies_or_stalls_mid_update_fails_the_update_never_hangs(d
     fails with the bucket and the cause — at once for a dead peer, at rollout.sync_timeout_s for a stalled one."""
     from relayrl.engine import weight_sync
 
+    before = _children()
     eng = _engine(demo, weight_sync="collective", sync_bucket_mb=1, sync_timeout_s=5)
-    core = _engine_core()
+    core = _engine_core(before)
     sent = weight_sync.Channel._broadcast
 
     def broadcast(self, buffer, what):
