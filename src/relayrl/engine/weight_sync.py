@@ -1,16 +1,17 @@
 """Weight updates through a collective (``rollout.weight_sync=collective``): the trainer broadcasts the policy to
 every engine worker in buckets, each received bucket loaded as it arrives.
 
-    plan = plan_buckets(metas(state_dict), bucket_bytes)   # names, dtypes, shapes, grouped ≤ bucket_bytes
-    sender = Channel.host(world, timeout_s)                 # rank 0, the trainer: a TCP store on a free port
-    ... each receiver: Channel.join(sender.address, rank, world, timeout_s)
-    sender.send(state_dict, plan)                           # receivers: for name, t in channel.receive(plan)
+    plan = plan_buckets(metas(state_dict), bucket_bytes)    # names, dtypes, shapes, grouped ≤ bucket_bytes
+    store = Channel.store(world, timeout_s)                   # rank 0's TCP store, on a port the OS picks
+    sender = Channel.host(store, world, timeout_s)            # rank 0 (each receiver: Channel.join(address, rank, ...))
+    sender.send(state_dict, plan)                             # receivers: for name, t in channel.receive(plan)
 
 The group is gloo's (CPU tensors over TCP; NCCL on GPUs is the same protocol on another backend, not wired yet).
 It is formed from a store of its own, never torch.distributed's default group, so a trainer under torchrun keeps
-its own. Every operation has a deadline (``timeout_s``): a receiver that dies mid-update ends the sender's
-broadcast at once ("connection closed by peer"), one that stalls ends it at the deadline — an update fails, it
-never hangs. ``VLLMReceiver`` is the vLLM worker's side (vLLM's ``worker_extension_cls``)."""
+its own. Every operation has a deadline (``timeout_s``): a receiver that dies mid-update fails the next broadcast
+the socket notices it in ("connection closed by peer"; a small bucket may still be taken by the socket, so the
+engine's side watches for it too: ``VLLMEngine._broadcast``), one that stalls fails it at the deadline — an update
+fails, it never hangs. ``VLLMReceiver`` is the vLLM worker's side (vLLM's ``worker_extension_cls``)."""
 
 from __future__ import annotations
 
