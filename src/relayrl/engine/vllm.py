@@ -127,13 +127,7 @@ class VLLMEngine(Engine):
         self._lora = None  # (with lora: the AdapterVersions, once vLLM runs)
         # rollout.speculative: vLLM's n-gram drafts (``vllm_spec``: relayrl's prompt source), counted from its stats
         self._spec = SpecCounts() if speculative else None
-        # rollout.weight_sync: full updates broadcast to vLLM's workers (engine.weight_sync), or through a file
-        if weight_sync not in ("auto", "collective", "file"):
-            raise EngineError(f"rollout.weight_sync={weight_sync!r}: auto, collective or file")
-        self._sync = "file" if lora is not None else weight_sync  # (adapters travel as adapters: vllm_lora)
-        self._bucket_bytes, self._sync_timeout = int(sync_bucket_mb * (1 << 20)), float(sync_timeout_s)
-        self._channel = None
-        self.sync_note = "file (model.lora: adapters are loaded as adapters)" if lora is not None else ""
+        self._sync_settings(weight_sync, lora is not None, sync_bucket_mb, sync_timeout_s)
         lora_args = {}
         if lora is not None:
             from relayrl.engine.vllm_lora import engine_args
@@ -175,6 +169,15 @@ class VLLMEngine(Engine):
             except BaseException:
                 self.close()  # (vLLM is running: stopped before the error goes up)
                 raise
+
+    def _sync_settings(self, weight_sync: str, adapters: bool, bucket_mb: int, timeout_s: float) -> None:
+        """rollout.weight_sync: full updates broadcast to vLLM's workers (engine.weight_sync), or through a file."""
+        if weight_sync not in ("auto", "collective", "file"):
+            raise EngineError(f"rollout.weight_sync={weight_sync!r}: auto, collective or file")
+        self._sync = "file" if adapters else weight_sync  # (adapters travel as adapters: vllm_lora)
+        self._bucket_bytes, self._sync_timeout = int(bucket_mb * (1 << 20)), float(timeout_s)
+        self._channel = None
+        self.sync_note = "file (model.lora: adapters are loaded as adapters)" if adapters else ""
 
     async def _start(self, args):
         from vllm.v1.engine.async_llm import AsyncLLM
