@@ -91,6 +91,21 @@ def test_a_failing_actor_start_is_a_clear_error(local_ray, tmp_path):
         RayEngine(_spec(str(tmp_path / "missing")), "test-bad", start_timeout=120)
 
 
+def test_engine_resources_no_node_offers_are_one_line_not_a_wait(local_ray, tiny_path):
+    """ray.engine_resources that no live node offers: refused before any actor starts, naming what the nodes offer."""
+    from relayrl.engine import EngineError
+    from relayrl.engine.ray_engine import RayEngine, check_placement
+
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match=r"engine actor test-nowhere: the Ray cluster's live nodes hold 0 of the 1 "
+                       r"engine\(s\) asking ray.engine_resources=\{'rollout': 1.0\} each \(its nodes: [0-9.]+:\d+: CPU 2"):
+        RayEngine(_spec(tiny_path), "test-nowhere", resources={"rollout": 1.0})
+    assert time.monotonic() - t0 < 60  # (never a wait for a node: generous, a loaded machine included)
+    check_placement({"CPU": 1.0}, 2, "x")  # two actors asking one CPU fit the cluster's two
+    with pytest.raises(EngineError, match="hold 2 of the 3 engine"):
+        check_placement({"CPU": 1.0}, 3, "run.backend=ray")
+
+
 @pytest.mark.slow
 def test_pause_holds_across_a_restart(local_ray, tiny, tiny_path):
     """A restart while the rollout is paused leaves the new actor paused: what was in flight

@@ -349,6 +349,7 @@ APPLIES_ONLY: dict[str, tuple[Callable[[BaseModel], bool], str, tuple[str, ...]]
     "ray.address": _RAY,
     "ray.num_cpus": _RAY,
     "ray.max_engine_restarts": _RAY,
+    "ray.engine_resources": _RAY,
     "algo.tis_cap": _TIS,
     "algo.tis_level": _TIS,
     "algo.m2po_tau": (lambda c: c.algo.offpolicy == "m2po", "with algo.offpolicy=m2po", ("algo.offpolicy",)),

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from relayrl.config.base import ConfigError, _Section  # noqa: F401 - (ConfigError: imported from here)
+from relayrl.config.cluster import RayCfg  # noqa: F401 - (imported from here)
 from relayrl.config.weight_sync import WeightSyncFields
 
 TrackerName = Literal["jsonl", "tensorboard", "wandb", "mlflow", "trackio", "swanlab"]
@@ -487,14 +488,3 @@ class ServeCfg(_Section):
     max_connections: int = Field(
         1024, ge=1, description="Open connections the endpoint keeps; past it, a new one is closed at once (clients "
         "retry), and one that sends no request within 5 s is closed.")
-
-
-class RayCfg(_Section):
-    """Ray, with run.backend=ray."""
-
-    address: str | None = Field(
-        None, description="Cluster to join ('auto', or 'host:port'); null: start a local one in this process.")
-    num_cpus: int | None = Field(None, ge=1, description="CPUs of the local cluster (null: the machine's).")
-    max_engine_restarts: int = Field(
-        3, ge=0, description="How many times a dead engine actor is restarted before the run fails.")
-

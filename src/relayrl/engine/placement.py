@@ -70,6 +70,11 @@ def open_engine(spec: EngineSpec, run: RunCfg, ray_cfg: RayCfg, state_dict=None,
     """The engine the rollout uses. ``state_dict``: the policy's weights, when they are already in
     memory (an hf engine process shares them)."""
     own = own_engine_process(spec.rollout, run)
+    if run.backend == "ray":  # (before any starts: a cluster that cannot hold them all is one line, not a wait)
+        from relayrl.engine.ray_engine import check_placement
+
+        start_ray(ray_cfg)
+        check_placement(ray_cfg.engine_resources, spec.rollout.engines, "run.backend=ray")
     with contextlib.ExitStack() as undo:  # engines started before one that fails are closed again
         engines = []
         for i in range(spec.rollout.engines):
@@ -93,7 +98,7 @@ def _one(spec: EngineSpec, run: RunCfg, ray_cfg: RayCfg, own: bool, state_dict, 
         import ray  # the driver's job id in the name: two runs of one run.name on a shared cluster do not collide
 
         return RayEngine(spec, f"{name}-job{ray.get_runtime_context().get_job_id()}",
-                         max_restarts=ray_cfg.max_engine_restarts)
+                         max_restarts=ray_cfg.max_engine_restarts, resources=ray_cfg.engine_resources)
     if spec.rollout.engine == "vllm":  # (vLLM's engine core is a process of its own already)
         return build_local_engine(spec, tokenizer=tokenizer)
     if own:
@@ -120,6 +125,18 @@ def start_ray(ray_cfg: RayCfg) -> None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         kw = {"num_cpus": ray_cfg.num_cpus or cores()}
     ray.init(include_dashboard=False, log_to_driver=False, namespace="relayrl", **kw)
+
+
+def placement_note(engine) -> str:
+    """Where Ray's engine actors run (``engines on Ray nodes: 10.0.0.2:6380 (id 1a2b3c4d) ×2``); '' for other engines."""
+    from collections import Counter
+
+    nodes = [e.node for e in getattr(engine, "engines", [engine]) if getattr(e, "node", "")]
+    if not nodes:
+        return ""
+    from relayrl.engine.ray_engine import describe_node
+
+    return "engines on Ray nodes: " + ", ".join(f"{describe_node(n)} ×{k}" for n, k in Counter(nodes).items())
 
 
 def engine_counters(engine) -> dict:

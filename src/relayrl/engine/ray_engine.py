@@ -10,6 +10,11 @@ pending request is sent to it again; a request that had streamed tokens continue
 (``response_so_far``), so nothing already returned is generated twice, and its final completion
 still holds all of its tokens. A request aborted before the death comes back aborted. The run
 never sees the death, only ``restarts``; after ``max_restarts`` the engine fails for real.
+
+``resources`` (``ray.engine_resources``) places the actor: on a node that offers them, checked against
+the cluster's live nodes before it starts (``check_placement``: one line naming what they offer, never a
+wait for a node that will not come). An actor whose node left the cluster is restarted on another that
+offers them, or the run stops with the departed node's address.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import contextlib
 import dataclasses
 import queue
 import threading
+import time
 from typing import Iterable
 
 import torch
@@ -58,6 +64,11 @@ class EngineActor:
     def num_pending(self) -> int:
         return self.engine.num_pending()
 
+    def node(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def remember(self, responses: list) -> int:
         return self.engine.remember(responses)
 
@@ -82,11 +93,14 @@ class _Owed:
 
 
 class RayEngine(Engine):
-    def __init__(self, spec: EngineSpec, name: str, max_restarts: int = 3, start_timeout: float = 900):
+    def __init__(self, spec: EngineSpec, name: str, max_restarts: int = 3, start_timeout: float = 900,
+                 resources: dict[str, float] | None = None):
         import ray
 
         self._ray = ray
         self._spec, self.name, self.max_restarts = spec, name, max_restarts
+        self._resources = dict(resources or {})
+        self.node = ""  # the Ray node id of the actor now running
         self._timeout = start_timeout
         self._version = spec.version
         self._weights = None  # the last published weights, in Ray's object store
@@ -103,16 +117,38 @@ class RayEngine(Engine):
         self._thread.start()
 
     def _start_actor(self):
+        """The actor, started and placed (``self.node``). While it waits for a place, the cluster is checked every few
+        seconds: a run whose engines lost every node that could hold them stops in one line, it does not wait."""
         ray = self._ray
-        actor_cls = ray.remote(num_cpus=0, max_concurrency=8, name=self.name)(EngineActor)
-        actor = actor_cls.remote(self._spec)
+        deadline = time.monotonic() + self._timeout
+        check_placement(self._resources, 1, f"engine actor {self.name}")
+        actor_cls = ray.remote(num_cpus=0, max_concurrency=8, name=self.name,
+                               resources=self._resources or None)(EngineActor)
+        actor = None
         try:
-            ray.get(actor.num_pending.remote(), timeout=self._timeout)  # waits for __init__
+            while actor is None:  # (a dead actor's name is free once the cluster has seen it die)
+                try:
+                    actor = actor_cls.remote(self._spec)
+                except ValueError as e:
+                    if "already taken" not in str(e) or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.5)
+            ref = actor.node.remote()
+            while True:
+                try:
+                    self.node = ray.get(ref, timeout=min(5.0, max(0.1, deadline - time.monotonic())))
+                    return actor
+                except ray.exceptions.GetTimeoutError:
+                    check_placement(self._resources, 1, f"engine actor {self.name}")
+                    if time.monotonic() > deadline:
+                        raise
         except Exception as e:
-            with contextlib.suppress(Exception):
-                ray.kill(actor)
+            if actor is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
+            if isinstance(e, EngineError):
+                raise
             raise EngineError(f"engine actor {self.name} failed to start: {_reason(e)}") from None
-        return actor
 
     # -- the actor, and its replacement ---------------------------------------------------------
     def _call(self, method: str, *args, timeout: float = 600):
@@ -135,11 +171,21 @@ class RayEngine(Engine):
             if failed_generation != self._generation or self._stop.is_set():
                 return  # already replaced (or closing)
             if self.restarts >= self.max_restarts:
-                self._out.put(EngineError(f"engine actor {self.name} died {self.restarts + 1} times; giving up"))
+                left = node_left(self.node)
+                self._out.put(EngineError(f"engine actor {self.name} died {self.restarts + 1} times; giving up"
+                                          + (f" (the last time: {left})" if left else "")))
+                self._stop.set()  # (no more calls on the dead actor: the run's next get() raises this)
                 return
             self.restarts += 1
             self._generation += 1
-            self._actor = actor = self._start_actor()
+            gone = self.node
+            try:
+                self._actor = actor = self._start_actor()
+            except EngineError as e:  # (this may be the forward thread: the run's next get() raises it)
+                left = node_left(gone)
+                self._out.put(EngineError(f"{e}; {left}" if left else str(e)))
+                self._stop.set()
+                return
             if self._weights is not None:
                 self._ray.get(actor.load_weights.remote(self._weights, self._version))
             if self._paused:
@@ -259,6 +305,45 @@ class RayEngine(Engine):
             self._ray.get(self._actor.close.remote(), timeout=30)
         with contextlib.suppress(Exception):
             self._ray.kill(self._actor)
+
+
+def _address(node: dict) -> str:
+    return f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}"
+
+
+def describe_node(node_id: str) -> str:
+    """``host:port (id 1a2b3c4d)`` of a node of the cluster, live or gone."""
+    import ray
+
+    node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+    return f"{_address(node)} (id {node_id[:8]})" if node else f"id {node_id[:8]}"
+
+
+def node_left(node_id: str) -> str:
+    """'' while the node is alive; else what to tell the user: its address, gone."""
+    import ray
+
+    node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+    if not node_id or (node is not None and node["Alive"]):
+        return ""
+    return f"its node {describe_node(node_id)} left the Ray cluster"
+
+
+def check_placement(resources: dict[str, float], engines: int, who: str) -> None:
+    """An EngineError, unless the live nodes can hold ``engines`` actors that each ask for ``resources`` (counted
+    from the nodes' totals: a node offering 2 holds two actors asking 1)."""
+    import ray
+
+    if not resources:
+        return
+    live = [n for n in ray.nodes() if n["Alive"]]
+    fits = sum(min(int(n["Resources"].get(k, 0) // v) for k, v in resources.items()) for n in live)
+    if fits < engines:
+        offered = "; ".join(f"{_address(n)}: " + (", ".join(
+            f"{k} {v:g}" for k, v in sorted(n["Resources"].items())
+            if not k.startswith("node:") and k not in ("memory", "object_store_memory")) or "nothing") for n in live)
+        raise EngineError(f"{who}: the Ray cluster's live nodes hold {fits} of the {engines} engine(s) asking "
+                          f"ray.engine_resources={resources} each (its nodes: {offered})")
 
 
 def _reason(e: BaseException) -> str:

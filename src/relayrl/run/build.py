@@ -16,7 +16,7 @@ from rich.console import Console
 from relayrl.algos import NEEDS_CRITIC
 from relayrl.config import Config, EnvCfg, budget_bounds
 from relayrl.data.datasets import PromptSampler, load_prompts
-from relayrl.engine.placement import cores, open_engine, start_ray, threads
+from relayrl.engine.placement import cores, open_engine, placement_note, start_ray, threads
 from relayrl.engine.spec import engine_spec, eos_token_ids
 from relayrl.envs import python_tool
 from relayrl.envs.base import ADAPTERS, load_env_class, make_env_factory
@@ -278,6 +278,8 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         undo.callback(engine.close)
         if getattr(engine, "sync_note", ""):  # (vLLM: the collective, or the file and why)
             log(f"weight updates: {engine.sync_note}")
+        if placement_note(engine):
+            log(placement_note(engine))
         if adapter:  # the engines start from the base: the adapter of this version goes to them as any update
             engine.load_weights(first, state.version)
         runner = make_runner(cfg, engine, tokenizer, reward, make_env, eos_token_ids(weights, tokenizer),
