@@ -1,6 +1,7 @@
 """Engines as Ray actors: the same answers as in-process, weights and versions, and an actor
 killed mid-generation is replaced without losing or repeating a token."""
 
+import dataclasses
 import os
 import time
 
@@ -104,6 +105,70 @@ def test_engine_resources_no_node_offers_are_one_line_not_a_wait(local_ray, tiny
     check_placement({"CPU": 1.0}, 2, "x")  # two actors asking one CPU fit the cluster's two
     with pytest.raises(EngineError, match="hold 2 of the 3 engine"):
         check_placement({"CPU": 1.0}, 3, "run.backend=ray")
+
+
+def _perturbed(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    return model.state_dict()
+
+
+def test_an_update_through_the_collective_reaches_the_actor(local_ray, tiny, tiny_path):
+    """rollout.weight_sync=collective: the update broadcast to the actor in buckets (1 MB: several) is the policy it
+    samples; auto, on the trainer's own node, is Ray's object store (measured faster there)."""
+    from relayrl.engine.ray_engine import RayEngine
+
+    model, tok = tiny
+    spec = _spec(tiny_path, version=1)
+    eng = RayEngine(dataclasses.replace(spec, rollout=RolloutCfg(weight_sync="collective", sync_bucket_mb=1)), "test-c")
+    try:
+        assert eng.sync_note == "collective (gloo, 2 ranks, buckets of ≤ 1 MB)"
+        eng.load_weights(_perturbed(model), 3)
+        r = _req(tok, "c", 8)
+        c = eng.generate([r])[0]
+        assert set(c.versions) == {3} and isinstance(eng._weights, dict)
+        _check_logprobs(model, r, c)
+    finally:
+        eng.close()
+    auto = RayEngine(spec, "test-a")
+    try:
+        assert auto.sync_note == "Ray's object store (rollout.weight_sync=auto, the actor on the trainer's node)"
+    finally:
+        auto.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["file", "collective"])
+def test_an_actor_killed_mid_update_is_replaced_holding_the_update(local_ray, tiny, tiny_path, path):
+    """The update reaches an actor that hangs in it (SIGSTOP), then dies (SIGKILL): ``load_weights`` returns once
+    the replacement holds the new weights and version, and what it generates is the new policy's."""
+    import signal
+    import threading
+
+    from relayrl.engine.ray_engine import RayEngine
+
+    model, tok = tiny
+    spec = _spec(tiny_path, version=1)
+    spec = dataclasses.replace(spec, rollout=RolloutCfg(weight_sync=path, sync_bucket_mb=1, sync_timeout_s=30))
+    eng = RayEngine(spec, f"test-engine-u-{path}", max_restarts=2)
+    try:
+        eng.load_weights(_perturbed(model), 2)  # (the collective formed)
+        pid = ray.get(ray.get_actor(f"test-engine-u-{path}", namespace="relayrl-tests").pid.remote())
+        os.kill(pid, signal.SIGSTOP)
+        update = threading.Thread(target=eng.load_weights, args=(_perturbed(model), 3), daemon=True)
+        update.start()
+        update.join(2.0)
+        assert update.is_alive()  # the update is in flight, the actor stopped in it
+        os.kill(pid, signal.SIGKILL)
+        update.join(180)
+        assert not update.is_alive() and eng.restarts == 1 and eng.version == 3
+        r = _req(tok, "after", 8)
+        c = eng.generate([r])[0]
+        assert set(c.versions) == {3}
+        _check_logprobs(model, r, c)  # the replacement's weights are the update's
+    finally:
+        eng.close()
 
 
 @pytest.mark.slow

@@ -280,9 +280,10 @@ _SERVE = (lambda c: (c.env.name or "").startswith("agent:"), "with an agent prog
 _WORKSPACE = (lambda c: c.env.name == "workspace" or (c.env.name or "").startswith("agent:"),
               "with env.name=workspace or an agent program (env.name=agent:...) on workspace tasks", ("env.name",))
 _VLLM = (lambda c: c.rollout.engine == "vllm", "with rollout.engine=vllm", ("rollout.engine",))
-_FULL_VLLM = (lambda c: c.rollout.engine == "vllm" and not c.model.lora.r, "with rollout.engine=vllm and full-weight "
-              "updates (model.lora.r=0: adapters travel as adapters)", ("rollout.engine", "model.lora.r"))
 _RAY = (lambda c: c.run.backend == "ray", "with run.backend=ray", ("run.backend",))
+_SYNC = (lambda c: (c.rollout.engine == "vllm" and not c.model.lora.r) or c.run.backend == "ray", "with run.backend=ray, "
+         "or rollout.engine=vllm and full-weight updates (model.lora.r=0: adapters travel as adapters)",
+         ("run.backend", "rollout.engine", "model.lora.r"))
 _PROJECT_TRACKERS = ("wandb", "mlflow", "trackio", "swanlab")
 _BUDGET = (lambda c: c.rollout.budget == "adaptive", "with rollout.budget=adaptive", ("rollout.budget",))
 _SPEC = (lambda c: c.rollout.speculative == "on", "with rollout.speculative=on", ("rollout.speculative",))
@@ -314,9 +315,9 @@ APPLIES_ONLY: dict[str, tuple[Callable[[BaseModel], bool], str, tuple[str, ...]]
                                ("rollout.engine_process", "run.mode", "rollout.engines", "run.backend")),
     "rollout.dynamic_sampling_max": (lambda c: c.rollout.dynamic_sampling, "with rollout.dynamic_sampling=true",
                                      ("rollout.dynamic_sampling",)),
-    "rollout.weight_sync": _FULL_VLLM,
-    "rollout.sync_bucket_mb": _FULL_VLLM,
-    "rollout.sync_timeout_s": _FULL_VLLM,
+    "rollout.weight_sync": _SYNC,
+    "rollout.sync_bucket_mb": _SYNC,
+    "rollout.sync_timeout_s": _SYNC,
     "rollout.budget_min": _BUDGET,
     "rollout.budget_max": _BUDGET,
     "data.selection_pool": _SELECT,

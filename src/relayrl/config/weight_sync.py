@@ -1,4 +1,4 @@
-"""The rollout section's weight-update fields: how a full-weight update reaches vLLM's workers
+"""The rollout section's weight-update fields: how a full-weight update reaches vLLM's workers and Ray's engine actors
 (``relayrl.engine.weight_sync``)."""
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ class WeightSyncFields(_Section):
         "auto", description="vllm, full-weight updates: collective (the trainer broadcasts the policy to vLLM's workers "
         "in a gloo group of their own, bucket by bucket, each bucket loaded as it arrives), file (a safetensors file in "
         "/dev/shm the workers reload), or auto (the collective where it can be formed, else the file, the reason "
-        "logged at start). Adapters (model.lora) always travel as adapters.")
+        "logged at start). Adapters (model.lora) always travel as adapters. run.backend=ray, to each engine actor: "
+        "collective (the same broadcast, the actor loading what it received), file (Ray's object store), or auto (the "
+        "collective to an actor on another node than the trainer's, the object store on the trainer's own node, "
+        "faster there).")
     sync_bucket_mb: int = Field(
         2048, ge=1, description="rollout.weight_sync=collective: the most megabytes broadcast at once (the host holds one "
         "bucket's copy at a time); it must hold the largest tensor of the policy, checked at start (an embedding: "

@@ -127,6 +127,12 @@ def start_ray(ray_cfg: RayCfg) -> None:
     ray.init(include_dashboard=False, log_to_driver=False, namespace="relayrl", **kw)
 
 
+def sync_notes(engine) -> str:
+    """How weight updates reach the engines (``sync_note`` of vLLM's and Ray's), each distinct note once."""
+    notes = [getattr(e, "sync_note", "") for e in getattr(engine, "engines", [engine])]
+    return "; ".join(dict.fromkeys(n for n in notes if n))
+
+
 def placement_note(engine) -> str:
     """Where Ray's engine actors run (``engines on Ray nodes: 10.0.0.2:6380 (id 1a2b3c4d) ×2``); '' for other engines."""
     from collections import Counter

@@ -15,6 +15,14 @@ never sees the death, only ``restarts``; after ``max_restarts`` the engine fails
 the cluster's live nodes before it starts (``check_placement``: one line naming what they offer, never a
 wait for a node that will not come). An actor whose node left the cluster is restarted on another that
 offers them, or the run stops with the departed node's address.
+
+A weight update reaches the actor one of two ways (``rollout.weight_sync``): through Ray's object store (``file``:
+put once, the actor reads it; shared memory on the trainer's node) or through the collective
+(``engine.weight_sync.Channel``: a gloo group of this process and the actor, the policy broadcast in buckets of
+``rollout.sync_bucket_mb`` under ``rollout.sync_timeout_s``, the actor loading what it received). ``auto``: the
+collective for an actor on another node than the trainer's (streamed, no whole copy in either node's store), the
+object store for one on the trainer's node (measured faster there: docs/guides/scale.md). The weights of the last
+update are kept (a reference in the store, or this process's dict) for a replacement actor.
 """
 
 from __future__ import annotations
@@ -69,6 +77,23 @@ class EngineActor:
 
         return ray.get_runtime_context().get_node_id()
 
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def sync_join(self, host: str, port: int, timeout_s: float) -> None:
+        from relayrl.engine.weight_sync import Channel
+
+        self._channel = Channel.join((host, port), 1, 2, timeout_s)
+
+    def sync_load(self, wire: list, version: int) -> None:
+        """The buckets of one update, received whole, then loaded as an update from the object store is."""
+        from relayrl.engine.weight_sync import Meta
+
+        plan = [[Meta(n, d, tuple(s)) for n, d, s in bucket] for bucket in wire]
+        self.engine.load_weights(dict(self._channel.receive(plan)), version)
+
     def remember(self, responses: list) -> int:
         return self.engine.remember(responses)
 
@@ -101,6 +126,7 @@ class RayEngine(Engine):
         self._spec, self.name, self.max_restarts = spec, name, max_restarts
         self._resources = dict(resources or {})
         self.node = ""  # the Ray node id of the actor now running
+        self._channel = None  # the collective to the actor now running (formed at its first update through it)
         self._timeout = start_timeout
         self._version = spec.version
         self._weights = None  # the last published weights, in Ray's object store
@@ -122,17 +148,12 @@ class RayEngine(Engine):
         ray = self._ray
         deadline = time.monotonic() + self._timeout
         check_placement(self._resources, 1, f"engine actor {self.name}")
-        actor_cls = ray.remote(num_cpus=0, max_concurrency=8, name=self.name,
-                               resources=self._resources or None)(EngineActor)
+        # (a replacement's name is its own: a killed process's actor keeps its name until the cluster sees it dead)
+        name = self.name if not self._generation else f"{self.name}-r{self._generation}"
+        actor_cls = ray.remote(num_cpus=0, max_concurrency=8, name=name, resources=self._resources or None)(EngineActor)
         actor = None
         try:
-            while actor is None:  # (a dead actor's name is free once the cluster has seen it die)
-                try:
-                    actor = actor_cls.remote(self._spec)
-                except ValueError as e:
-                    if "already taken" not in str(e) or time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.5)
+            actor = actor_cls.remote(self._spec)
             ref = actor.node.remote()
             while True:
                 try:
@@ -179,15 +200,21 @@ class RayEngine(Engine):
             self.restarts += 1
             self._generation += 1
             gone = self.node
+            with contextlib.suppress(Exception):
+                self._ray.kill(self._actor)  # (one that only looks dead: a stopped process; its resources freed)
             try:
                 self._actor = actor = self._start_actor()
-            except EngineError as e:  # (this may be the forward thread: the run's next get() raises it)
-                left = node_left(gone)
+                self._channel = None
+                if isinstance(self._weights, dict):  # (the last update went through the collective)
+                    self._send(actor, self._weights, self._version)
+                elif self._weights is not None:
+                    self._ray.get(actor.load_weights.remote(self._weights, self._version))
+            except (EngineError, self._ray.exceptions.RayActorError) as e:  # (this may be the forward thread: the
+                left = node_left(gone)                                       # run's next get() raises it)
+                e = e if isinstance(e, EngineError) else f"engine actor {self.name}'s replacement died: {_reason(e)}"
                 self._out.put(EngineError(f"{e}; {left}" if left else str(e)))
                 self._stop.set()
                 return
-            if self._weights is not None:
-                self._ray.get(actor.load_weights.remote(self._weights, self._version))
             if self._paused:
                 self._ray.get(actor.pause.remote())
             again, settled = [], []
@@ -271,20 +298,73 @@ class RayEngine(Engine):
                 self._paused -= 1
             self._call("resume")
 
+    @property
+    def sync_note(self) -> str:
+        """How updates reach this actor (the run's log says it at start)."""
+        if self._sync_path() == "file":
+            why = {"file": "rollout.weight_sync=file", "auto": "rollout.weight_sync=auto, the actor on the trainer's node"}
+            return f"Ray's object store ({why[self._spec.rollout.weight_sync]})"
+        return f"collective (gloo, 2 ranks, buckets of ≤ {self._spec.rollout.sync_bucket_mb} MB)"
+
+    def _sync_path(self) -> str:
+        mode = self._spec.rollout.weight_sync
+        if mode == "auto":
+            return "file" if self.node == self._ray.get_runtime_context().get_node_id() else "collective"
+        return mode
+
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """The weights go into Ray's store in the engine's dtype (``rollout.dtype``: a float32 trainer's
-        cast to bfloat16 here, half the bytes to store and send; the actor's engine would cast them anyway)."""
+        """The weights go in the engine's dtype (``rollout.dtype``: a float32 trainer's cast to bfloat16 here, half the
+        bytes to store and send; the actor's engine would cast them anyway), to the store or through the collective."""
         if not isinstance(state_dict, self._ray.ObjectRef):
             from relayrl.models import DTYPES
 
             dtype = DTYPES[self._spec.engine_dtype]
             cast = self._spec.lora is None  # (an adapter goes as it is: the engine merges it in float32)
-            state_dict = self._ray.put({k: v.to(dtype) if cast and v.is_floating_point() else v
-                                        for k, v in state_dict.items()})
+            state_dict = {k: v.to(dtype) if cast and v.is_floating_point() else v for k, v in state_dict.items()}
+            if self._sync_path() == "collective":
+                with self._lock:
+                    self._weights, self._version, actor, gen = state_dict, version, self._actor, self._generation
+                try:
+                    self._send(actor, state_dict, version)
+                except self._ray.exceptions.RayActorError:
+                    self._restart(gen)  # (which sends them to the replacement)
+                return
+            state_dict = self._ray.put(state_dict)
         ref = state_dict
         with self._lock:
             self._weights, self._version = ref, version
         self._call("load_weights", ref, version)
+
+    def _send(self, actor, weights: dict[str, torch.Tensor], version: int) -> None:
+        """One update through the collective (formed with this actor at its first); an actor that died in it raises
+        RayActorError (the caller replaces it), one that stalls an EngineError at ``rollout.sync_timeout_s``."""
+        from relayrl.engine.weight_sync import Channel, SyncError, metas, plan_buckets
+
+        ray, r = self._ray, self._spec.rollout
+        timeout = r.sync_timeout_s
+        failed = f"engine actor {self.name}: the weight update to version {version} through the collective failed"
+        plan = plan_buckets(metas(weights), r.sync_bucket_mb << 20)
+        try:
+            if self._channel is None:
+                store = Channel.store(2, timeout, host=ray.util.get_node_ip_address())
+                joined = actor.sync_join.remote(store.host, store.port, timeout)
+                self._channel = Channel.host(store, 2, timeout)
+                ray.get(joined, timeout=timeout)
+            loaded = actor.sync_load.remote([[(m.name, m.dtype, m.shape) for m in b] for b in plan], version)
+            self._channel.send(weights, plan)
+            ray.get(loaded, timeout=timeout)
+        except ray.exceptions.RayActorError:
+            self._channel = None
+            raise
+        except (SyncError, RuntimeError, ray.exceptions.GetTimeoutError) as e:
+            self._channel = None
+            try:  # a dead actor is replaced; a live one that could not take the update stops the run
+                ray.get(actor.node.remote(), timeout=10)
+            except ray.exceptions.RayActorError:
+                raise
+            except Exception:  # noqa: BLE001 - alive but not answering: stalled
+                pass
+            raise EngineError(f"{failed}: {_reason(e)}") from None
 
     def num_pending(self) -> int:
         with self._lock:

@@ -16,7 +16,7 @@ from rich.console import Console
 from relayrl.algos import NEEDS_CRITIC
 from relayrl.config import Config, EnvCfg, budget_bounds
 from relayrl.data.datasets import PromptSampler, load_prompts
-from relayrl.engine.placement import cores, open_engine, placement_note, start_ray, threads
+from relayrl.engine.placement import cores, open_engine, placement_note, start_ray, sync_notes, threads
 from relayrl.engine.spec import engine_spec, eos_token_ids
 from relayrl.envs import python_tool
 from relayrl.envs.base import ADAPTERS, load_env_class, make_env_factory
@@ -276,8 +276,8 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         check_sync_buckets(cfg, first, adapter)
         engine = open_engine(spec, cfg.run, cfg.ray, first, tokenizer)
         undo.callback(engine.close)
-        if getattr(engine, "sync_note", ""):  # (vLLM: the collective, or the file and why)
-            log(f"weight updates: {engine.sync_note}")
+        if sync_notes(engine):  # (vLLM, Ray: the collective, or the file or Ray's store and why)
+            log(f"weight updates: {sync_notes(engine)}")
         if placement_note(engine):
             log(placement_note(engine))
         if adapter:  # the engines start from the base: the adapter of this version goes to them as any update
@@ -301,7 +301,7 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
 def check_sync_buckets(cfg: Config, weights: dict, adapter: bool) -> None:
     """rollout.sync_bucket_mb must hold the policy's largest tensor where updates may go through the collective:
     refused at start, before an engine starts."""
-    if cfg.rollout.engine == "vllm" and cfg.rollout.weight_sync != "file" and not adapter:
+    if cfg.rollout.weight_sync != "file" and (cfg.run.backend == "ray" or (cfg.rollout.engine == "vllm" and not adapter)):
         from relayrl.engine.weight_sync import SyncError, metas, plan_buckets
 
         try:
