@@ -61,7 +61,8 @@ def plausible(field: str):
         extra = st.just(None) if type(None) in get_args(ann) else st.nothing()
         ann = next((a for a in get_args(ann) if a is not type(None)), ann)
     bounds = {k: getattr(m, k) for m in info.metadata for k in ("ge", "gt", "le", "lt") if getattr(m, k, None) is not None}
-    lo, hi = bounds.get("ge", bounds.get("gt", 0)), bounds.get("le", bounds.get("lt", 64))
+    lo = bounds.get("ge", bounds.get("gt", 0))
+    hi = bounds.get("le", bounds.get("lt", lo + 64))  # (a field bounded below only: workspace.output_chars ≥ 100)
     if get_origin(ann) is Literal:
         base = st.sampled_from(get_args(ann))
     elif ann is bool:

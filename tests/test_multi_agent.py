@@ -120,6 +120,35 @@ def test_a_role_against_the_scripted_player_in_training(chatml_tokenizer):
     assert all(t.reward == 1.0 for t in g.trajectories)
 
 
+def test_vs_scripted_plays_the_first_trajectories_of_a_group_alone_against_the_scripted_player(chatml_tokenizer):
+    """env.vs_scripted=0.25 of a group of 8 (2 roles): trajectories 0 and 1 each a match of their own (first, then
+    second) against the scripted player, 2 … 7 three self-play matches. The rule wins from 10 as first, and as second
+    against the scripted player's random moves (its moves are in the conversation, not the policy's)."""
+    players = Players.of(lambda: games.Nim(0.0), games.Nim, "nim", [], [], 8, vs_scripted=0.25)
+    assert players.solo == 2
+    trajs = [Trajectory(Prompt("p", []), "g", i, []) for i in range(8)]
+    shape = [sorted((r, t.sample_idx) for r, t in m.items()) for m in players.matches(trajs, True)]
+    assert shape == [[("first", 0)], [("second", 1)], [("first", 2), ("second", 3)], [("first", 4), ("second", 5)],
+                     [("first", 6), ("second", 7)]]
+    runner = runner_for(chatml_tokenizer, players)
+    try:
+        g = play(runner, 10, 8)
+    finally:
+        runner.close()
+    roles = [t.info["role"] for t in g.trajectories]
+    assert roles == ["first", "second"] * 4
+    selfplay = [t.reward for t in g.trajectories[2:]]
+    assert selfplay == [1.0, 0.0] * 3  # the rule on both sides: the first wins from 10
+    alone_first, alone_second = g.trajectories[:2]
+    assert alone_first.reward == 1.0  # the rule against random moves, from 10 as first
+    # the second's conversation: the scripted player's moves as observations, the rule's answers trained
+    assert games.after(0, 0).split()[0] in chatml_tokenizer.decode(alone_second.prompt_ids)
+    with pytest.raises(ValueError, match=r"env.vs_scripted=0.1: 0 of a group's 8 trajectories"):
+        Players.of(lambda: games.Nim(0.0), games.Nim, "nim", [], [], 8, vs_scripted=0.1)
+    with pytest.raises(ValueError, match=r"env.vs_scripted=0.9: 8 of a group's 8"):
+        Players.of(lambda: games.Nim(0.0), games.Nim, "nim", [], [], 8, vs_scripted=0.9)
+
+
 def test_baselines_are_per_prompt_and_role():
     p = Prompt("p", [])
     def t(i, role):

@@ -452,6 +452,11 @@ class EnvCfg(_Section):
         default_factory=list, description="A multi-agent environment: the roles the policy plays in evaluation, each "
         "match one of them against the environment's scripted player (empty: every role in turn; the greedy match of a "
         "prompt plays the first); eval/win_rate.")
+    vs_scripted: float = Field(
+        0.0, ge=0, lt=1, description="A multi-agent environment: the share of each group's training trajectories that "
+        "each play a match alone, in one role (in turn) against the scripted player (env.args.opponent where the "
+        "environment takes one: a checkpoint, or pool:RUN_DIR of the run's own); the rest are self-play among env.roles. "
+        "An anchor for self-play that cycles (docs/guides/multi-agent.md).")
     max_turns: int = Field(4, ge=1, description="Most assistant turns in one episode (an agent program: requests; a "
                            "multi-agent match: each role's turns).")
     max_tokens: int = Field(

@@ -3,8 +3,8 @@
 ``Nim``: a pile of stones (the prompt's first number); the players take 1, 2 or 3 in turn and whoever
 takes the last stone wins. A move is the number alone; anything else, or more than is left, loses at
 once. The first player wins from every pile that is not a multiple of 4, by leaving one; against the
-scripted player, who moves at random (a fixed function of the game so far: the same game, the same
-move), a player who knows the rule wins most matches, one who moves at random about half.
+scripted player, who moves at random (a fixed function of the prompt and the game so far: the same game, the
+same move), a player who knows the rule wins most matches, one who moves at random about half.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Nim(MultiAgentEnv):
         self.opponent = None
         if opponent is not None and not (opponent.startswith("pool:") and not players.pool(opponent)):
             self.opponent = players.ModelPlayer(opponent, opponent_temperature, max_new_tokens=4, seed=seed)
-        self.pile, self.start, self.history = 0, 0, []
+        self.pile, self.start, self.history, self.key = 0, 0, [], ""
         self.views: dict[str, list[dict]] = {}  # each role's conversation (what a model player reads)
 
     async def reset(self, prompt: Prompt) -> dict[str, list[dict]]:
@@ -66,6 +66,7 @@ class Nim(MultiAgentEnv):
         if m is None or int(m.group()) < 1:
             raise ValueError(f"prompt {prompt.id!r}: no pile size (a positive number) in {text!r}")
         self.pile = self.start = int(m.group())
+        self.key = prompt.id  # (the scripted player's stream: a training prompt's is not an evaluation prompt's)
         self.views = {r: [{"role": "user", "content": opening(self.pile, r == "first")}] for r in self.roles}
         return {r: list(v) for r, v in self.views.items()}
 
@@ -75,7 +76,7 @@ class Nim(MultiAgentEnv):
         return self.random_move()
 
     def random_move(self) -> str:
-        rng = random.Random(f"{self.seed}/{self.start}/{self.history}")
+        rng = random.Random(f"{self.seed}/{self.key}/{self.history}")
         win = best(self.pile)
         if win is not None and rng.random() < self.skill:
             return str(win)
@@ -105,6 +106,7 @@ def transcripts(piles: list[int], skill: float, seed: int) -> list[dict]:
     for i, pile in enumerate(piles):
         game = Nim(skill, seed + i)
         game.pile = game.start = pile
+        game.key = str(pile)  # (the warm start's data as it was when the stream was keyed by the pile)
         views = {r: [{"role": "user", "content": opening(pile, r == "first")}] for r in game.roles}
         while game.pile:
             role = game.turn()

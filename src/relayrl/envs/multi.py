@@ -83,19 +83,22 @@ def families(roles) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Players:
     """A multi-agent environment's factory and who plays: the policy the roles in ``train`` (in a
-    training match) or one role of ``eval`` (in an evaluation match), the scripted player the others."""
+    training match) or one role of ``eval`` (in an evaluation match), the scripted player the others. The first
+    ``solo`` trajectories of a training group each play a match alone, in the roles of ``train`` in turn
+    (``env.vs_scripted``)."""
 
     make: Callable
     roles: tuple[str, ...]  # the environment's
     train: tuple[str, ...]
     eval: tuple[str, ...]
+    solo: int = 0
 
     def __call__(self):
         return self.make()
 
     @classmethod
     def of(cls, make: Callable, env_cls, name: str, train: list[str], eval_roles: list[str],
-           group_size: int | None = None) -> "Players":
+           group_size: int | None = None, vs_scripted: float = 0.0) -> "Players":
         """Checked against the environment's roles: a one-line error naming the field otherwise."""
         roles = tuple(env_cls.roles)
         if not roles or len(set(roles)) != len(roles) or not all(isinstance(r, str) and r for r in roles):
@@ -108,22 +111,31 @@ class Players:
             if len(set(chosen)) != len(chosen):
                 raise ValueError(f"{fld}: a role is named twice ({chosen})")
         train_t, eval_t = tuple(train) or roles, tuple(eval_roles) or roles
+        solo = round(vs_scripted * (group_size or 0) / len(train_t)) * len(train_t)  # (each role as often)
         scripted = (set(roles) - set(train_t)).union(*(set(roles) - {r} for r in eval_t))  # (evaluation: one each)
+        if solo:  # (a solo match: each role of train against the others)
+            scripted = scripted.union(*(set(roles) - {r} for r in train_t))
         if scripted and getattr(env_cls, "scripted", MultiAgentEnv.scripted) is MultiAgentEnv.scripted:
             raise ValueError(f"env.name={name}: {env_cls.__name__} has no scripted player (def scripted(self, role)) "
                              f"for the roles the policy does not play ({', '.join(sorted(scripted))})")
         if group_size is not None and group_size % len(train_t):  # (None: evaluation only)
             raise ValueError(f"rollout.group_size={group_size} is not a multiple of the {len(train_t)} roles the policy "
                              f"plays (env.roles: {', '.join(train_t)}): each match fills one trajectory per role")
-        return cls(make, roles, train_t, eval_t)
+        if group_size is not None and vs_scripted and not 0 < solo < group_size:
+            raise ValueError(f"env.vs_scripted={vs_scripted:g}: {solo} of a group's {group_size} trajectories, in "
+                             f"whole rounds of the {len(train_t)} roles, would play the scripted player; it needs at "
+                             "least one round of them and one self-play match")
+        return cls(make, roles, train_t, eval_t, solo)
 
     def matches(self, trajs: list, train: bool) -> list[dict]:
-        """The matches of one group: in training, trajectories ``k·R … k·R+R−1`` are match k, one per
-        role of ``train`` (R of them); in evaluation each trajectory is a match of its own, its role
-        the ``eval`` role of its index."""
+        """The matches of one group: in training, trajectories ``0 … solo−1`` each a match of its own (role
+        ``train[i % R]``), then ``solo + k·R … solo + k·R+R−1`` match k, one per role of ``train`` (R of them); in
+        evaluation each trajectory is a match of its own, its role the ``eval`` role of its index."""
         if not train:
             return [{self.eval[t.sample_idx % len(self.eval)]: t} for t in trajs]
         by: dict[int, dict] = {}
         for t in trajs:
-            by.setdefault(t.sample_idx // len(self.train), {})[self.train[t.sample_idx % len(self.train)]] = t
+            i, r = t.sample_idx - self.solo, len(self.train)
+            key = i // r if i >= 0 else -1 - t.sample_idx  # (solo matches: negative keys, one each)
+            by.setdefault(key, {})[self.train[t.sample_idx % r]] = t
         return list(by.values())

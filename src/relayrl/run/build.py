@@ -119,13 +119,13 @@ def env_factory(env: EnvCfg, group_size: int | None = None, workspace=None):
         except TypeError as e:
             raise ValueError(f"env.args do not fit TextArenaMatch: {e}") from None
         return Players.of(lambda: TextArenaMatch(name, **args), TextArenaMatch, env.name, env.roles, env.eval_roles,
-                          group_size)
+                          group_size, env.vs_scripted)
     if env.name == "workspace":  # (its settings: the workspace section)
         return make_workspace_env(env, workspace)
     make = make_env_factory(env.name, env.args)
     cls = None if kind in ADAPTERS and name else load_env_class(env.name)
     if cls is not None and is_multi_agent(cls):
-        return Players.of(make, cls, env.name, env.roles, env.eval_roles, group_size)
+        return Players.of(make, cls, env.name, env.roles, env.eval_roles, group_size, env.vs_scripted)
     if env.roles or env.eval_roles:
         raise ValueError(f"env.roles/env.eval_roles: env.name={env.name} is not a multi-agent environment (no roles "
                          "list and turn(): relayrl.envs.multi.MultiAgentEnv)")
