@@ -18,7 +18,9 @@
 # engines (generated tokens/s on the GPU), startup (an engine process's start, phase by phase), trainer (one step of a
 # Qwen2.5-0.5B-shaped model, fp32 and bf16), speculative (the verification forward against k decoding forwards at the
 # 0.5B shape in bf16; the demo's rollout tokens/s with drafts, on new prompts and, with TRAINED=<a checkpoint after
-# RL>, on the same prompts again; each step's width chosen, and every draft verified, within SPEC_BATCH_TOKENS, 576).
+# RL>, on the same prompts again; each step's width chosen, and every draft verified, within SPEC_BATCH_TOKENS, 576),
+# weight_sync (a Qwen2.5-0.5B-shaped full update to vLLM, file against the collective: needs vLLM's CUDA build
+# carried to the machine; the collective is gloo through host memory, NCCL is not wired).
 # TTA_SYSTEMS and TTA_NAME choose tta's systems and its results' name; speculation's time to accuracy on a GPU:
 #   TTA_SYSTEMS="relayrl sync|sync + speculative, 576|relayrl async η=4|async η=4 + speculative, 576" \
 #   TTA_NAME=tta_gpu_speculative bash benchmarks/gpu_checks.sh tta
@@ -68,6 +70,7 @@ print(\"transformers\", transformers.__version__); import relayrl.run.loop, pyar
       stage spec_again 180 "${spec[@]}_again" --parts rollout --trained "${TRAINED:-}" --epochs 4 --prompts 1 8 32 \
         --settings off "siblings + history" all "all + recent" "all + recent, every draft" \
         --batch-tokens "${SPEC_BATCH_TOKENS:-576}" ;;
+    weight_sync) stage weight_sync "${SYNC_S:-300}" python3 benchmarks/weight_sync.py --bucket-mb 512 2048 --out "$OUT" ;;
     *) echo "unknown stage $s" ;;
   esac
 done
