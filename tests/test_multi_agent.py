@@ -137,7 +137,6 @@ def test_vs_scripted_plays_the_first_trajectories_of_a_group_alone_against_the_s
         runner.close()
     roles = [t.info["role"] for t in g.trajectories]
     assert roles == ["first", "second"] * 4
-    assert [t.info.get("vs") for t in g.trajectories] == ["scripted"] * 2 + [None] * 6
     selfplay = [t.reward for t in g.trajectories[2:]]
     assert selfplay == [1.0, 0.0] * 3  # the rule on both sides: the first wins from 10
     alone_first, alone_second = g.trajectories[:2]
@@ -152,13 +151,10 @@ def test_vs_scripted_plays_the_first_trajectories_of_a_group_alone_against_the_s
 
 def test_baselines_are_per_prompt_and_role():
     p = Prompt("p", [])
-    def t(i, role, vs=None):
-        return Trajectory(p, "g", i, [], info={"role": role, **({"vs": vs} if vs else {})} if role else {})
+    def t(i, role):
+        return Trajectory(p, "g", i, [], info={"role": role} if role else {})
     groups = [Group(p, "a", [t(0, "first"), t(1, "second"), t(2, "first")]), Group(p, "b", [t(0, None), t(1, None)])]
     assert baseline_groups(groups) == [0, 1, 0, 2, 2]
-    # (env.vs_scripted: a role's matches against the scripted player have a baseline of their own)
-    alone = [Group(p, "c", [t(0, "first", "scripted"), t(1, "first", "scripted"), t(2, "first"), t(3, "first")])]
-    assert baseline_groups(alone) == [0, 0, 1, 1]
 
 
 def test_config_errors_name_the_field_and_the_roles():

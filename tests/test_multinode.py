@@ -19,7 +19,9 @@ from tests.test_distributed import E2E
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+# (the cluster's control store notices a node gone after 2 missed checks a second apart, not Ray's 5 × 3 s)
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_health_check_period_ms": "1000",
+           "RAY_health_check_failure_threshold": "2"}
 
 
 def _free_port() -> int:

@@ -85,10 +85,8 @@ def training_batch(groups: list[Group], algo, budget: int, pad_id: int, baseline
 
 def baseline_groups(groups: list[Group]) -> list[int]:
     """Each trajectory's baseline group: its group's, and within it its role's (a multi-agent match's
-    ``info["role"]``, its ``family``: a role is compared with the same prompt's episodes of that role) and its
-    opponent's (``info["vs"]``: a match alone against the scripted player is compared with those, not with
-    self-play)."""
-    keys = [(i, family(t.info.get("role")), t.info.get("vs")) for i, g in enumerate(groups) for t in g.trajectories]
+    ``info["role"]``, its ``family``: a role is compared with the same prompt's episodes of that role)."""
+    keys = [(i, family(t.info.get("role"))) for i, g in enumerate(groups) for t in g.trajectories]
     index = {k: n for n, k in enumerate(dict.fromkeys(keys))}
     return [index[k] for k in keys]
 

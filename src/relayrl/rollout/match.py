@@ -68,9 +68,8 @@ async def _run_match(runner: EpisodeHost, players: Players, env, trajs: dict[str
                      params: SamplingParams, train: bool, budget: list[float]) -> None:
     name, roles = runner.limits.env_name, players.roles
     prompt = next(iter(trajs.values())).prompt
-    alone = train and len(trajs) < len(players.train)  # (env.vs_scripted: against the scripted player)
     for role, t in trajs.items():
-        t.info = {"role": role, **({"vs": "scripted"} if alone else {})}
+        t.info = {"role": role}
         t.finish_reason = None
         clear_tokens(t)
     opening = await env_call(runner, env, "reset", (prompt,), budget)
@@ -129,8 +128,8 @@ async def _run_match(runner: EpisodeHost, players: Players, env, trajs: dict[str
             t.prompt_ids = render_ids(runner.tokenizer, seen, add_generation_prompt=True) if seen else []
         t.reward = float(rewards.get(role, 0.0))
         t.text = next((m["content"] for m in reversed(v.messages) if m.get("role") == "assistant"), "")
-        t.info |= {"outcome": outcome, "turns": v.turns, "unfinished": int(not done),
-                   **{k: int(n) for k, n in counts.items()}}
+        t.info = {"role": role, "outcome": outcome, "turns": v.turns,
+                  "unfinished": int(not done), **{k: int(n) for k, n in counts.items()}}
         if v.turns:  # (GiGPO over matches: one step per move, the reward on the last; each move's state)
             t.info |= {"step_rewards": [0.0] * (v.turns - 1) + [t.reward], "anchors": v.anchors[: v.turns]}
         if t.finish_reason is None:
