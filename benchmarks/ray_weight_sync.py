@@ -4,7 +4,7 @@ through the collective (``rollout.weight_sync``), side by side, with the actor o
 The model is random weights of a real model's shape (``benchmarks/weight_sync.py``'s shapes: Qwen2.5-0.5B by
 default), held by an ``hf`` engine in the actor. Each path updates ``--repeats`` times; printed: seconds an update
 (``load_weights`` returning: the actor holds the new weights), the trainer's and the actor's peak resident memory
-above their level before the updates, and the ratio object store / collective — what ``auto`` chooses by on one node.
+above their level before the updates, and the ratio object store / collective (``auto`` takes the collective).
 
     python benchmarks/ray_weight_sync.py
     python benchmarks/ray_weight_sync.py --shape 8b-layers --bucket-mb 1100

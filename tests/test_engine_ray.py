@@ -116,7 +116,7 @@ def _perturbed(model):
 
 def test_an_update_through_the_collective_reaches_the_actor(local_ray, tiny, tiny_path):
     """rollout.weight_sync=collective: the update broadcast to the actor in buckets (1 MB: several) is the policy it
-    samples; auto, on the trainer's own node, is Ray's object store (measured faster there)."""
+    samples."""
     from relayrl.engine.ray_engine import RayEngine
 
     model, tok = tiny
@@ -131,11 +131,40 @@ def test_an_update_through_the_collective_reaches_the_actor(local_ray, tiny, tin
         _check_logprobs(model, r, c)
     finally:
         eng.close()
-    auto = RayEngine(spec, "test-a")
+
+
+@pytest.mark.slow  # (three actors started)
+def test_the_object_store_path_and_auto_where_the_group_cannot_be_formed(local_ray, tiny, tiny_path, monkeypatch):
+    """file: Ray's object store; auto: the store where the group cannot be formed, and why; collective: an error."""
+    from relayrl.engine.ray_engine import RayEngine
+
+    model, tok = tiny
+    spec = _spec(tiny_path, version=1)
+    store = RayEngine(dataclasses.replace(spec, rollout=RolloutCfg(weight_sync="file")), "test-f")
     try:
-        assert auto.sync_note == "Ray's object store (rollout.weight_sync=auto, the actor on the trainer's node)"
+        assert store.sync_note == "Ray's object store (rollout.weight_sync=file)" and store._channel is None
+        store.load_weights(_perturbed(model), 4)
+        assert not isinstance(store._weights, dict)  # (a reference in Ray's store)
+    finally:
+        store.close()
+
+    from relayrl.engine import EngineError, weight_sync
+
+    def taken(*a, **k):
+        raise RuntimeError("The server socket has failed to listen on any local network address. port 29500 taken")
+
+    monkeypatch.setattr(weight_sync.Channel, "store", staticmethod(taken))
+    auto = RayEngine(spec, "test-a")  # (auto, the default: the store where the group cannot be formed, and why)
+    try:
+        assert auto.sync_note == ("Ray's object store (rollout.weight_sync=auto: the collective could not be formed: "
+                                  "The server socket has failed to listen on any local network address. port 29500 taken)")
+        auto.load_weights(_perturbed(model), 5)
+        assert not isinstance(auto._weights, dict) and auto.generate([_req(tok, "a", 4)])[0].versions == [5] * 4
     finally:
         auto.close()
+    with pytest.raises(EngineError, match="engine actor test-x: rollout.weight_sync=collective: the group could not "
+                       "be formed: The server socket"):
+        RayEngine(dataclasses.replace(spec, rollout=RolloutCfg(weight_sync="collective")), "test-x")
 
 
 @pytest.mark.slow

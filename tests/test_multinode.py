@@ -5,10 +5,12 @@ driver) and FSDP2 under ``torchrun --nnodes 2`` (two single-process "nodes" on l
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,8 +71,10 @@ def _kill(pids: set[int]) -> None:
 class Node:
     """A Ray node started by ``ray start``; ``kill()`` takes it out of the cluster (its raylet and what runs under it)."""
 
-    def __init__(self, port: int, resource: str | None, head: bool = False):
-        args = (["--head", f"--port={port}", "--include-dashboard=false"] if head else [f"--address=127.0.0.1:{port}"])
+    def __init__(self, port: int, resource: str | None, temp_dir: str | None = None):
+        # (the head's own temp dir: its address file there, not in /tmp/ray where a plain ray.init() would find it)
+        args = ([f"--address=127.0.0.1:{port}"] if temp_dir is None else
+                ["--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={temp_dir}"])
         if resource:
             args.append(f"--resources={json.dumps({resource: 2})}")
         before = {p for p, (_, a) in _processes().items() if "raylet/raylet" in a}
@@ -94,13 +98,14 @@ class Node:
 def cluster():
     """A head node (nothing of its own) and a second node offering ``rollout`` (2): the engines' node."""
     pytest.importorskip("ray", reason="Ray is part of the dev extra")
-    port = _free_port()
+    port, temp = _free_port(), tempfile.mkdtemp(prefix="rlmn", dir="/tmp")  # (short: Ray's socket paths)
     try:
-        head = Node(port, None, head=True)
+        head = Node(port, None, temp_dir=temp)
         second = Node(port, "rollout")
         yield port, head, second
     finally:  # every process of this cluster (never `ray stop`: it stops every cluster of the machine)
         _kill(_tree({p for p, (_, a) in _processes().items() if re.search(rf"(:|port=){port}\b", a)}))
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _lines(path: Path) -> list[dict]:

@@ -20,8 +20,7 @@ class WeightSyncFields(_Section):
         "/dev/shm the workers reload), or auto (the collective where it can be formed, else the file, the reason "
         "logged at start). Adapters (model.lora) always travel as adapters. run.backend=ray, to each engine actor: "
         "collective (the same broadcast, the actor loading what it received), file (Ray's object store), or auto (the "
-        "collective to an actor on another node than the trainer's, the object store on the trainer's own node, "
-        "faster there).")
+        "collective where it forms: 3.15x faster than the store on one node, docs/guides/scale.md).")
     sync_bucket_mb: int = Field(
         2048, ge=1, description="rollout.weight_sync=collective: the most megabytes broadcast at once (the host holds one "
         "bucket's copy at a time); it must hold the largest tensor of the policy, checked at start (an embedding: "

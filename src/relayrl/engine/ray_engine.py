@@ -16,13 +16,12 @@ the cluster's live nodes before it starts (``check_placement``: one line naming 
 wait for a node that will not come). An actor whose node left the cluster is restarted on another that
 offers them, or the run stops with the departed node's address.
 
-A weight update reaches the actor one of two ways (``rollout.weight_sync``): through Ray's object store (``file``:
-put once, the actor reads it; shared memory on the trainer's node) or through the collective
-(``engine.weight_sync.Channel``: a gloo group of this process and the actor, the policy broadcast in buckets of
-``rollout.sync_bucket_mb`` under ``rollout.sync_timeout_s``, the actor loading what it received). ``auto``: the
-collective for an actor on another node than the trainer's (streamed, no whole copy in either node's store), the
-object store for one on the trainer's node (measured faster there: docs/guides/scale.md). The weights of the last
-update are kept (a reference in the store, or this process's dict) for a replacement actor.
+A weight update reaches the actor one of two ways (``rollout.weight_sync``): through the collective
+(``engine.weight_sync.Channel``: a gloo group of this process and the actor, formed when the actor starts, the policy
+broadcast in buckets of ``rollout.sync_bucket_mb`` under ``rollout.sync_timeout_s``, the actor loading what it
+received) or through Ray's object store (``file``: put once, the actor reads it). ``auto``: the collective where it
+forms, else the store (measured 3.15x slower on one node, with 4 GiB more at the peak: docs/guides/scale.md). The
+weights of the last update are kept (a reference in the store, or this process's dict) for a replacement actor.
 """
 
 from __future__ import annotations
@@ -126,10 +125,10 @@ class RayEngine(Engine):
         self._spec, self.name, self.max_restarts = spec, name, max_restarts
         self._resources = dict(resources or {})
         self.node = ""  # the Ray node id of the actor now running
-        self._channel = None  # the collective to the actor now running (formed at its first update through it)
+        self._channel = None  # the collective to the actor now running (formed when it starts)
         self._timeout = start_timeout
         self._version = spec.version
-        self._weights = None  # the last published weights, in Ray's object store
+        self._weights = None  # the last published weights: a reference in Ray's store, or (the collective) a dict
         self._owed: dict[str, _Owed] = {}
         self._paused = 0
         self._lock = threading.RLock()
@@ -138,7 +137,16 @@ class RayEngine(Engine):
         self.restarts = 0
         self.requeued = 0  # requests sent again to a restarted actor
         self._generation = 0  # incremented per actor started; a failure restarts only the one that failed
+        # (file: Ray's object store; else the collective, formed now, or the store and why)
+        self._store_why = "rollout.weight_sync=file" if spec.rollout.weight_sync == "file" else ""
         self._actor = self._start_actor()
+        if not self._store_why:
+            try:
+                self._form(self._actor)
+            except EngineError:
+                with contextlib.suppress(Exception):
+                    ray.kill(self._actor)
+                raise
         self._thread = threading.Thread(target=self._forward, name=f"relayrl-{name}", daemon=True)
         self._thread.start()
 
@@ -205,6 +213,8 @@ class RayEngine(Engine):
             try:
                 self._actor = actor = self._start_actor()
                 self._channel = None
+                if not self._store_why:
+                    self._form(actor)
                 if isinstance(self._weights, dict):  # (the last update went through the collective)
                     self._send(actor, self._weights, self._version)
                 elif self._weights is not None:
@@ -298,19 +308,32 @@ class RayEngine(Engine):
                 self._paused -= 1
             self._call("resume")
 
+    def _form(self, actor) -> None:
+        """The collective with a new actor (rollout.weight_sync collective or auto): ``auto`` keeps Ray's object store,
+        the reason in ``sync_note``, where it cannot be formed; ``collective`` raises an EngineError naming the cause."""
+        from relayrl.engine.weight_sync import Channel, SyncError
+
+        ray, r = self._ray, self._spec.rollout
+        if self._store_why:
+            return
+        try:
+            store = Channel.store(2, r.sync_timeout_s, host=ray.util.get_node_ip_address())
+            joined = actor.sync_join.remote(store.host, store.port, r.sync_timeout_s)
+            self._channel = Channel.host(store, 2, r.sync_timeout_s)
+            ray.get(joined, timeout=r.sync_timeout_s)
+        except (SyncError, RuntimeError, OSError, ray.exceptions.GetTimeoutError) as e:
+            self._channel = None
+            if r.weight_sync == "collective":
+                raise EngineError(f"engine actor {self.name}: rollout.weight_sync=collective: the group could not be "
+                                  f"formed: {_reason(e)}") from None
+            self._store_why = f"rollout.weight_sync=auto: the collective could not be formed: {_reason(e)}"
+
     @property
     def sync_note(self) -> str:
         """How updates reach this actor (the run's log says it at start)."""
-        if self._sync_path() == "file":
-            why = {"file": "rollout.weight_sync=file", "auto": "rollout.weight_sync=auto, the actor on the trainer's node"}
-            return f"Ray's object store ({why[self._spec.rollout.weight_sync]})"
+        if self._store_why:
+            return f"Ray's object store ({self._store_why})"
         return f"collective (gloo, 2 ranks, buckets of ≤ {self._spec.rollout.sync_bucket_mb} MB)"
-
-    def _sync_path(self) -> str:
-        mode = self._spec.rollout.weight_sync
-        if mode == "auto":
-            return "file" if self.node == self._ray.get_runtime_context().get_node_id() else "collective"
-        return mode
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """The weights go in the engine's dtype (``rollout.dtype``: a float32 trainer's cast to bfloat16 here, half the
@@ -321,7 +344,7 @@ class RayEngine(Engine):
             dtype = DTYPES[self._spec.engine_dtype]
             cast = self._spec.lora is None  # (an adapter goes as it is: the engine merges it in float32)
             state_dict = {k: v.to(dtype) if cast and v.is_floating_point() else v for k, v in state_dict.items()}
-            if self._sync_path() == "collective":
+            if not self._store_why:
                 with self._lock:
                     self._weights, self._version, actor, gen = state_dict, version, self._actor, self._generation
                 try:
@@ -338,7 +361,7 @@ class RayEngine(Engine):
     def _send(self, actor, weights: dict[str, torch.Tensor], version: int) -> None:
         """One update through the collective (formed with this actor at its first); an actor that died in it raises
         RayActorError (the caller replaces it), one that stalls an EngineError at ``rollout.sync_timeout_s``."""
-        from relayrl.engine.weight_sync import Channel, SyncError, metas, plan_buckets
+        from relayrl.engine.weight_sync import SyncError, metas, plan_buckets
 
         ray, r = self._ray, self._spec.rollout
         timeout = r.sync_timeout_s
@@ -346,10 +369,7 @@ class RayEngine(Engine):
         plan = plan_buckets(metas(weights), r.sync_bucket_mb << 20)
         try:
             if self._channel is None:
-                store = Channel.store(2, timeout, host=ray.util.get_node_ip_address())
-                joined = actor.sync_join.remote(store.host, store.port, timeout)
-                self._channel = Channel.host(store, 2, timeout)
-                ray.get(joined, timeout=timeout)
+                self._form(actor)
             loaded = actor.sync_load.remote([[(m.name, m.dtype, m.shape) for m in b] for b in plan], version)
             self._channel.send(weights, plan)
             ray.get(loaded, timeout=timeout)
