@@ -149,6 +149,7 @@ def test_engines_on_the_second_node_train_and_survive_being_killed(cluster, tiny
             os.killpg(p.pid, signal.SIGKILL)
     assert p.returncode == 0, err[-3000:]
     assert re.search(rf"engines on Ray nodes: [0-9.]+:\d+ \(id {second.id[:8]}\) ×2", out + err), out + err
+    assert "weight updates: collective (gloo, 2 ranks" in out + err  # (across the nodes, to each actor)
     rows = _lines(metrics)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[-1]["engine_restarts_total"] == 2, rows[-1]
