@@ -143,8 +143,10 @@ def test_vs_scripted_plays_the_first_trajectories_of_a_group_alone_against_the_s
     assert alone_first.reward == 1.0  # the rule against random moves, from 10 as first
     # the second's conversation: the scripted player's moves as observations, the rule's answers trained
     assert games.after(0, 0).split()[0] in chatml_tokenizer.decode(alone_second.prompt_ids)
-    with pytest.raises(ValueError, match=r"env.vs_scripted=0.1: 0 of a group's 8 trajectories"):
-        Players.of(lambda: games.Nim(0.0), games.Nim, "nim", [], [], 8, vs_scripted=0.1)
+    assert Players.of(lambda: games.Nim(0.0), games.Nim, "nim", [], [], 4, vs_scripted=0.25).solo == 2  # (a round)
+    with pytest.raises(ValueError, match=r"env.vs_scripted=0.25: 2 of a group's 2 trajectories, in whole rounds of "
+                       r"the 2 roles, would play the scripted player alone, and no self-play match would be left"):
+        Players.of(lambda: games.Nim(0.0), games.Nim, "nim", [], [], 2, vs_scripted=0.25)
     with pytest.raises(ValueError, match=r"env.vs_scripted=0.9: 8 of a group's 8"):
         Players.of(lambda: games.Nim(0.0), games.Nim, "nim", [], [], 8, vs_scripted=0.9)
 

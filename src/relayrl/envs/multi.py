@@ -111,7 +111,8 @@ class Players:
             if len(set(chosen)) != len(chosen):
                 raise ValueError(f"{fld}: a role is named twice ({chosen})")
         train_t, eval_t = tuple(train) or roles, tuple(eval_roles) or roles
-        solo = round(vs_scripted * (group_size or 0) / len(train_t)) * len(train_t)  # (each role as often)
+        r = len(train_t)  # (solo: whole rounds of the roles, each as often; at least one where vs_scripted > 0)
+        solo = max(1, round(vs_scripted * (group_size or 0) / r)) * r if vs_scripted else 0
         scripted = (set(roles) - set(train_t)).union(*(set(roles) - {r} for r in eval_t))  # (evaluation: one each)
         if solo:  # (a solo match: each role of train against the others)
             scripted = scripted.union(*(set(roles) - {r} for r in train_t))
@@ -121,10 +122,10 @@ class Players:
         if group_size is not None and group_size % len(train_t):  # (None: evaluation only)
             raise ValueError(f"rollout.group_size={group_size} is not a multiple of the {len(train_t)} roles the policy "
                              f"plays (env.roles: {', '.join(train_t)}): each match fills one trajectory per role")
-        if group_size is not None and vs_scripted and not 0 < solo < group_size:
+        if group_size is not None and solo >= group_size:
             raise ValueError(f"env.vs_scripted={vs_scripted:g}: {solo} of a group's {group_size} trajectories, in "
-                             f"whole rounds of the {len(train_t)} roles, would play the scripted player; it needs at "
-                             "least one round of them and one self-play match")
+                             f"whole rounds of the {r} roles, would play the scripted player alone, and no self-play "
+                             "match would be left (a larger rollout.group_size, or a smaller share)")
         return cls(make, roles, train_t, eval_t, solo)
 
     def matches(self, trajs: list, train: bool) -> list[dict]:
