@@ -153,6 +153,22 @@ def test_the_object_store_path_and_auto_where_the_group_cannot_be_formed(local_r
     def taken(*a, **k):
         raise RuntimeError("The server socket has failed to listen on any local network address. port 29500 taken")
 
+    # auto through the collective, then the group cannot be formed with a replacement: it gets the update by the store
+    later = RayEngine(spec, "test-l")
+    try:
+        later.load_weights(_perturbed(model), 3)
+        assert isinstance(later._weights, dict)
+        with monkeypatch.context() as m:
+            m.setattr(weight_sync.Channel, "store", staticmethod(taken))
+            ray.kill(ray.get_actor("test-l", namespace="relayrl-tests"))
+            r = _req(tok, "l", 4)
+            c = later.generate([r])[0]
+        assert later.restarts == 1 and c.versions == [3] * 4 and not isinstance(later._weights, dict)
+        assert later.sync_note.startswith("Ray's object store (rollout.weight_sync=auto: the collective could not")
+        _check_logprobs(model, r, c)
+    finally:
+        later.close()
+
     monkeypatch.setattr(weight_sync.Channel, "store", staticmethod(taken))
     auto = RayEngine(spec, "test-a")  # (auto, the default: the store where the group cannot be formed, and why)
     try:

@@ -145,8 +145,8 @@ def test_a_bucket_that_cannot_hold_the_largest_tensor_is_refused_at_start(tiny_p
                                          r"float32 \[2048, 256\]\): set rollout.sync_bucket_mb ≥ 2"):
         check_sync_buckets(cfg, {"model.embed_tokens.weight": torch.zeros(2048, 256)}, adapter=False)
     check_sync_buckets(cfg, {"lora_A": torch.zeros(2048, 256)}, adapter=True)  # (adapters: not through it)
-    with pytest.raises(Exception, match=r"rollout.weight_sync is set, but it only applies with rollout.engine=vllm and "
-                                        r"full-weight updates .*model.lora.r=8"):
+    with pytest.raises(Exception, match=r"rollout.weight_sync is set, but it only applies with run.backend=ray, or "
+                                        r"rollout.engine=vllm and full-weight updates .*model.lora.r=8"):
         load_config(None, ["rollout.engine=vllm", "model.lora.r=8", "rollout.weight_sync=collective"])
     wide = tmp_path / "wide"  # the tiny model with an embedding of 1.2 MB
     model = load_policy(tiny_path)

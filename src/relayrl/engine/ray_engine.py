@@ -367,17 +367,25 @@ class RayEngine(Engine):
         timeout = r.sync_timeout_s
         failed = f"engine actor {self.name}: the weight update to version {version} through the collective failed"
         plan = plan_buckets(metas(weights), r.sync_bucket_mb << 20)
+        channel = self._channel
         try:
-            if self._channel is None:
+            if channel is None:
                 self._form(actor)
+                channel = self._channel
+            if channel is None:  # (auto, and the group did not form with this actor: the store, as the log says now)
+                ref = ray.put(weights)
+                with self._lock:
+                    self._weights = ref
+                ray.get(actor.load_weights.remote(ref, version), timeout=timeout)
+                return
             loaded = actor.sync_load.remote([[(m.name, m.dtype, m.shape) for m in b] for b in plan], version)
-            self._channel.send(weights, plan)
+            channel.send(weights, plan)
             ray.get(loaded, timeout=timeout)
         except ray.exceptions.RayActorError:
-            self._channel = None
+            self._forget(channel)
             raise
         except (SyncError, RuntimeError, ray.exceptions.GetTimeoutError) as e:
-            self._channel = None
+            self._forget(channel)
             try:  # a dead actor is replaced; a live one that could not take the update stops the run
                 ray.get(actor.node.remote(), timeout=10)
             except ray.exceptions.RayActorError:
@@ -385,6 +393,12 @@ class RayEngine(Engine):
             except Exception:  # noqa: BLE001 - alive but not answering: stalled
                 pass
             raise EngineError(f"{failed}: {_reason(e)}") from None
+
+    def _forget(self, channel) -> None:
+        """A failed channel is dropped (not one a replacement formed meanwhile, on another thread)."""
+        with self._lock:
+            if self._channel is channel:
+                self._channel = None
 
     def num_pending(self) -> int:
         with self._lock:
