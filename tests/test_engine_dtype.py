@@ -145,7 +145,8 @@ def test_a_ray_engine_in_bfloat16_takes_float32_weights(tiny_path, monkeypatch):
     try:
         assert ray.get(eng._actor.num_pending.remote()) == 0
         eng.load_weights(new.state_dict(), 2)
-        assert {v.dtype for v in ray.get(eng._weights).values()} == {torch.bfloat16}  # half the bytes in the store
+        # half the bytes sent (through the collective, auto's choice) and kept for a replacement
+        assert {v.dtype for v in eng._weights.values()} == {torch.bfloat16}
         reqs = _requests(tok, tag="b")
         after = eng.generate(reqs)
     finally:
