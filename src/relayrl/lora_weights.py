@@ -23,6 +23,7 @@ class LoraSpec:
     targets: tuple[str, ...]
     parameters: tuple[str, ...] = ()  # fused experts' 3-D tensors (PEFT's target_parameters: "experts.down_proj")
     adapters: int = 1  # adapters of this shape trained at once: one per role with model.lora.per_role
+    exclude: str | None = None  # PEFT's exclude_modules: module names (a full-match regex) left out (a frozen vision tower)
 
     @property
     def scale(self) -> float:
@@ -33,7 +34,8 @@ class LoraSpec:
         return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": self.r,
                 "lora_alpha": self.alpha, "target_modules": list(self.targets), "lora_dropout": 0.0, "bias": "none",
                 "fan_in_fan_out": False, "inference_mode": True,
-                **({"target_parameters": list(self.parameters)} if self.parameters else {})}
+                **({"target_parameters": list(self.parameters)} if self.parameters else {}),
+                **({"exclude_modules": self.exclude} if self.exclude else {})}
 
 
 PEFT_PREFIX = "base_model.model."  # PEFT's saved names: the wrapper's path, then the base model's own

@@ -30,6 +30,9 @@ class Prompt:
     messages: list[dict[str, str]]
     answer: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    # its images' references, in the order of the messages' ``data.images.IMAGE`` markers (a file's absolute path or
+    # a data URL: ``relayrl.models.images``); empty for a text prompt
+    images: tuple[str, ...] = ()
     workspace = None  # an agent program's episode of a workspace task: its workspace (relayrl.workspaces.episode)
 
 
@@ -61,6 +64,7 @@ class GenRequest:
     response_so_far: list[int] = field(default_factory=list)
     stream: bool = False
     adapter: str | None = None  # model.lora.per_role: the role whose adapter samples it (None: the policy's one)
+    images: tuple[str, ...] = ()  # the references of the images in prompt_ids, in order (``relayrl.models.images``)
 
 
 @dataclass
@@ -207,7 +211,7 @@ def _routes_from_json(d):
 
 
 def group_from_dict(d: dict) -> Group:
-    prompt = Prompt(**d["prompt"])
+    prompt = Prompt(**{**d["prompt"], "images": tuple(d["prompt"].get("images") or ())})
     trajs = []
     for t in d["trajectories"]:
         t = dict(t)

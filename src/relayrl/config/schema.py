@@ -17,6 +17,7 @@ from relayrl.config.rules import check
 from relayrl.config.sections import DataCfg, EnvCfg, EvalCfg, ModelCfg, RayCfg, RewardCfg, RolloutCfg, RunCfg, ServeCfg
 from relayrl.config.teachers import SftCfg, TeacherCfg
 from relayrl.config.training import AlgoCfg, CriticCfg, TrainerCfg
+from relayrl.config.vision import VisionCfg
 from relayrl.config.workspaces import WorkspaceCfg
 
 
@@ -45,6 +46,7 @@ class Config(BaseModel):
     sft: SftCfg = Field(default_factory=SftCfg)
     teacher: TeacherCfg = Field(default_factory=TeacherCfg)
     workspace: WorkspaceCfg = Field(default_factory=WorkspaceCfg)
+    vision: VisionCfg = Field(default_factory=VisionCfg)
 
     @property
     def run_dir(self) -> Path:

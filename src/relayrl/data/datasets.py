@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
+from relayrl.models import images as images_of
 from relayrl.failures import one_line
 from relayrl.records import Prompt
 from relayrl.workspaces import tasks as workspace_tasks
@@ -201,8 +202,11 @@ def valid_text(value: str, at: str) -> str:
     return value
 
 
-def chat_messages(value: Any, at: str, raw: bool) -> list[dict[str, str]]:
-    """The prompt as chat messages (a string is one user message)."""
+def chat_messages(value: Any, at: str, raw: bool, images: list | None = None, base: Path | None = None,
+                  refs: list | None = None) -> list[dict[str, str]]:
+    """The prompt as chat messages (a string is one user message). ``images`` (the row's image field, taken in
+    order by image parts without an image of their own) and ``refs`` (filled with the messages' images, in
+    order) given: a message's content may be a list of text and image parts (``data.images``); else a string."""
     if isinstance(value, str):
         if not value.strip():
             raise DataError(f"{at} is empty")
@@ -220,6 +224,12 @@ def chat_messages(value: Any, at: str, raw: bool) -> list[dict[str, str]]:
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise DataError(f"{where}: role {role!r:.40} is not one of {', '.join(ROLES)}")
+        if isinstance(content, list) and refs is not None:
+            try:
+                content, found = images_of.split_parts(content, images, base, f"{where} content")
+            except images_of.ImageError as e:
+                raise DataError(str(e)) from None
+            refs += found
         if not isinstance(content, str):
             raise DataError(f"{where}: content must be a string, got {describe(content)}")
         out.append({"role": role, "content": valid_text(content, where)})
@@ -266,6 +276,27 @@ def _task_prompt(row: dict, path: str, where: str, system_prompt: str | None, se
                   metadata={workspace_tasks.KEY: task.to_dict()})
 
 
+def _with_images(row: dict, path: str, where: str, prompt_field: str, prompt_format: str, image_field: str | None
+                 ) -> tuple[list[dict[str, str]], list[str]]:
+    """A row's messages (text, an ``IMAGE`` marker where each image goes) and its images' references."""
+    at = f"{where}: field '{prompt_field}'"
+    if image_field is None or prompt_format == "raw":
+        return chat_messages(row[prompt_field], at, prompt_format == "raw"), []
+    field = row.get(image_field)
+    listed = [] if field is None else list(field) if isinstance(field, (list, tuple)) else [field]
+    base = None if path.startswith("builtin:") else Path(path).parent
+    refs: list[str] = []
+    messages = chat_messages(row[prompt_field], at, False, listed, base, refs)
+    try:
+        for i, value in enumerate(listed, start=1):  # (those no image part took)
+            refs.append(images_of.to_ref(value, base, f"{where}: field '{image_field}' image {i}"))
+        if refs:  # (a text row's literal IMAGE is its text)
+            messages = images_of.place(messages, refs, at)
+    except images_of.ImageError as e:
+        raise DataError(str(e)) from None
+    return messages, refs
+
+
 def load_prompts(
     path: str,
     prompt_field: str = "prompt",
@@ -275,9 +306,11 @@ def load_prompts(
     system_prompt: str | None = None,
     limit: int | None = None,
     prompt_format: str = "chat",
+    image_field: str | None = "images",
 ) -> list[Prompt]:
     """Rows of ``path`` as prompts. ``prompt_format='raw'``: the prompt must be a plain string
-    (it is tokenized without a chat template, so there is nowhere to put a system prompt)."""
+    (it is tokenized without a chat template, so there is nowhere to put a system prompt). A row's images
+    (``image_field`` and image parts: ``data.images``) are checked here and kept as ``Prompt.images``."""
     if prompt_format not in ("chat", "raw"):
         raise ValueError(f"prompt_format must be 'chat' or 'raw', got {prompt_format!r}")
     if prompt_format == "raw" and system_prompt:
@@ -297,7 +330,7 @@ def load_prompts(
         if prompt_field not in row:
             raise DataError(f"{where}: missing field '{prompt_field}' (data.prompt_field); has: "
                             f"{', '.join(map(str, row))[:200]}")
-        messages = chat_messages(row[prompt_field], f"{where}: field '{prompt_field}'", prompt_format == "raw")
+        messages, refs = _with_images(row, path, where, prompt_field, prompt_format, image_field)
         if system_prompt:
             messages = [{"role": "system", "content": system_prompt}] + messages
         answer = None
@@ -314,7 +347,7 @@ def load_prompts(
             if f not in row:
                 raise DataError(f"{where}: missing metadata field '{f}' (data.metadata_fields)")
             meta[f] = row[f]
-        out.append(Prompt(id=pid, messages=messages, answer=answer, metadata=meta))
+        out.append(Prompt(id=pid, messages=messages, answer=answer, metadata=meta, images=tuple(refs)))
         if limit is not None and len(out) >= limit:
             break
     if not out:

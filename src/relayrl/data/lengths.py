@@ -41,6 +41,12 @@ def check_prompt_lengths(prompts, tokenizer, limit: int, prompt_format: str = "c
         raise ValueError(f"no room for a prompt: the model's context minus rollout.max_new_tokens is {limit} tokens")
     overhead: dict[tuple[str, ...], int] = {}  # by the prompt's roles
     for p in prompts:
+        if p.images:  # (its images' tokens are the processor's to count: encoded in full)
+            n, exact = len(_with_images(tokenizer, p, prompt_format, source)), True
+            if n > limit:
+                raise DataError(f"{source}: prompt id {p.id!r:.80}: field '{field}' is {n} tokens with its "
+                                f"{len(p.images)} image(s), more than the {limit} {room}")
+            continue
         roles = tuple(m["role"] for m in p.messages)
         if roles not in overhead:
             empty = [{"role": r, "content": ""} for r in roles]
@@ -51,3 +57,12 @@ def check_prompt_lengths(prompts, tokenizer, limit: int, prompt_format: str = "c
         if n > limit:
             raise DataError(f"{source}: prompt id {p.id!r:.80}: field '{field}' is {'' if exact else 'at least '}{n} "
                             f"tokens, more than the {limit} {room}")
+
+
+def _with_images(tokenizer, p, prompt_format: str, source: str) -> list[int]:
+    from relayrl.models.vision import VisionError
+
+    try:
+        return encode_prompt(tokenizer, p.messages, prompt_format, p.images)
+    except VisionError as e:
+        raise DataError(f"{source}: prompt id {p.id!r:.80}: {e}") from None

@@ -22,6 +22,8 @@ role's tensors and has one merged at a time; a batch decodes requests of one rol
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from relayrl.engine.base import EngineError
@@ -37,7 +39,8 @@ class AdapterMerge:
     def __init__(self, model, spec: LoraSpec):
         self.spec = spec
         self.modules = {name: m for name, m in model.named_modules()
-                        if name.rpartition(".")[2] in spec.targets and isinstance(m, torch.nn.Linear)}
+                        if name.rpartition(".")[2] in spec.targets and isinstance(m, torch.nn.Linear)
+                        and not (spec.exclude and re.fullmatch(spec.exclude, name))}
         self.experts = expert_params(model, spec.parameters)  # (model.lora.experts) saved name -> (module, tensor)
         if not self.modules or spec.parameters and not self.experts:
             raise EngineError(f"model.lora: the adapter's targets ({', '.join(spec.targets + spec.parameters)}) are "

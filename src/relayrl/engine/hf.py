@@ -37,7 +37,7 @@ from relayrl.engine.base import Engine, EngineError, check_new, copy_weights
 from relayrl.engine.fast_decode import SUPPORTED, fast_decoder
 from relayrl.engine.row_routes import RowRoutes
 from relayrl.engine.speculative import Speculator, draw_positions, padded, verify
-from relayrl.models import cache_kwarg, moe, select_rows
+from relayrl.models import cache_kwarg, moe, select_rows, vision
 from relayrl.records import Completion, FinishReason, GenRequest
 from relayrl.algos.token_sampling import sample_tokens, sampling_scores
 
@@ -70,6 +70,7 @@ class HFEngine(Engine):
         self._spec = speculator  # rollout.speculative: drafts verified in one forward (``speculative.py``)
         # a mixture of experts: the experts each token fed forward was routed to, on its completion (``models.moe``)
         self._routes = RowRoutes(model) if moe.replayable(model) else None
+        self._images = vision.FeatureCache() if vision.processor_of(model) is not None else None  # (a group's, once)
         self.device = next(model.parameters()).device  # rollout.device: where it decodes (the CPU, or a GPU)
         # entered around each generate call (the continuous-batching engine pauses its own loop with it)
         self._guard = batch_guard or contextlib.nullcontext
@@ -177,6 +178,8 @@ class HFEngine(Engine):
         ``hf_cb``'s fallback): what completions begun from here are tagged with."""
         self._version = version
         self._step_version = version
+        if self._images is not None:  # (new weights, the vision tower's perhaps among them)
+            self._images.clear()
 
     def take_spec(self) -> dict[str, int]:
         """Speculative decoding's counts since the last call (``speculative.metrics``; empty when off)."""
@@ -407,7 +410,8 @@ class HFEngine(Engine):
         else:
             cache = DynamicCache(config=self.model.config)
             with self._recording(live, [len(c) for c in ctx]):
-                logits = self.model(input_ids=ids, attention_mask=att, position_ids=pos, **{self._cache_kw: cache},
+                logits = self.model(**vision.inputs(self.model, ids, [r.req.images for r in live], self._images),
+                                    attention_mask=att, position_ids=pos, **{self._cache_kw: cache},
                                     use_cache=True).logits[:, -1, :]
         pos = pos[:, -1]
         seeded = any(r.req.params.seed is not None for r in live)  # (-1: a row on the engine's stream)

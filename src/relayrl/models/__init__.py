@@ -133,6 +133,10 @@ def load_tokenizer(path: str, prompt_format: str | None = None, field: str = "mo
     from transformers import AutoTokenizer
 
     tok = load_checked(AutoTokenizer.from_pretrained, path, field, "tokenizer")
+    if vision_config(path) is not None:  # (a vision-language model's prompts with images go through its processor)
+        from relayrl.models import vision
+
+        vision.attach(tok, load_processor(path, field))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     if prompt_format == "chat" and tok.chat_template is None:
@@ -141,9 +145,43 @@ def load_tokenizer(path: str, prompt_format: str | None = None, field: str = "mo
 
 
 def load_policy(path: str, dtype: str = "float32", field: str = "model.path"):
-    from transformers import AutoModelForCausalLM
+    """The policy at ``path``; a vision-language model (``models.vision``) with its processor attached."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return load_checked(AutoModelForCausalLM.from_pretrained, path, field, "model", dtype=DTYPES[dtype])
+    if vision_config(path) is None:
+        return load_checked(AutoModelForCausalLM.from_pretrained, path, field, "model", dtype=DTYPES[dtype])
+    from relayrl.models import vision
+
+    model = load_checked(AutoModelForImageTextToText.from_pretrained, path, field, "model", dtype=DTYPES[dtype])
+    try:
+        vision.check_family(model.config, field)
+    except vision.VisionError as e:
+        raise ModelError(str(e)) from None
+    return vision.attach(model, load_processor(path, field))
+
+
+def load_processor(path: str, field: str = "model.path"):
+    """A vision-language model's processor, with its image processor (PIL's where torchvision is absent): one
+    that comes back without (a bare tokenizer, as ``AutoProcessor`` may give) is refused."""
+    from transformers import AutoProcessor
+
+    proc = load_checked(AutoProcessor.from_pretrained, path, field, "model")
+    if getattr(proc, "image_processor", None) is None:
+        raise ModelError(f"{field}={path!r}: a vision-language model whose processor could not be built with an "
+                         f"image processor (got {type(proc).__name__}); its folder needs processor_config.json or "
+                         "preprocessor_config.json")
+    return proc
+
+
+def vision_config(path: str) -> dict | None:
+    """A local model folder's ``vision_config`` (a vision-language model's), else None (text, or not local)."""
+    import json
+
+    cfg = Path(os.path.expanduser(path)) / "config.json"
+    try:
+        return json.loads(cfg.read_text()).get("vision_config") if cfg.is_file() else None
+    except (OSError, ValueError):
+        return None
 
 
 def cache_kwarg(model) -> str:

@@ -27,10 +27,15 @@ def model_context_source(path: str, field: str = "model.path") -> tuple[int, str
     return None
 
 
-def encode_prompt(tokenizer, messages: list[dict[str, str]], prompt_format: str = "chat") -> list[int]:
+def encode_prompt(tokenizer, messages: list[dict[str, str]], prompt_format: str = "chat", images=()) -> list[int]:
     """Prompt token ids. 'chat': the chat template with the generation prompt. 'raw': the one
     user message's text as is (with the tokenizer's own special tokens, e.g. BOS), for base
-    models; ``load_prompts(prompt_format='raw')`` guarantees that shape."""
+    models; ``load_prompts(prompt_format='raw')`` guarantees that shape. ``images`` (a prompt's references):
+    the processor's template, each image expanded to its tokens (``models.vision``)."""
+    if images:
+        from relayrl.models import vision
+
+        return vision.encode(tokenizer, messages, images)
     if prompt_format == "raw":
         if len(messages) != 1 or messages[0]["role"] != "user":
             raise ValueError("prompt_format='raw' encodes a single plain-string prompt, not chat messages")

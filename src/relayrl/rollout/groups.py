@@ -26,7 +26,7 @@ def make_groups(prompts: list[Prompt], tokenizer, group_size: int, tag: str, pro
     within a call (a prompt may come twice when a call spans an epoch boundary)."""
     groups = []
     for k, p in enumerate(prompts):
-        ids = encode_prompt(tokenizer, p.messages, prompt_format)
+        ids = encode_prompt(tokenizer, p.messages, prompt_format, p.images)
         gid = f"{tag}.{k}/{p.id}"
         groups.append(Group(p, gid, [Trajectory(p, gid, i, ids) for i in range(group_size)]))
     return groups

@@ -399,9 +399,9 @@ class EpisodeRunner:
             if train:
                 await self._go.wait()  # held (a checkpoint, a sync step's barrier): wait for release
             rid = f"{t.request_id}#{next(self._ids)}"  # unique: an aborted id may still be in the engine
-            req = GenRequest(rid, t.prompt_ids, dataclasses.replace(params, max_new_tokens=left,
-                                                                     seed=trajectory_seed(params.seed, t, train)),
-                             list(t.response_ids), adapter=family(t.info.get("role")) if self.per_role_adapters else None)
+            req = GenRequest(rid, t.prompt_ids, dataclasses.replace(params, max_new_tokens=left, seed=trajectory_seed(
+                params.seed, t, train)), list(t.response_ids), images=t.prompt.images,
+                adapter=family(t.info.get("role")) if self.per_role_adapters else None)
             with self._lock:
                 self.inflight[rid] = t
                 self._turn_of[rid] = (len(t.response_ids) - start, t.finish_reason is not None, train)

@@ -21,7 +21,7 @@ from relayrl.engine.spec import engine_spec, eos_token_ids
 from relayrl.envs import python_tool
 from relayrl.envs.base import ADAPTERS, load_env_class, make_env_factory
 from relayrl.envs.multi import Players, families, is_multi_agent
-from relayrl.models import load_policy, load_tokenizer, moe, resolve_model_path
+from relayrl.models import load_policy, load_tokenizer, moe, resolve_model_path, vision
 from relayrl.data.lengths import check_prompt_lengths
 from relayrl.models.prompts import model_context, model_context_source
 from relayrl.failures import failed
@@ -219,7 +219,7 @@ def load_data(cfg: Config) -> tuple[list, list | None]:
     d = cfg.data
     fields = dict(prompt_field=d.prompt_field, answer_field=d.answer_field, id_field=d.id_field,
                   metadata_fields=d.metadata_fields, system_prompt=cfg.model.system_prompt,
-                  prompt_format=d.prompt_format)
+                  prompt_format=d.prompt_format, image_field=cfg.vision.image_field)
     prompts = load_prompts(d.path, **fields)
     eval_prompts = load_prompts(d.eval_path, limit=cfg.eval.size, **fields) if d.eval_path else None
     return prompts, eval_prompts
@@ -265,6 +265,7 @@ def build(cfg: Config, state: RunState, ckpt: Path | None, data: tuple, log) -> 
         if scoring:
             undo.callback(lambda: [x.close() for x in (scoring["judge"], scoring["teachers"]) if x is not None])
         policy = load_policy(weights, cfg.model.dtype, field="checkpoint" if ckpt and not adapter else "model.path")
+        vision.freeze_tower(policy, cfg.vision.train_tower)
         policy, lora_spec = load_adapter(cfg, policy, ckpt, adapter_roles(cfg, make_env))
         ref = load_policy(base, cfg.model.dtype) if cfg.algo.kl_coef > 0 and not adapter else None
         # seeded per resume point, so a resumed run does not repeat its samples; in-process, one thread

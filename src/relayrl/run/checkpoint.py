@@ -35,6 +35,7 @@ import torch
 from relayrl.data.prompt_sampler import SamplerState
 from relayrl.fault_injection import fault_point
 from relayrl.files import share
+from relayrl.models import vision
 
 
 @dataclass
@@ -159,7 +160,7 @@ def write_snapshot(run_dir: Path, snap: dict, model, tokenizer, keep: int) -> Pa
         write_adapter(tmp, snap["weights"], snap["adapter"])
     else:
         model.save_pretrained(tmp, state_dict=snap["weights"], safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    vision.save_tokenizer(tokenizer, tmp)
     if snap.get("card"):
         (tmp / "README.md").write_text(snap["card"])
     torch.save({**snap["trainer"], "rng": snap["rng"]}, tmp / "trainer.pt")

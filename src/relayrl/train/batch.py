@@ -12,6 +12,7 @@ from relayrl.records import Trajectory
 
 _SEQ = ("input_ids", "attention_mask", "routes")  # [N, L, ...]
 _ROW = ("group", "adapter")  # [N]
+_LIST = ("images",)  # a list of N, not a tensor
 
 
 @dataclass
@@ -44,6 +45,8 @@ class TrainBatch:
     routes: torch.Tensor | None = None
     # [N]: each row's adapter (model.lora.per_role: its role's, an index into ``Trainer.adapters``), None with one
     adapter: torch.Tensor | None = None
+    # N tuples: the references of each row's images, in the order of its image tokens (``models.vision``); None: text
+    images: list | None = None
 
     @property
     def size(self) -> int:
@@ -57,13 +60,15 @@ class TrainBatch:
         def cut(name: str, x):
             if x is None or name == "owner":  # (row indices of the whole batch)
                 return None
+            if name in _LIST:
+                return [x[i] for i in idx]
             return x[t] if name in _ROW else x[t, :n] if name in _SEQ else x[t, : n - 1]
 
         return TrainBatch(**{f.name: cut(f.name, getattr(self, f.name)) for f in fields(self)})
 
     def to(self, device) -> "TrainBatch":
-        return TrainBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
-                             for f in fields(self)})
+        return TrainBatch(**{f.name: getattr(self, f.name) if getattr(self, f.name) is None or f.name in _LIST
+                             else getattr(self, f.name).to(device) for f in fields(self)})
 
 
 def build_batch(trajs: list[Trajectory], advantages: torch.Tensor | list, pad_id: int,
@@ -115,7 +120,8 @@ def build_batch(trajs: list[Trajectory], advantages: torch.Tensor | list, pad_id
     routes = None if routed is None else moe.routes_tensor(trajs, n, *routed.shape[1:])
     return TrainBatch(ids, att, mask, behav, vers, adv * mask, tok_rewards, group, owner=owner,
                       teacher_logp=None if teacher is None else teacher * mask, routes=routes,
-                      adapter=_adapter_rows(trajs, adapters) if adapters else None)
+                      adapter=_adapter_rows(trajs, adapters) if adapters else None,
+                      images=[t.prompt.images for t in trajs] if any(t.prompt.images for t in trajs) else None)
 
 
 def _adapter_rows(trajs: list[Trajectory], adapters: tuple[str, ...]) -> torch.Tensor:

@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from relayrl.config import TrainerCfg
-from relayrl.models import moe
+from relayrl.models import moe, vision
 from relayrl.train import checkpointing, distributed, lora
 from relayrl.train.batch import TrainBatch, micro_batches
 from relayrl.train.logprobs import Readout, check_head, install_head
@@ -142,12 +142,14 @@ class PolicyForward:
         if not self.tcfg.pack:
             self._routes(model, None if mb.routes is None else mb.routes.flatten(0, 1), params)
             with self.readout.context(model, targets, trained, entropy):
-                out = call(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1]
+                out = call(**vision.inputs(model, mb.input_ids, mb.images), attention_mask=mb.attention_mask,
+                           use_cache=False).logits[:, :-1]
         else:
             p = Packed(mb.attention_mask)
             self._routes(model, None if mb.routes is None else p.flat(mb.routes)[0], params)
             with self.readout.context(model, p.flat(targets), p.flat(trained), entropy):
-                out = p.unflat(call(input_ids=p.flat(mb.input_ids), position_ids=p.position_ids, use_cache=False).logits)
+                ids = vision.inputs(model, p.flat(mb.input_ids), mb.images and [sum(map(tuple, mb.images), ())])
+                out = p.unflat(call(**ids, position_ids=p.position_ids, use_cache=False).logits)
             out = out[:, :-1]
         if not torch.is_grad_enabled():  # (no backward to come: nothing to recompute)
             self.routes_done()
@@ -175,7 +177,7 @@ class PolicyForward:
         ``trainer.share_prefix`` finds some (``shared_prefix``: the prefixes forwarded once, here), else the
         plain forward of each."""
         call = self.prefix_call(model, params, entropy)
-        pre = self.sharing.prefixes(model, batch, grad, call) if self.dp is None else None
+        pre = self.sharing.prefixes(model, batch, grad, call) if self.dp is None and not batch.images else None
         if pre is None:
             return self.micro_batches(batch), None, lambda idx, mb: self.logits(model, mb, params, entropy)
         return pre.micro_batches(self.tcfg.micro_batch_tokens), pre, lambda idx, mb: pre.outputs(idx)

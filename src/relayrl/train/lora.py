@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from relayrl.lora_weights import ROLE_SEP, LoraSpec, by_adapter
-from relayrl.models import ModelError
+from relayrl.models import ModelError, vision
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PER_ROLE = "adapters"  # a checkpoint's folder of per-role adapters (model.lora.per_role): adapters/<role>/
@@ -85,7 +85,8 @@ def spec_for(lora, model) -> LoraSpec:
     if experts and lora.dropout:
         raise ModelError(f"model.lora.experts=true with model.lora.dropout={lora.dropout}: PEFT's adapters on fused "
                          "experts take no dropout; set model.lora.dropout=0")
-    return LoraSpec(lora.r, float(lora.alpha), resolve_targets(model, lora.targets), experts)
+    return LoraSpec(lora.r, float(lora.alpha), resolve_targets(model, lora.targets), experts,
+                    exclude=vision.lora_exclude(model))
 
 
 def wrap(model, lora, roles: tuple[str, ...] = ()):
@@ -104,7 +105,8 @@ def wrap(model, lora, roles: tuple[str, ...] = ()):
 
     def config(targets):
         return LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=lora.dropout, target_modules=list(targets),
-                          bias="none", task_type="CAUSAL_LM", target_parameters=list(spec.parameters) or None)
+                          bias="none", task_type="CAUSAL_LM", target_parameters=list(spec.parameters) or None,
+                          exclude_modules=spec.exclude)
 
     try:
         wrapped = get_peft_model(model, config(spec.targets), adapter_name=first)
@@ -113,7 +115,7 @@ def wrap(model, lora, roles: tuple[str, ...] = ()):
         if lora.targets != "all-linear" or found is None:
             raise ModelError(f"model.lora.targets: PEFT cannot put an adapter there: {str(e).splitlines()[0]}") from None
         drop = {x.strip(" '\"") for x in found.group(1).split(",")}
-        spec = LoraSpec(spec.r, spec.alpha, tuple(t for t in spec.targets if t not in drop), spec.parameters)
+        spec = dataclasses.replace(spec, targets=tuple(t for t in spec.targets if t not in drop))
         wrapped = get_peft_model(model, config(spec.targets), adapter_name=first)  # ('all-linear': those PEFT adapts)
         # (PEFT's refused first try left the model half-wrapped, and the second left every base weight trainable:
         # the trainer then moved weights the engines never get, and the sampling alarm stopped Nemotron-H's runs)
@@ -251,7 +253,8 @@ def read_adapter(folder: str | Path, engine: bool = True) -> tuple[LoraSpec, str
         c = json.loads((folder / ADAPTER_CONFIG).read_text())
         targets, params = c["target_modules"], c.get("target_parameters") or ()
         spec = LoraSpec(int(c["r"]), float(c["lora_alpha"]), tuple([targets] if isinstance(targets, str) else targets),
-                        tuple(params))
+                        tuple(params), exclude=c.get("exclude_modules") if isinstance(c.get("exclude_modules"), str)
+                        else None)
         weights = load_file(str(folder / ADAPTER_WEIGHTS))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ModelError(f"{folder}: cannot read its LoRA adapter ({ADAPTER_CONFIG}, {ADAPTER_WEIGHTS}): {e}") from None
@@ -326,5 +329,5 @@ def export_merged(checkpoint: str | Path, out: str | Path, dtype: str = "float32
     merged.save_pretrained(out, safe_serialization=True)
     tokenizer = checkpoint if any((checkpoint / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")) \
         else base
-    load_tokenizer(str(tokenizer)).save_pretrained(out)
+    vision.save_tokenizer(load_tokenizer(str(tokenizer)), out)
     return out

@@ -1,0 +1,203 @@
+"""Vision-language policies: their processor, a prompt with images as tokens, and the image features that the
+engine and the trainer both feed the language model.
+
+A model whose config has a ``vision_config`` loads with ``AutoModelForImageTextToText`` and its ``AutoProcessor``,
+which must come with an image processor (a processor that cannot be built is refused in one line, never replaced
+by the bare tokenizer). The processor is kept on the tokenizer and on the model (``processor_of``), so every
+engine and the trainer reach it from what they already hold.
+
+A prompt's images are encoded by the vision tower (frozen by default: ``vision.train_tower``) into features that
+take the place of the image tokens in the language model's input embeddings (``embed``): the engine feeds those
+embeddings to its prefill (a group's G responses share one encoding of each image: ``FeatureCache``), the trainer
+to its forward, so both score the same tokens under the same inputs. Families whose image tokens need positions
+of their own (Qwen's 3-D mRoPE) or attention of their own (Gemma 3's bidirectional image blocks) are refused at
+start in one line until they are built (``check_family``).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Sequence
+
+import torch
+
+from relayrl.models.images import IMAGE, key, open_image
+
+ATTR = "relayrl_processor"
+# families whose image features replace image tokens and whose positions stay 1-D: built and tested
+FAMILIES = ("idefics3", "smolvlm")
+_WHY_NOT = {
+    "qwen2_vl": "its image tokens take 3-D (mRoPE) positions",
+    "qwen2_5_vl": "its image tokens take 3-D (mRoPE) positions",
+    "qwen3_vl": "its image tokens take 3-D (mRoPE) positions",
+    "qwen3_vl_moe": "its image tokens take 3-D (mRoPE) positions",
+    "gemma3": "its image tokens attend to each other both ways (token_type_ids)",
+}
+
+
+class VisionError(ValueError):
+    pass
+
+
+def is_vlm(config) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
+def check_family(config, field: str = "model.path") -> None:
+    """Refuse, in one line, a vision-language family relayrl cannot yet train exactly."""
+    kind = getattr(config, "model_type", "?")
+    if kind not in FAMILIES:
+        why = _WHY_NOT.get(kind, "its image inputs are not wired into relayrl's engine and trainer")
+        raise VisionError(f"{field}: a {kind} vision-language model is not supported yet: {why} "
+                          f"(supported: {', '.join(FAMILIES)}; docs/reference/families.md)")
+
+
+def attach(obj, processor):
+    setattr(obj, ATTR, processor)
+    return obj
+
+
+def processor_of(obj):
+    """The processor attached to a tokenizer or a model (through PEFT's and FSDP's wrappers), or None."""
+    for o in (obj, getattr(obj, "module", None)):
+        if o is not None:
+            try:
+                return getattr(o, ATTR)
+            except AttributeError:
+                continue
+    return None
+
+
+def freeze_tower(model, train: bool) -> None:
+    """A vision-language policy's vision tower and connector frozen (``vision.train_tower=false``); else nothing."""
+    if processor_of(model) is None or train:
+        return
+    inner = _inner(model).model
+    for m in (inner.vision_model, inner.connector):
+        m.requires_grad_(False)
+
+
+def lora_exclude(model) -> str | None:
+    """PEFT's ``exclude_modules`` for a policy whose vision tower is frozen (``vision.train_tower=false``): its
+    adapters go on the language model only (a tower's q_proj shares the language model's name)."""
+    if processor_of(model) is None or any(p.requires_grad for p in _inner(model).model.vision_model.parameters()):
+        return None
+    return r".*\b(vision_model|connector)\b.*"
+
+
+def save_tokenizer(tokenizer, path) -> None:
+    """The tokenizer into ``path``; a vision-language model's whole processor (its image processor's settings and
+    chat template with it), so a checkpoint or an export loads with ``AutoProcessor``."""
+    (processor_of(tokenizer) or tokenizer).save_pretrained(path)
+
+
+def _parts(messages: list[dict]) -> list[dict]:
+    """Messages with their ``IMAGE`` markers as the content parts chat templates render."""
+    out = []
+    for m in messages:
+        pieces = m["content"].split(IMAGE)
+        if len(pieces) == 1:
+            out.append(m)
+            continue
+        parts = []
+        for i, text in enumerate(pieces):
+            if i:
+                parts.append({"type": "image"})
+            if text:
+                parts.append({"type": "text", "text": text})
+        out.append({**m, "content": parts})
+    return out
+
+
+def encode(tokenizer, messages: list[dict], images: Sequence[str]) -> list[int]:
+    """A prompt with images as token ids: the processor's chat template, each image expanded to its tokens."""
+    proc = processor_of(tokenizer)
+    if proc is None:
+        raise VisionError(f"a prompt with {len(images)} image(s), but the model is text-only (model.path has no "
+                          "image processor); drop the rows' images (vision.image_field=null) or use a vision-language "
+                          "model")
+    text = proc.apply_chat_template(_parts(messages), add_generation_prompt=True, tokenize=False)
+    out = proc(text=[text], images=[[open_image(r) for r in images]])
+    return list(out["input_ids"][0])
+
+
+def image_token_id(model) -> int:
+    cfg = model.config
+    return getattr(cfg, "image_token_id", None) or getattr(cfg, "image_token_index")
+
+
+def _inner(model):
+    """The transformers model under PEFT's wrapper (FSDP2 keeps the class)."""
+    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+
+
+def features(model, ref: str) -> torch.Tensor:
+    """[image tokens, hidden]: the vision tower's (and its connector's) output for one image, its pixels from the
+    model's own image processor (one image: a tiling processor's tiles are that image's); with a graph only where
+    the tower trains (``vision.train_tower``) and grad is on."""
+    pix = processor_of(model).image_processor([[open_image(ref)]], return_tensors="pt")
+    inner = _inner(model).model
+    tower = [p for m in (inner.vision_model, inner.connector) for p in m.parameters()]
+    with torch.set_grad_enabled(torch.is_grad_enabled() and any(p.requires_grad for p in tower)):
+        out = inner.get_image_features(pixel_values=pix["pixel_values"].to(tower[0].dtype),
+                                       pixel_attention_mask=pix.get("pixel_attention_mask"))
+    out = getattr(out, "pooler_output", out)  # (transformers 5: the connector's output as the pooled one)
+    return out.reshape(-1, out.shape[-1])
+
+
+class FeatureCache:
+    """Image features by reference, the most recent ``size`` kept: a group's responses, and a prompt resumed
+    across steps, share one encoding. Cleared when the vision tower's weights change."""
+
+    def __init__(self, size: int = 64):
+        self.size, self._kept = size, collections.OrderedDict()
+        self.encoded = 0  # images encoded (the benchmark's count of what sharing saved)
+
+    def get(self, model, refs: Sequence[str]) -> list[torch.Tensor]:
+        for r in dict.fromkeys(refs):
+            if key(r) not in self._kept:
+                self._kept[key(r)] = features(model, r)
+                self.encoded += 1
+        for r in refs:
+            self._kept.move_to_end(key(r))
+        while len(self._kept) > self.size:
+            self._kept.popitem(last=False)
+        return [self._kept[key(r)] for r in refs]
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+
+def embed(model, ids: torch.Tensor, images: Sequence[Sequence[str]], cache: FeatureCache | None = None
+          ) -> torch.Tensor:
+    """[rows, L, hidden] input embeddings of ``ids`` with each row's image tokens replaced, in order, by its
+    images' features (``images[i]``: row i's references; a row may have none). Without a ``cache`` (the trainer's
+    forward) each image is encoded once for the call."""
+    cache = cache if cache is not None else FeatureCache(size=1 << 30)
+    emb = model.get_input_embeddings()(ids)
+    token = image_token_id(model)
+    rows = []
+    for i, refs in enumerate(images):
+        if not refs:
+            continue
+        flat = torch.cat(cache.get(model, refs)).to(emb.dtype)
+        where = (ids[i] == token).nonzero().squeeze(1)
+        if len(where) != len(flat):
+            raise VisionError(f"row {i}: {len(where)} image tokens but {len(flat)} image features (a prompt cut "
+                              "through its image, or an image token sampled)")
+        rows.append((i, where, flat))
+    if not rows:
+        return emb
+    emb = emb.clone()
+    for i, where, flat in rows:
+        emb[i, where] = flat
+    return emb
+
+
+def inputs(model, ids: torch.Tensor, images: Sequence[Sequence[str]] | None, cache: FeatureCache | None = None
+           ) -> dict:
+    """The language model's input for ``ids``: the ids themselves, or where a row has images the embeddings
+    with their features in place (``embed``)."""
+    if not images or not any(images):
+        return {"input_ids": ids}
+    return {"inputs_embeds": embed(model, ids, images, cache)}
