@@ -44,6 +44,7 @@ _FILES = {
     "tokenizer": ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"),
     "model": ("config.json",),
     "model config": ("config.json",),
+    "processor": ("processor_config.json", "preprocessor_config.json"),  # (a vision-language model's)
 }
 
 
@@ -165,7 +166,7 @@ def load_processor(path: str, field: str = "model.path"):
     that comes back without (a bare tokenizer, as ``AutoProcessor`` may give) is refused."""
     from transformers import AutoProcessor
 
-    proc = load_checked(AutoProcessor.from_pretrained, path, field, "model")
+    proc = load_checked(AutoProcessor.from_pretrained, path, field, "processor")
     if getattr(proc, "image_processor", None) is None:
         raise ModelError(f"{field}={path!r}: a vision-language model whose processor could not be built with an "
                          f"image processor (got {type(proc).__name__}); its folder needs processor_config.json or "
