@@ -100,8 +100,12 @@ def test_a_prompt_with_images_is_the_processors_tokens_and_its_features_the_mode
         got = model(**vision.inputs(model, torch.tensor([ids, ids]), [p.images, p.images], cache)).logits
         assert torch.allclose(got[0], model(**want).logits[0], atol=1e-6)
     assert cache.encoded == 1  # (one image, in two rows and twice in each: encoded once)
-    with pytest.raises(vision.VisionError, match="8 image tokens but 4 image features"):
-        vision.embed(model, torch.tensor([ids]), [p.images[:1]])
+    with pytest.raises(vision.VisionError, match="4 image tokens but 8 image features"):
+        vision.embed(model, torch.tensor([ids[: ids.index(model.config.image_token_id) + 4]]), [p.images])
+    sampled = ids + [model.config.image_token_id]  # (the policy sampled an image token: a token, as the engine fed it)
+    with torch.no_grad():
+        emb = vision.embed(model, torch.tensor([sampled]), [p.images])
+        assert torch.equal(emb[0, -1], model.get_input_embeddings().weight[model.config.image_token_id])
 
 
 def test_a_vlm_trains_two_steps_engine_equal_to_trainer_tower_frozen_checkpoint_a_processor(vlm, tmp_path):

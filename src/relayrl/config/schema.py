@@ -25,7 +25,8 @@ from relayrl.config.workspaces import WorkspaceCfg
 # the demo's, which would measure the user's reward on the demo's prompts).
 BUILTIN_EVAL = {"builtin:demo": "builtin:demo-eval", "builtin:demo-sft": "builtin:demo-eval",
                 "builtin:agent-demo": "builtin:agent-demo-eval", "builtin:nim": "builtin:nim-eval",
-                "builtin:proposer-solver": "builtin:proposer-solver-eval", "builtin:swe-demo": "builtin:swe-demo-eval"}
+                "builtin:proposer-solver": "builtin:proposer-solver-eval", "builtin:swe-demo": "builtin:swe-demo-eval",
+                "builtin:vlm-demo": "builtin:vlm-demo-eval"}
 
 
 class Config(BaseModel):

@@ -150,13 +150,19 @@ def _builtin_rows(path: str) -> list[dict]:
 
         return swe_task.make_rows(100, seed=1, split="train") if which == "swe-demo" else \
             swe_task.make_rows(32, seed=2, split="eval")
+    if which in ("vlm-demo", "vlm-demo-eval"):  # digits in images (relayrl.demo.vlm_demo), kept as data URLs
+        from relayrl.demo import vlm_demo
+
+        return vlm_demo.make_rows(2000, seed=1, id_prefix="train") if which == "vlm-demo" else \
+            vlm_demo.make_rows(200, seed=2, id_prefix="eval")
     if which in ("nim", "nim-eval", "nim-sft", "proposer-solver", "proposer-solver-eval", "proposer-sft"):  # (examples/self_play.yaml, ...)
         from relayrl.envs import games
 
         return games.rows(which)
     raise DataError(f"unknown built-in dataset {path!r}; valid: builtin:demo, builtin:demo-eval, builtin:demo-sft, "
                     "builtin:agent-demo, builtin:agent-demo-eval, builtin:swe-demo, builtin:swe-demo-eval, builtin:nim, builtin:nim-eval, builtin:nim-sft, "
-                    "builtin:proposer-solver, builtin:proposer-solver-eval, builtin:proposer-sft")
+                    "builtin:proposer-solver, builtin:proposer-solver-eval, builtin:proposer-sft, builtin:vlm-demo, "
+                    "builtin:vlm-demo-eval")
 
 
 def iter_rows(path: str) -> Iterator[tuple[int, Any]]:

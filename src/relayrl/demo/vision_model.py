@@ -92,7 +92,8 @@ def image_seq_len(image_size: int) -> int:
     return (image_size // PATCH) ** 2 // SCALE**2
 
 
-def build_model(tokenizer, image_size: int):
+def build_model(tokenizer, image_size: int, vision: dict | None = None, text: dict | None = None):
+    """The random Idefics3; ``vision`` and ``text`` override its towers' sizes (the VLM demo's are larger)."""
     from transformers import AutoModelForImageTextToText, Idefics3Config
 
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")
@@ -104,6 +105,7 @@ def build_model(tokenizer, image_size: int):
             "num_attention_heads": 2,
             "image_size": image_size,
             "patch_size": PATCH,
+            **(vision or {}),
         },
         text_config={
             "model_type": "llama",
@@ -118,6 +120,7 @@ def build_model(tokenizer, image_size: int):
             "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id,
             "tie_word_embeddings": False,
+            **(text or {}),
         },
         scale_factor=SCALE,
         image_token_id=image_token_id,

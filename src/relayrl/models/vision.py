@@ -182,9 +182,10 @@ def embed(model, ids: torch.Tensor, images: Sequence[Sequence[str]], cache: Feat
             continue
         flat = torch.cat(cache.get(model, refs)).to(emb.dtype)
         where = (ids[i] == token).nonzero().squeeze(1)
-        if len(where) != len(flat):
+        if len(where) < len(flat):
             raise VisionError(f"row {i}: {len(where)} image tokens but {len(flat)} image features (a prompt cut "
-                              "through its image, or an image token sampled)")
+                              "through its image)")
+        where = where[: len(flat)]  # (an image token the policy sampled after them is a token: its embedding)
         rows.append((i, where, flat))
     if not rows:
         return emb
