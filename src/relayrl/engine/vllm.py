@@ -59,9 +59,10 @@ _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": Fi
 
 
 def _reason(e: BaseException) -> str:
-    """The last line of a library's message (vLLM's startup errors end with the cause)."""
-    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-    return lines[-1] if lines else type(e).__name__
+    """The cause in a library's message: vLLM's startup errors end with it, pydantic's (its config's) name it on a
+    "Value error" line before a last line of links."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip() and "errors.pydantic.dev" not in x]
+    return next((x for x in lines if x.startswith("Value error")), lines[-1] if lines else type(e).__name__)
 
 
 def save_for_reload(state_dict: dict[str, torch.Tensor], folder: Path) -> None:

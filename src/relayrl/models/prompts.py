@@ -21,9 +21,10 @@ def model_context_source(path: str, field: str = "model.path") -> tuple[int, str
     from transformers import AutoConfig
 
     cfg = load_checked(AutoConfig.from_pretrained, path, field, "model config")
-    for key in _CONTEXT_KEYS:
-        if isinstance(getattr(cfg, key, None), int):
-            return getattr(cfg, key), f"{key} in the config.json of {path}"
+    for where, c in (("", cfg), ("text_config.", getattr(cfg, "text_config", None))):  # (a VLM's: its LM's)
+        for key in _CONTEXT_KEYS:
+            if isinstance(getattr(c, key, None), int):
+                return getattr(c, key), f"{where}{key} in the config.json of {path}"
     return None
 
 
