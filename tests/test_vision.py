@@ -5,6 +5,7 @@ image features, the tower frozen, checkpoints that load with AutoProcessor, and 
 import base64
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,3 +159,46 @@ def test_a_text_model_given_images_a_family_not_built_and_no_processor_are_refus
     with pytest.raises(ModelError, match="bare': cannot load the processor: the folder has no processor_config.json "
                                          "or preprocessor_config.json"):
         load_tokenizer(str(bare))
+
+
+@pytest.mark.parametrize("setting, within", [({"trainer": {"pack": True}}, 1e-5),
+                                             ({"trainer": {"gradient_checkpointing": "on"}}, 1e-5),
+                                             ({"model": {"dtype": "bfloat16"}}, 2e-2)])
+def test_a_vlm_through_packing_checkpointing_and_bfloat16_scores_what_the_engine_sampled(vlm, tmp_path, setting,
+                                                                                          within):
+    data = _digits(tmp_path, 4)
+    run = relayrl.Run(model={"path": vlm, **setting.get("model", {})}, trainer=setting.get("trainer", {}),
+                      data={"path": str(data), "eval_path": None},
+                      run={"output_dir": str(tmp_path), "name": "c", "steps": 2, "progress": False},
+                      rollout={"max_new_tokens": 6, "prompts_per_step": 4, "group_size": 2})
+    run.train()
+    rows = [json.loads(x) for x in (run.dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= r["logprob_mismatch_max"] < within for r in rows)
+
+
+def test_a_vlm_run_resumes_from_its_checkpoint(vlm, tmp_path):
+    data = _digits(tmp_path, 4)
+
+    def run(steps):
+        return relayrl.Run(model={"path": vlm}, data={"path": str(data), "eval_path": None},
+                           run={"output_dir": str(tmp_path), "name": "r", "steps": steps, "progress": False},
+                           rollout={"max_new_tokens": 6, "prompts_per_step": 2, "group_size": 2})
+
+    run(2).train()
+    assert run(3).train(resume=True)["steps"] == 3
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["logprob_mismatch_max"] < 1e-5
+
+
+def test_the_vlm_demo_ships_its_weights_and_its_rows_carry_images(tmp_path):
+    from relayrl.demo import vlm_demo
+
+    assert vlm_demo.vlm_demo_model_path() == vlm_demo.SHIPPED  # (its recipe is the shipped one's: nothing built)
+    rows = load_prompts("builtin:vlm-demo-eval")
+    assert len(rows) == 200 and all(len(p.images) == 1 and p.images[0].startswith("data:image/png") for p in rows)
+    assert {p.messages[0]["content"] for p in rows} == {"<image>Which digit is on the left?",
+                                                        "<image>Which digit is on the right?"}
+    example = Path(__file__).resolve().parent.parent / "examples" / "vlm_demo.yaml"
+    run = relayrl.Run(str(example), ["run.steps=2", "eval.size=8", f"run.output_dir={tmp_path}", "run.progress=false"])
+    summary = run.train()
+    assert summary["steps"] == 2 and 0 <= summary["eval_accuracy_before"] <= 1

@@ -148,7 +148,7 @@ class PolicyForward:
             p = Packed(mb.attention_mask)
             self._routes(model, None if mb.routes is None else p.flat(mb.routes)[0], params)
             with self.readout.context(model, p.flat(targets), p.flat(trained), entropy):
-                ids = vision.inputs(model, p.flat(mb.input_ids), mb.images and [sum(map(tuple, mb.images), ())])
+                ids = {k: p.flat(v) for k, v in vision.inputs(model, mb.input_ids, mb.images).items()}  # (row by row)
                 out = p.unflat(call(**ids, position_ids=p.position_ids, use_cache=False).logits)
             out = out[:, :-1]
         if not torch.is_grad_enabled():  # (no backward to come: nothing to recompute)
