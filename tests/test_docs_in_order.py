@@ -31,7 +31,8 @@ GUIDES = ROOT / "docs" / "guides"
 # the guides that read them; the agents' guides, which make their own
 READINGS = {"readme-and-training": [ROOT / "README.md", ROOT / "docs" / "getting-started.md",
                                     *(GUIDES / f"{g}.md" for g in ("lora", "sft", "distillation", "judges", "tracking"))],
-            "agents": [GUIDES / f"{g}.md" for g in ("environments", "agent-programs", "multi-agent", "workspaces")]}
+            "agents": [GUIDES / f"{g}.md" for g in ("environments", "agent-programs", "multi-agent", "workspaces",
+                                                    "vision")]}
 SHORT = ["run.steps=2", "eval.size=8"]
 LONG = 20  # steps: a run longer than this is shortened
 SKIP = {  # the start of a line -> why it does not run here

@@ -163,7 +163,8 @@ def test_a_text_model_given_images_a_family_not_built_and_no_processor_are_refus
 
 @pytest.mark.parametrize("setting, within", [({"trainer": {"pack": True}}, 1e-5),
                                              ({"trainer": {"gradient_checkpointing": "on"}}, 1e-5),
-                                             ({"model": {"dtype": "bfloat16"}}, 2e-2)])
+                                             ({"model": {"dtype": "bfloat16"}}, 2e-2),
+                                             ({"model": {"lora": {"r": 4, "targets": "all-linear"}}}, 1e-5)])
 def test_a_vlm_through_packing_checkpointing_and_bfloat16_scores_what_the_engine_sampled(vlm, tmp_path, setting,
                                                                                           within):
     data = _digits(tmp_path, 4)
