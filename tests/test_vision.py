@@ -203,3 +203,15 @@ def test_the_vlm_demo_ships_its_weights_and_its_rows_carry_images(tmp_path):
     run = relayrl.Run(str(example), ["run.steps=2", "eval.size=8", f"run.output_dir={tmp_path}", "run.progress=false"])
     summary = run.train()
     assert summary["steps"] == 2 and 0 <= summary["eval_accuracy_before"] <= 1
+
+
+def test_sft_refuses_images_and_vision_language_models_instead_of_training_their_text_alone(vlm, tiny_path, tmp_path):
+    data = _digits(tmp_path, 2)
+    with pytest.raises(ModelError, match="a vision-language model; relayrl sft does not take them yet"):
+        relayrl.Run(model={"path": vlm}, data={"path": str(data), "eval_path": None}, sft={"epochs": 1},
+                    run={"output_dir": str(tmp_path), "name": "s", "progress": False}, command="sft").train()
+    (tmp_path / "s.jsonl").write_text(json.dumps({"prompt": "x", "response": "y", "images": ["img0.png"]}))
+    with pytest.raises(DataError, match="s.jsonl: line 1: field 'images': relayrl sft does not take images yet"):
+        relayrl.Run(model={"path": tiny_path}, data={"path": str(tmp_path / "s.jsonl"), "eval_path": None},
+                    sft={"epochs": 1}, run={"output_dir": str(tmp_path), "name": "s2", "progress": False},
+                    command="sft").train()

@@ -134,6 +134,9 @@ def _row_examples(row: dict, n: int, where: str, tokenizer, fields: dict) -> lis
     if key is None:
         raise DataError(f"{where}: missing field '{pf}' (data.prompt_field; or a 'messages' conversation); has: "
                         f"{', '.join(map(str, row))[:200]}")
+    if row.get("images") is not None:
+        raise DataError(f"{where}: field 'images': relayrl sft does not take images yet (relayrl train does: "
+                        "docs/guides/vision.md)")
     tools = row.get("tools")
     if rf in row:  # a prompt and a response
         response = row[rf]

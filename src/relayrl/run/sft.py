@@ -26,7 +26,7 @@ from relayrl.data.datasets import PromptSampler, load_prompts
 from relayrl.data.sft import Example, load_examples
 from relayrl.engine.placement import cores, free_cores, open_engine, threads
 from relayrl.engine.spec import engine_spec, eos_token_ids
-from relayrl.models import load_policy, resolve_model_path
+from relayrl.models import ModelError, load_policy, resolve_model_path, vision
 from relayrl.records import Trajectory
 from relayrl.run import model_card
 from relayrl.run.build import eval_settings, load_adapter, load_tokenizer_for, make_reward_runner, make_runner
@@ -128,6 +128,9 @@ def _sft(cfg: Config, resume: bool, console: Console, stop: StopSignals) -> dict
     Trackers.check(cfg.run.report_to, cfg.run_dir)
     base = resolve_model_path(cfg.model.path, log=log)
     tokenizer, tok_path = load_tokenizer_for(cfg, base, log)
+    if vision.processor_of(tokenizer) is not None:  # (its examples' image tokens would be trained without images)
+        raise ModelError(f"model.path={cfg.model.path!r}: a vision-language model; relayrl sft does not take them yet "
+                         "(relayrl train does: docs/guides/vision.md)")
     d = cfg.data
     examples = _examples(cfg, tokenizer, log)
     eval_prompts = load_prompts(d.eval_path, d.prompt_field, d.answer_field, d.id_field, d.metadata_fields,
