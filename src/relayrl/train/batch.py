@@ -121,7 +121,13 @@ def build_batch(trajs: list[Trajectory], advantages: torch.Tensor | list, pad_id
     return TrainBatch(ids, att, mask, behav, vers, adv * mask, tok_rewards, group, owner=owner,
                       teacher_logp=None if teacher is None else teacher * mask, routes=routes,
                       adapter=_adapter_rows(trajs, adapters) if adapters else None,
-                      images=[t.prompt.images for t in trajs] if any(t.prompt.images for t in trajs) else None)
+                      images=_images(trajs))
+
+
+def _images(trajs: list[Trajectory]) -> list | None:
+    """Each row's image references (``TrainBatch.images``), or None for text (SFT's examples have no prompt)."""
+    out = [getattr(t.prompt, "images", ()) for t in trajs]
+    return out if any(out) else None
 
 
 def _adapter_rows(trajs: list[Trajectory], adapters: tuple[str, ...]) -> torch.Tensor:
