@@ -152,7 +152,21 @@ def test_a_text_model_given_images_a_family_not_built_and_no_processor_are_refus
     with pytest.raises(vision.VisionError, match="a qwen2_5_vl vision-language model is not supported yet: its "
                                                  r"image tokens take 3-D \(mRoPE\) positions"):
         vision.check_family(cfg)
+    (tmp_path / "sys.jsonl").write_text(json.dumps({"prompt": [{"role": "system", "content": "<image>"},
+                                                               {"role": "user", "content": "hi"}],
+                                                    "images": ["img0.png"], "answer": "0"}))
+    bad_template = tmp_path / "tpl"
     import shutil
+
+    shutil.copytree(vlm, bad_template)
+    (bad_template / "chat_template.jinja").write_text(  # (a template that raises on an image in a system message)
+        "{% for m in messages %}{% if m['role'] == 'system' and m['content'] is not string %}"
+        "{{ raise_exception('images only in user turns') }}{% endif %}{{ m['role'] }}{% endfor %}")
+    run = relayrl.Run(model={"path": str(bad_template)}, data={"path": str(tmp_path / "sys.jsonl"), "eval_path": None},
+                      run={"output_dir": str(tmp_path), "name": "tpl", "steps": 1, "progress": False})
+    with pytest.raises(DataError, match=r"sys.jsonl: prompt id 'row1': the processor cannot encode this prompt with its "
+                                        r"1 image\(s\): .*images only in user turns"):
+        run.train()
 
     bare = shutil.copytree(vlm, tmp_path / "bare")
     (bare / "processor_config.json").unlink()  # (AutoProcessor then gives the bare tokenizer)

@@ -116,8 +116,12 @@ def encode(tokenizer, messages: list[dict], images: Sequence[str]) -> list[int]:
         raise VisionError(f"a prompt with {len(images)} image(s), but the model is text-only (model.path has no "
                           "image processor); drop the rows' images (vision.image_field=null) or use a vision-language "
                           "model")
-    text = proc.apply_chat_template(_parts(messages), add_generation_prompt=True, tokenize=False)
-    out = proc(text=[text], images=[[open_image(r) for r in images]])
+    try:
+        text = proc.apply_chat_template(_parts(messages), add_generation_prompt=True, tokenize=False)
+        out = proc(text=[text], images=[[open_image(r) for r in images]])
+    except Exception as e:  # (a template that cannot place an image part, a processor's own refusal)
+        raise VisionError(f"the processor cannot encode this prompt with its {len(images)} image(s): "
+                          f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from None
     return list(out["input_ids"][0])
 
 
