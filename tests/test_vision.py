@@ -146,12 +146,13 @@ def test_a_text_model_given_images_a_family_not_built_and_no_processor_are_refus
     with pytest.raises(DataError, match=r"train.jsonl: prompt id 'p0': a prompt with 1 image\(s\), but the model "
                                         "is text-only"):
         run.train()
-    from transformers import Qwen2_5_VLConfig
-
-    cfg = Qwen2_5_VLConfig()
-    with pytest.raises(vision.VisionError, match="a qwen2_5_vl vision-language model is not supported yet: its "
-                                                 r"image tokens take 3-D \(mRoPE\) positions"):
-        vision.check_family(cfg)
+    qwen = tmp_path / "qwen"
+    qwen.mkdir()
+    (qwen / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "vision_config": {"depth": 2}}))
+    for load in (load_tokenizer, load_policy):  # (the tokenizer first: a run encodes its prompts before the model)
+        with pytest.raises(ModelError, match="model.path: a qwen2_5_vl vision-language model is not supported yet: "
+                                             r"its image tokens take 3-D \(mRoPE\) positions"):
+            load(str(qwen))
     (tmp_path / "sys.jsonl").write_text(json.dumps({"prompt": [{"role": "system", "content": "<image>"},
                                                                {"role": "user", "content": "hi"}],
                                                     "images": ["img0.png"], "answer": "0"}))

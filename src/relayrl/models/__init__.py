@@ -137,8 +137,11 @@ def load_tokenizer(path: str, prompt_format: str | None = None, field: str = "mo
     error here, before any work; None skips that check (callers that encode no prompts)."""
     from transformers import AutoTokenizer
 
+    vlm = vision_config(path) is not None  # (a vision-language model's prompts with images go through its processor)
+    if vlm:
+        _check_family(path, field)
     tok = load_checked(AutoTokenizer.from_pretrained, path, field, "tokenizer")
-    if vision_config(path) is not None:  # (a vision-language model's prompts with images go through its processor)
+    if vlm:
         from relayrl.models import vision
 
         vision.attach(tok, load_processor(path, field))
@@ -157,12 +160,21 @@ def load_policy(path: str, dtype: str = "float32", field: str = "model.path"):
         return load_checked(AutoModelForCausalLM.from_pretrained, path, field, "model", dtype=DTYPES[dtype])
     from relayrl.models import vision
 
+    _check_family(path, field)
     model = load_checked(AutoModelForImageTextToText.from_pretrained, path, field, "model", dtype=DTYPES[dtype])
+    return vision.attach(model, load_processor(path, field))
+
+
+def _check_family(path: str, field: str) -> None:
+    import json
+
+    from relayrl.models import vision
+
     try:
-        vision.check_family(model.config, field)
+        vision.check_family(json.loads((Path(os.path.expanduser(path)) / "config.json").read_text()).get("model_type"),
+                            field)
     except vision.VisionError as e:
         raise ModelError(str(e)) from None
-    return vision.attach(model, load_processor(path, field))
 
 
 def load_processor(path: str, field: str = "model.path"):

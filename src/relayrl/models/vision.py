@@ -39,13 +39,8 @@ class VisionError(ValueError):
     pass
 
 
-def is_vlm(config) -> bool:
-    return getattr(config, "vision_config", None) is not None
-
-
-def check_family(config, field: str = "model.path") -> None:
-    """Refuse, in one line, a vision-language family relayrl cannot yet train exactly."""
-    kind = getattr(config, "model_type", "?")
+def check_family(kind: str, field: str = "model.path") -> None:
+    """Refuse, in one line, a vision-language family (its ``model_type``) relayrl cannot yet train exactly."""
     if kind not in FAMILIES:
         why = _WHY_NOT.get(kind, "its image inputs are not wired into relayrl's engine and trainer")
         raise VisionError(f"{field}: a {kind} vision-language model is not supported yet: {why} "
