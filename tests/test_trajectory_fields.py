@@ -19,6 +19,7 @@ from relayrl.rollout.groups import carried_copy, expand_branches
 from relayrl.rollout.scoring import EpisodeScoring
 from tests.test_chat_template import chatml_tokenizer  # noqa: F401 - a fixture
 from tests.test_episodes import PROMPT, ScriptedEngine
+from tests.test_package import parse
 from tests.test_serve import TOOLS, add, calc_reply, run, served
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "relayrl"
@@ -68,7 +69,7 @@ def test_no_module_lists_the_per_token_fields_by_hand():
     for path in SRC.rglob("*.py"):
         if path.name == "records.py":
             continue
-        tree = ast.parse(path.read_text())
+        tree = parse(path)
         slots = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)  # (a class's own attributes)
                  and any(getattr(x, "id", None) == "__slots__" for x in n.targets)}
         for node in ast.walk(tree):
