@@ -101,6 +101,10 @@ def test_a_prompt_with_images_is_the_processors_tokens_and_its_features_the_mode
         got = model(**vision.inputs(model, torch.tensor([ids, ids]), [p.images, p.images], cache)).logits
         assert torch.allclose(got[0], model(**want).logits[0], atol=1e-6)
     assert cache.encoded == 1  # (one image, in two rows and twice in each: encoded once)
+    (tmp_path / "blue.png").write_bytes(_png((0, 0, 255)))
+    small = vision.FeatureCache(size=1)  # (a batch with more images than the cache keeps gets them all)
+    both = small.get(model, [p.images[0], str(tmp_path / "blue.png")])
+    assert len(both) == 2 and not torch.equal(both[0], both[1]) and small.encoded == 2
     with pytest.raises(vision.VisionError, match="4 image tokens but 8 image features"):
         vision.embed(model, torch.tensor([ids[: ids.index(model.config.image_token_id) + 4]]), [p.images])
     sampled = ids + [model.config.image_token_id]  # (the policy sampled an image token: a token, as the engine fed it)

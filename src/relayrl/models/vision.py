@@ -159,9 +159,10 @@ class FeatureCache:
                 self.encoded += 1
         for r in refs:
             self._kept.move_to_end(key(r))
+        out = [self._kept[key(r)] for r in refs]  # (before trimming: one call may hold more images than are kept)
         while len(self._kept) > self.size:
             self._kept.popitem(last=False)
-        return [self._kept[key(r)] for r in refs]
+        return out
 
     def clear(self) -> None:
         self._kept.clear()
