@@ -4,6 +4,8 @@ branches, the trainer's sampling parameters, OpenAI-style errors for bad input, 
 the failure policy and their deadlines, a flood of connections."""
 
 import asyncio
+import base64
+import io
 import json
 import os
 import time
@@ -31,6 +33,17 @@ from tests.test_chat_template import chatml_tokenizer  # noqa: F401 - a fixture
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
 PARAMS = SamplingParams(1000, 1.0)
+
+
+def _png_url() -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), "red").save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+PNG = _png_url()
 
 
 @pytest.fixture()
@@ -263,9 +276,16 @@ def test_bad_input_gets_openai_errors_and_the_endpoint_goes_on(tok):
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         r = httpx.post(url, json={"model": "policy", "messages": [{"role": "wizard", "content": "x"}]}, headers=auth)
         assert r.status_code == 400 and "unknown role" in r.json()["error"]["message"]
+        for image, why in (("https://example.com/a.png", "nothing is fetched from the network"),
+                           ("data:image/png;base64,@@", "does not decode"), ("x", "not a data URL"),
+                           ("data:image/png;base64," + base64.b64encode(b"not a png").decode(), "not a readable image"),
+                           (PNG, "text-only")):  # (a good image: this endpoint's policy is a text model)
+            r = httpx.post(url, json={"model": "policy", "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "what?"}]}]}, headers=auth)
+            assert r.status_code == 400 and why in r.json()["error"]["message"], (image[:30], r.text)
         r = httpx.post(url, json={"model": "policy", "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "x"}}]}]}, headers=auth)
-        assert r.status_code == 400 and "only text" in r.json()["error"]["message"]
+            {"type": "audio", "audio": "x"}]}]}, headers=auth)
+        assert r.status_code == 400 and "text or image_url" in r.json()["error"]["message"]
         with pytest.raises(openai.NotFoundError) as e:
             client.chat.completions.create(model="gpt-9", messages=PROMPT.messages)
         assert e.value.code == "model_not_found"

@@ -32,11 +32,12 @@ def full(n: int = 3, prompt: int = 4) -> Trajectory:
         setattr(t, name, [float(10 * k + i) if "logprobs" in name else 1 if name == "mask" else 10 * k + i
                           for i in range(n)])
     t.routes = torch.arange(prompt + n, dtype=torch.uint8).reshape(-1, 1, 1)
+    t.images = ["/a.png", "data:image/png;base64,AA=="]  # (its context's images: an environment's screenshots)
     return t
 
 
 def same_tokens(a: Trajectory, b: Trajectory) -> None:
-    for name in ("prompt_ids", *TOKEN_FIELDS):
+    for name in ("prompt_ids", *TOKEN_FIELDS, "images"):
         assert getattr(a, name) == getattr(b, name), name
     for name in CONTEXT_FIELDS:
         assert torch.equal(torch.as_tensor(getattr(a, name)), torch.as_tensor(getattr(b, name))), name
@@ -59,7 +60,7 @@ def test_every_field_survives_copies_checkpoints_and_branches():
     cut_tokens(t, 2)
     assert all(len(getattr(t, name)) == 2 for name in TOKEN_FIELDS) and len(t.routes) == 4 + 2
     clear_tokens(t)
-    assert all(getattr(t, name) == [] for name in TOKEN_FIELDS) and t.routes is None
+    assert all(getattr(t, name) == [] for name in TOKEN_FIELDS) and t.routes is None and t.images is None
 
 
 def test_no_module_lists_the_per_token_fields_by_hand():

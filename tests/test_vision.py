@@ -105,7 +105,7 @@ def test_a_prompt_with_images_is_the_processors_tokens_and_its_features_the_mode
     small = vision.FeatureCache(size=1)  # (a batch with more images than the cache keeps gets them all)
     both = small.get(model, [p.images[0], str(tmp_path / "blue.png")])
     assert len(both) == 2 and not torch.equal(both[0], both[1]) and small.encoded == 2
-    with pytest.raises(vision.VisionError, match="4 image tokens but 8 image features"):
+    with pytest.raises(vision.VisionError, match="image 1.s tokens .* are not in its ids"):
         vision.embed(model, torch.tensor([ids[: ids.index(model.config.image_token_id) + 4]]), [p.images])
     sampled = ids + [model.config.image_token_id]  # (the policy sampled an image token: a token, as the engine fed it)
     with torch.no_grad():

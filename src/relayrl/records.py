@@ -110,6 +110,9 @@ class Trajectory:
     # a mixture-of-experts policy's routes ([tokens, moe layers, top_k] uint8 tensor, ``models.moe``): the experts
     # the engine chose for each token it fed forward, replayed by the trainer (algo.routing_replay); None: none
     routes: Any = None
+    # the references of the images in its context (prompt_ids + response_ids), in order, where an episode's messages
+    # brought images of their own (an environment's screenshot, a client's image part); None: the prompt's
+    images: list[str] | None = None
 
     @property
     def request_id(self) -> str:
@@ -127,12 +130,18 @@ TOKEN_FIELDS = ("response_ids", "behav_logprobs", "versions", "mask", "turns", "
 CONTEXT_FIELDS = ("routes",)  # one a token fed forward: the prompt's, then the response's (None: none recorded)
 
 
+def context_images(t: Trajectory) -> tuple[str, ...]:
+    """The references of the images in ``t``'s context, in order (``Trajectory.images``, else its prompt's)."""
+    return t.prompt.images if t.images is None else tuple(t.images)
+
+
 def clear_tokens(t: Trajectory) -> None:
     """``t`` back to its prompt: no response tokens, nothing recorded of them."""
     for name in TOKEN_FIELDS:
         setattr(t, name, [])
     for name in CONTEXT_FIELDS:
         setattr(t, name, None)
+    t.images = None
 
 
 def cut_tokens(t: Trajectory, n: int) -> None:
@@ -151,6 +160,7 @@ def tokens_of(t: Trajectory, json_safe: bool = False) -> dict:
     for name in CONTEXT_FIELDS:
         v = getattr(t, name)
         out[name] = _to_json(v) if json_safe and v is not None else v
+    out["images"] = None if t.images is None else list(t.images)
     return out
 
 
@@ -159,6 +169,7 @@ def from_json_tokens(d: dict) -> dict:
     their defaults)."""
     out = {"prompt_ids": d["prompt_ids"], **{name: list(d.get(name) or []) for name in TOKEN_FIELDS}}
     out["routes"] = _routes_from_json(d.get("routes")) if isinstance(d.get("routes"), dict) else d.get("routes")
+    out["images"] = d.get("images")
     return out
 
 

@@ -52,7 +52,8 @@ from relayrl.engine.base import Engine, EngineError, check_new, take
 from relayrl.engine.vllm_spec import NO_CPU_SPECULATION, SpecCounts, speculative_config
 from relayrl.lora_weights import LoraSpec
 from relayrl.models import DTYPES
-from relayrl.models.images import key, open_image
+from relayrl.models.images import open_image
+from relayrl.models.vision import find, span
 from relayrl.records import Completion, FinishReason, GenRequest
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
@@ -90,30 +91,22 @@ class _Images:
     def __init__(self, model: str, limit: int):
         from relayrl.models import load_processor
 
-        self.proc, self.limit, self._spans = load_processor(model, "rollout.engine=vllm: model"), limit, {}
+        self.proc, self.limit = load_processor(model, "rollout.engine=vllm: model"), limit
         self.token = self.proc.tokenizer.convert_tokens_to_ids(self.proc.image_token)
-
-    def span(self, ref: str) -> list[int]:  # the ids the processor expands an image to (kept: a group shares them)
-        if key(ref) not in self._spans:
-            self._spans = self._spans if len(self._spans) < 256 else {}
-            ids = self.proc(text=[self.proc.image_token], images=[[open_image(ref)]], add_special_tokens=False)
-            self._spans[key(ref)] = [int(t) for t in ids["input_ids"][0]]
-        return self._spans[key(ref)]
 
     def prompt(self, r: GenRequest) -> dict:  # vLLM's TokensPrompt for r: each image's span folded, the images
         if len(r.images) > self.limit:
             raise EngineError(f"request {r.request_id!r}: {len(r.images)} images, more than the vLLM engine takes in a "
                               f"prompt ({self.limit}: its limit_mm_per_prompt)")
-        ids, out, at = list(r.prompt_ids), [], 0
+        ids, out, at = list(r.prompt_ids) + list(r.response_so_far), [], 0  # (an episode's observations have images too)
         for n, ref in enumerate(r.images, 1):
-            s = self.span(ref)
-            j = next((j for j in range(at, len(ids) - len(s) + 1) if ids[j:j + len(s)] == s), None)
+            s = span(self.proc, ref)
+            j = find(ids, s, at)
             if j is None:
                 raise EngineError(f"request {r.request_id!r}: image {n}'s {len(s)} tokens (the processor's expansion) "
-                                  "are not in its prompt ids, in order (a prompt cut through its image?)")
+                                  "are not in its context ids, in order (a context cut through its image?)")
             out, at = out + ids[at:j] + [self.token], j + len(s)
-        return {"prompt_token_ids": out + ids[at:] + list(r.response_so_far),
-                "multi_modal_data": {"image": [open_image(ref) for ref in r.images]}}
+        return {"prompt_token_ids": out + ids[at:], "multi_modal_data": {"image": [open_image(ref) for ref in r.images]}}
 
 
 async def _cancel_tasks() -> None:

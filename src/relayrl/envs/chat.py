@@ -21,9 +21,15 @@ class TemplateMismatch(ValueError):
     pass
 
 
-def render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
-               ) -> list[int]:
-    """The chat template's token ids for ``messages``."""
+def render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None,
+               seeing: bool | None = None) -> list[int]:
+    """The chat template's token ids for ``messages``; where they carry images (``models.images.with_images``), the
+    processor's, each image expanded to its tokens (``models.vision.render``; ``seeing``: the processor's template
+    whether or not these messages have images)."""
+    if seeing or (seeing is None and any(m.get("images") for m in messages)):
+        from relayrl.models import vision
+
+        return vision.render(tokenizer, messages, add_generation_prompt, tools)
     ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                         tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5: a BatchEncoding
@@ -39,8 +45,9 @@ def next_turn_suffix(tokenizer, messages: list[dict], new: list[dict], tools: li
     These tokens come from the template, not the policy: give them loss mask 0. Raises
     ``TemplateMismatch`` when the template renders ``messages`` differently once ``new`` follows,
     or does not end the assistant turn with the end-of-turn token."""
-    base = render_ids(tokenizer, messages, add_generation_prompt=False, tools=tools)
-    full = render_ids(tokenizer, messages + new, add_generation_prompt=True, tools=tools)
+    seeing = any(m.get("images") for m in messages + new)  # (both through the processor's template, or neither)
+    base = render_ids(tokenizer, messages, add_generation_prompt=False, tools=tools, seeing=seeing)
+    full = render_ids(tokenizer, messages + new, add_generation_prompt=True, tools=tools, seeing=seeing)
     if full[: len(base)] != base:
         at = next((i for i, (a, b) in enumerate(zip(full, base)) if a != b), min(len(base), len(full)))
         raise TemplateMismatch(
@@ -68,4 +75,5 @@ def elide(messages: list[dict]) -> list[dict] | None:
         if m.get("role") == "tool" and isinstance(text, str) and not (text.startswith("[") and text.endswith(
                 " characters of output elided]")):
             m["content"], cut = ELIDED.format(n=len(text)), cut + 1
+            m.pop("images", None)  # (its images go with its text)
     return out if cut else None

@@ -155,3 +155,29 @@ def open_image(ref: str):
 def key(ref: str) -> str:
     """A short stable name for a reference (a data URL is long): what caches of its encoding are keyed by."""
     return ref if len(ref) < 200 else hashlib.sha1(ref.encode()).hexdigest()
+
+
+def with_images(message: dict, what: str) -> dict:
+    """A message whose content may hold image parts (an environment's screenshot, a client's ``image_url``) as
+    text with ``IMAGE`` markers, its images' references under ``"images"``; a message of text as it is."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    text, refs = split_parts(content, [], None, what)
+    return {**message, "content": text, "images": list(message.get("images") or []) + refs}
+
+
+def attach(messages: list[dict], refs) -> list[dict]:
+    """A prompt's messages with its images' references (``Prompt.images``, in marker order) on the messages whose
+    markers they fill."""
+    out, k = [], 0
+    for m in messages:
+        n = m["content"].count(IMAGE) if isinstance(m.get("content"), str) and "images" not in m else 0
+        out.append({**m, "images": list(refs[k:k + n])} if n else m)
+        k += n
+    return out
+
+
+def refs_of(messages: list[dict]) -> list[str]:
+    """The references of the images of ``messages`` (``with_images``, ``attach``), in order."""
+    return [r for m in messages for r in m.get("images") or ()]

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from relayrl.models.images import IMAGE, key, open_image
+from relayrl.models.images import IMAGE, key, open_image, refs_of
 
 ATTR = "relayrl_processor"
 # families whose image features replace image tokens and whose positions stay 1-D: built and tested
@@ -87,10 +87,12 @@ def save_tokenizer(tokenizer, path) -> None:
 
 
 def _parts(messages: list[dict]) -> list[dict]:
-    """Messages with their ``IMAGE`` markers as the content parts chat templates render."""
+    """Messages with their ``IMAGE`` markers as the content parts chat templates render (the references that an
+    episode's messages carry, ``images.with_images``, left out)."""
     out = []
     for m in messages:
-        pieces = m["content"].split(IMAGE)
+        m = {k: v for k, v in m.items() if k != "images"}
+        pieces = m["content"].split(IMAGE) if isinstance(m.get("content"), str) else [m.get("content")]
         if len(pieces) == 1:
             out.append(m)
             continue
@@ -104,20 +106,59 @@ def _parts(messages: list[dict]) -> list[dict]:
     return out
 
 
-def encode(tokenizer, messages: list[dict], images: Sequence[str]) -> list[int]:
-    """A prompt with images as token ids: the processor's chat template, each image expanded to its tokens."""
+def encode(tokenizer, messages: list[dict], images: Sequence[str], add_generation_prompt: bool = True,
+           tools: list[dict] | None = None) -> list[int]:
+    """A conversation with images as token ids: the processor's chat template, each image expanded to its tokens."""
     proc = processor_of(tokenizer)
     if proc is None:
         raise VisionError(f"a prompt with {len(images)} image(s), but the model is text-only (model.path has no "
                           "image processor); drop the rows' images (vision.image_field=null) or use a vision-language "
                           "model")
     try:
-        text = proc.apply_chat_template(_parts(messages), add_generation_prompt=True, tokenize=False)
-        out = proc(text=[text], images=[[open_image(r) for r in images]])
+        text = proc.apply_chat_template(_parts(messages), add_generation_prompt=add_generation_prompt, tokenize=False,
+                                        **({"tools": tools} if tools else {}))
+        out = proc(text=[text], images=[[open_image(r) for r in images]] if images else None)
     except Exception as e:  # (a template that cannot place an image part, a processor's own refusal)
         raise VisionError(f"the processor cannot encode this prompt with its {len(images)} image(s): "
                           f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from None
     return list(out["input_ids"][0])
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+    """``encode`` for an episode's messages, each carrying its own images' references (``images.refs_of``). A
+    message with none has no image: an ``IMAGE`` in its text (a turn where the policy sampled an image token, a tool's
+    output) is text, never a place for the next image."""
+    messages = [m if m.get("images") or not isinstance(m.get("content"), str) else
+                {**m, "content": m["content"].replace(IMAGE, _NOT_IMAGE)} for m in messages]
+    return encode(tokenizer, messages, refs_of(messages), add_generation_prompt, tools)
+
+
+_NOT_IMAGE = IMAGE[:-1] + " >"  # (IMAGE, spelled so that no processor counts it)
+
+
+def span(processor, ref: str) -> list[int]:
+    """The token ids the processor expands one image to (its image tokens and the markers around them): where the
+    image is in a context is where these ids are, so a lone image token the policy sampled is never taken for one."""
+    kept = processor.__dict__.setdefault("_relayrl_spans", {})
+    if key(ref) not in kept:
+        if len(kept) >= 256:
+            kept.clear()
+        ids = processor(text=[processor.image_token], images=[[open_image(ref)]], add_special_tokens=False)
+        kept[key(ref)] = [int(t) for t in ids["input_ids"][0]]
+    return kept[key(ref)]
+
+
+def find(ids: list[int], s: list[int], start: int) -> int | None:
+    """Where ``s`` first occurs in ``ids`` from ``start``, or None."""
+    j = start
+    while True:
+        try:
+            j = ids.index(s[0], j)
+        except ValueError:
+            return None
+        if ids[j:j + len(s)] == s:
+            return j
+        j += 1
 
 
 def image_token_id(model) -> int:
@@ -141,6 +182,8 @@ def features(model, ref: str) -> torch.Tensor:
         out = inner.get_image_features(pixel_values=pix["pixel_values"].to(tower[0].dtype),
                                        pixel_attention_mask=pix.get("pixel_attention_mask"))
     out = getattr(out, "pooler_output", out)  # (transformers 5: the connector's output as the pooled one)
+    if isinstance(out, (list, tuple)):  # (transformers 5.25: one tensor per sample)
+        out = torch.cat([f.reshape(-1, f.shape[-1]) for f in out])
     return out.reshape(-1, out.shape[-1])
 
 
@@ -170,23 +213,27 @@ class FeatureCache:
 
 def embed(model, ids: torch.Tensor, images: Sequence[Sequence[str]], cache: FeatureCache | None = None
           ) -> torch.Tensor:
-    """[rows, L, hidden] input embeddings of ``ids`` with each row's image tokens replaced, in order, by its
-    images' features (``images[i]``: row i's references; a row may have none). Without a ``cache`` (the trainer's
-    forward) each image is encoded once for the call."""
+    """[rows, L, hidden] input embeddings of ``ids`` with each row's images' features in place of their image tokens
+    (``images[i]``: the references of row i's images, in the order of their spans, ``span``; a row may have none).
+    An image token the policy sampled is a token. Without a ``cache`` (the trainer's forward) each image is encoded
+    once for the call."""
     cache = cache if cache is not None else FeatureCache(size=1 << 30)
     emb = model.get_input_embeddings()(ids)
-    token = image_token_id(model)
+    token, proc = image_token_id(model), processor_of(model)
     rows = []
     for i, refs in enumerate(images):
         if not refs:
             continue
-        flat = torch.cat(cache.get(model, refs)).to(emb.dtype)
-        where = (ids[i] == token).nonzero().squeeze(1)
-        if len(where) < len(flat):
-            raise VisionError(f"row {i}: {len(where)} image tokens but {len(flat)} image features (a prompt cut "
-                              "through its image)")
-        where = where[: len(flat)]  # (an image token the policy sampled after them is a token: its embedding)
-        rows.append((i, where, flat))
+        feats, row, at, where = cache.get(model, refs), ids[i].tolist(), 0, []
+        for n, (ref, f) in enumerate(zip(refs, feats), 1):
+            s = span(proc, ref)
+            j = find(row, s, at)
+            slots = [] if j is None else [j + k for k, x in enumerate(s) if x == token]
+            if j is None or len(slots) != len(f):
+                raise VisionError(f"row {i}: image {n}'s tokens ({len(s)}, the processor's expansion) are not in its "
+                                  "ids in order (a context cut through an image?)")
+            where, at = where + slots, j + len(s)
+        rows.append((i, torch.tensor(where, device=ids.device), torch.cat(feats).to(emb.dtype)))
     if not rows:
         return emb
     emb = emb.clone()

@@ -39,6 +39,8 @@ from relayrl.envs.base import Env
 from relayrl.envs.chat import TemplateMismatch, elide, next_turn_suffix, render_ids
 from relayrl.envs.tools import tool_schemas
 from relayrl.failures import UserCodeError
+from relayrl.models import images as images_of
+from relayrl.models.vision import VisionError
 from relayrl.records import FinishReason, SamplingParams, Trajectory, clear_tokens, tokens_of
 
 class EpisodeHost(Protocol):
@@ -151,12 +153,14 @@ async def env_call(runner: EpisodeHost, env, method: str, args: tuple, budget: l
 async def _run_env_episode(runner: EpisodeHost, env, t: Trajectory, params: SamplingParams, train: bool,
                            budget: list[float]) -> None:
     messages = list(await env_call(runner, env, "reset", (t.prompt,), budget))
+    messages = _seen(runner, env, "reset", images_of.attach(messages, t.prompt.images) if t.prompt.images else messages)
     tools = tool_schemas(env.tools) if getattr(env, "tools", None) else None
-    prompt_ids = render_ids(runner.tokenizer, messages, add_generation_prompt=True, tools=tools)
+    prompt_ids = _rendered(runner, env, "reset", lambda: render_ids(runner.tokenizer, messages, True, tools))
     carried = bool(t.response_ids) and prompt_ids == t.prompt_ids and 0 not in t.mask
     if not carried:  # a fresh episode, or one whose environment no longer renders its prompt
         t.prompt_ids, t.finish_reason = prompt_ids, None
         clear_tokens(t)
+    _keep_images(t, messages)
     counts: Counter = Counter()
     context = runner.limits.max_context_tokens or len(t.prompt_ids) + runner.limits.max_tokens
     branches: list[dict] = []  # env.context=elide: the episode's branches before its history was rewritten
@@ -185,11 +189,12 @@ async def _run_env_episode(runner: EpisodeHost, env, t: Trajectory, params: Samp
             final = result.reward
             counts["turn_limit"] += int(not result.done)
             break
-        suffix = next_turn_suffix(runner.tokenizer, messages, result.messages, tools)
+        seen = _seen(runner, env, "step", result.messages)
+        suffix = _rendered(runner, env, "step", lambda: next_turn_suffix(runner.tokenizer, messages, seen, tools))
         if t.response_ids[-1] != runner.tokenizer.eos_token_id:  # stopped on another EOS id: end the turn
             suffix = [runner.tokenizer.eos_token_id] + suffix  # as the template does (not trained)
         if _full(runner.limits, t, suffix, params, context):
-            rewritten = _rewrite(runner, messages, result.messages, tools, params, context)
+            rewritten = _rewrite(runner, messages, seen, tools, params, context)
             if rewritten is None:
                 t.finish_reason = FinishReason.LENGTH  # no room for the observations: this turn is the last,
                 carry = float(result.reward or 0.0)  # its step reward and the verifier's together (one step)
@@ -201,9 +206,10 @@ async def _run_env_episode(runner: EpisodeHost, env, t: Trajectory, params: Samp
             clear_tokens(t)
         else:
             runner.append(t, suffix, [0.0] * len(suffix), [t.versions[-1]] * len(suffix), 0, turn)
-            messages += result.messages
+            messages += seen
+        _keep_images(t, messages)
         step_rewards.append(float(result.reward or 0.0))
-        anchors.append(anchor(result.messages))
+        anchors.append(anchor(seen))
     if final is None and callable(getattr(env, "final_reward", None)):  # (a workspace: its tests decide)
         final = await env_call(runner, env, "final_reward", (), budget, final=True)
     if final is None:  # the verifier decides on the last turn
@@ -217,6 +223,29 @@ async def _run_env_episode(runner: EpisodeHost, env, t: Trajectory, params: Samp
               **{k: int(v) for k, v in counts.items()}, **({"tool_raised_example": raised} if raised else {}),
               **({"record": env.record} if getattr(env, "record", None) else {}),  # (a workspace: diff, tests)
               **({"branch_tokens": branches, "context_rewrites": len(branches)} if branches else {})}
+
+
+def _seen(runner: EpisodeHost, env, method: str, messages: list[dict]) -> list[dict]:
+    """An environment's messages with their image parts as markers and references (``models.images.with_images``);
+    an image that cannot be read fails the episode, naming the message and part."""
+    try:
+        return [images_of.with_images(m, f"message {i}") for i, m in enumerate(messages, 1)]
+    except images_of.ImageError as e:
+        raise EpisodeFailed("env", f"{type(env).__name__}.{method} (env.name={runner.limits.env_name})", str(e)) from None
+
+
+def _rendered(runner: EpisodeHost, env, method: str, render: Callable[[], list[int]]) -> list[int]:
+    """``render()``; images the policy cannot take (a text-only model, a processor's refusal) fail the episode."""
+    try:
+        return render()
+    except VisionError as e:
+        raise EpisodeFailed("env", f"{type(env).__name__}.{method} (env.name={runner.limits.env_name})", str(e)) from None
+
+
+def _keep_images(t: Trajectory, messages: list[dict]) -> None:
+    """``t.images``: the images of its context, where its messages have any (or its prompt had)."""
+    refs = images_of.refs_of(messages)
+    t.images = refs if refs or t.prompt.images else None
 
 
 def _full(limits: EpisodeLimits, t: Trajectory, suffix: list[int], params: SamplingParams, context: int) -> bool:

@@ -56,7 +56,7 @@ from relayrl.envs.multi import Players, family
 from relayrl.failures import UserCodeError, fail
 from relayrl.fault_injection import fault_point
 from relayrl.models import moe
-from relayrl.records import Completion, FinishReason, GenRequest, Group, SamplingParams, Trajectory
+from relayrl.records import Completion, FinishReason, GenRequest, Group, SamplingParams, Trajectory, context_images
 from relayrl.rollout.match import match_episode
 from relayrl.rollout.episode import EpisodeFailed, EpisodeLimits, describe_error, env_episode, trajectory_seed
 from relayrl.rollout.scheduling import LengthModel, Pending, order
@@ -400,7 +400,7 @@ class EpisodeRunner:
                 await self._go.wait()  # held (a checkpoint, a sync step's barrier): wait for release
             rid = f"{t.request_id}#{next(self._ids)}"  # unique: an aborted id may still be in the engine
             req = GenRequest(rid, t.prompt_ids, dataclasses.replace(params, max_new_tokens=left, seed=trajectory_seed(
-                params.seed, t, train)), list(t.response_ids), images=t.prompt.images,
+                params.seed, t, train)), list(t.response_ids), images=context_images(t),
                 adapter=family(t.info.get("role")) if self.per_role_adapters else None)
             with self._lock:
                 self.inflight[rid] = t

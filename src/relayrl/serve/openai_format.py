@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from relayrl.envs.tools import parse_tool_calls
+from relayrl.models import images
 
 
 class ApiError(Exception):
@@ -113,21 +114,39 @@ def _surrogate(text: str) -> str | None:
 # ------------------------------------------------------------------------------- messages in
 
 
-def _text(content: Any, where: str) -> str:
-    """A message's content as text: a string, or a list of text parts."""
+def _content(content: Any, where: str) -> tuple[str, list[str]]:
+    """A message's content as text (a string, or a list of text and image parts) and its images' references: each
+    ``image_url`` part a ``data:image`` URL, its place in the text an ``<image>`` marker (``models.images``)."""
     if content is None:
-        return ""
+        return "", []
     if isinstance(content, str):
-        return content
+        return content, []
     if isinstance(content, list):
-        out = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text"):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ApiError(400, f"{where}: only text content is supported, got a {kind!r} part", param=where)
-            out.append(str(part.get("text", "")))
-        return "".join(out)
-    raise ApiError(400, f"{where}: content must be a string or a list of text parts", param=where)
+        out, refs = [], []
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind in ("text", "input_text", "output_text"):
+                out.append(str(part.get("text", "")))
+            elif kind == "image_url":
+                refs.append(_image(part.get("image_url"), f"{where}[{i}].image_url"))
+                out.append(images.IMAGE)
+            else:
+                raise ApiError(400, f"{where}: content parts are text or image_url, got a {kind!r} part", param=where)
+        return "".join(out), refs
+    raise ApiError(400, f"{where}: content must be a string or a list of text and image_url parts", param=where)
+
+
+def _image(value: Any, where: str) -> str:
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url.startswith("data:"):
+        why = ("a remote URL: nothing is fetched from the network" if isinstance(url, str) and url.startswith(
+            ("http://", "https://")) else "not a data URL")
+        raise ApiError(400, f"{where}: {str(url)[:60]!r} is {why}; send the image as data:image/<format>;base64,...",
+                       param=where)
+    try:
+        return images.to_ref(url, None, where)
+    except images.ImageError as e:
+        raise ApiError(400, str(e), param=where) from None
 
 
 def call_text(name: str, arguments: dict) -> str:
@@ -162,7 +181,7 @@ def same(a: list[dict], b: list[dict]) -> bool:
 
 
 def _key(m: dict) -> tuple:
-    return m["role"], m["content"].strip(), m.get("tool_calls"), m.get("name")
+    return m["role"], m["content"].strip(), m.get("tool_calls"), m.get("name"), tuple(m.get("images") or ())
 
 
 def canonical(messages: list[dict]) -> list[dict]:
@@ -178,7 +197,8 @@ def canonical(messages: list[dict]) -> list[dict]:
             role = "system"
         if role not in ("system", "user", "assistant", "tool"):
             raise ApiError(400, f"{where}: unknown role {role!r:.40}", param=f"{where}.role")
-        item: dict = {"role": role, "content": _text(m.get("content"), f"{where}.content")}
+        text, refs = _content(m.get("content"), f"{where}.content")
+        item: dict = {"role": role, "content": text, **({"images": refs} if refs else {})}
         for field in ("name", "tool_call_id"):  # (looked up in a dict and rendered by the template: text only)
             if m.get(field) is not None and not isinstance(m[field], str):
                 raise ApiError(400, f"{where}.{field} must be a string", param=f"{where}.{field}")
@@ -207,9 +227,10 @@ def template_message(m: dict) -> dict:
     if m["role"] == "assistant" and m.get("tool_calls"):
         calls = "".join(call_text(name, args) for name, args in m["tool_calls"])
         return {"role": "assistant", "content": (m["content"] + calls) if m["content"] else calls}
+    seen = {"images": m["images"]} if m.get("images") else {}  # (a client's images: models.vision renders them)
     if m["role"] == "tool":
-        return {"role": "tool", "name": m["name"], "content": m["content"]}
-    return {"role": m["role"], "content": m["content"]}
+        return {"role": "tool", "name": m["name"], "content": m["content"], **seen}
+    return {"role": m["role"], "content": m["content"], **seen}
 
 
 def template_tools(tools: list[dict] | None) -> list[dict] | None:

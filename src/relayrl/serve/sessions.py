@@ -45,6 +45,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from relayrl.envs.chat import next_turn_suffix, render_ids
+from relayrl.models.images import refs_of
+from relayrl.models.vision import VisionError
 from relayrl.records import FinishReason, SamplingParams, Trajectory, cut_tokens
 from relayrl.serve.openai_format import ApiError, canonical, same, split_tool_calls, template_message
 
@@ -112,16 +114,19 @@ class Session:
                     continue
                 new = [template_message(m) for m in conv[n:]]
                 t = b.traj
-                suffix = next_turn_suffix(self.tok, b.messages, new, tools)  # (TemplateMismatch: fails closed)
+                suffix = _seeing(lambda: next_turn_suffix(self.tok, b.messages, new, tools))  # (TemplateMismatch: fails
+                # closed)
                 if t.response_ids and t.response_ids[-1] != self.tok.eos_token_id:
                     suffix = [self.tok.eos_token_id] + suffix  # a turn cut by length or a stop string: ended as
                 undo = self._extend(b, suffix)  # the template ends it
                 b.messages, b.view = b.messages + new, list(conv)
+                t.images = refs_of(b.messages) or None
                 return b, undo
         self.counts["new_branch_tools_changed"] += tools_changed  # (said, not silent: a program may not expect it)
         messages = [template_message(m) for m in conv]
-        b, undo = self._new(render_ids(self.tok, messages, add_generation_prompt=True, tools=tools), "chat", role)
+        b, undo = self._new(_seeing(lambda: render_ids(self.tok, messages, True, tools)), "chat", role)
         b.messages, b.view, b.tools = messages, list(conv), tools
+        b.traj.images = refs_of(messages) or None
         return b, undo
 
     def token_branch(self, ids: list[int], role: str | None = None) -> tuple[Branch, Callable[[], None]]:
@@ -166,14 +171,14 @@ class Session:
             self.limit_hit = f"the episode's token budget env.max_tokens={self.max_tokens}"
             raise ApiError(400, f"this conversation has used the episode's token budget (env.max_tokens="
                                 f"{self.max_tokens})", code="context_length_exceeded")
-        n, messages, view, text = len(t.response_ids), b.messages, b.view, b.text
+        n, messages, view, text, seen = len(t.response_ids), b.messages, b.view, b.text, t.images
         version = t.versions[-1] if t.versions else self.runner.engine.version
         self.runner.append(t, ids, [0.0] * len(ids), [version] * len(ids), 0, max(0, b.turn - 1))
         b.busy = True
 
         def undo() -> None:
             _truncate(t, n)
-            b.messages, b.view, b.text = messages, view, text
+            b.messages, b.view, b.text, t.images = messages, view, text, seen
             b.busy = False
         return undo
 
@@ -294,6 +299,14 @@ class Session:
             out.remove(self.last[0].traj)
             out.append(self.last[0].traj)
         return out
+
+
+def _seeing(render: Callable[[], list[int]]) -> list[int]:
+    """``render()``; a conversation's images that the policy cannot take are the client's error (400)."""
+    try:
+        return render()
+    except VisionError as e:
+        raise ApiError(400, str(e), param="messages") from None
 
 
 _truncate = cut_tokens  # (every per-token field, records.TOKEN_FIELDS; a mixture of experts' routes too)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from relayrl.models import moe
-from relayrl.records import Trajectory
+from relayrl.records import Trajectory, context_images
 
 _SEQ = ("input_ids", "attention_mask", "routes")  # [N, L, ...]
 _ROW = ("group", "adapter")  # [N]
@@ -126,7 +126,7 @@ def build_batch(trajs: list[Trajectory], advantages: torch.Tensor | list, pad_id
 
 def _images(trajs: list[Trajectory]) -> list | None:
     """Each row's image references (``TrainBatch.images``), or None for text (SFT's examples have no prompt)."""
-    out = [getattr(t.prompt, "images", ()) for t in trajs]
+    out = [context_images(t) if t.prompt is not None else () for t in trajs]
     return out if any(out) else None
 
 

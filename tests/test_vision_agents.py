@@ -1,0 +1,89 @@
+"""Agents that see: an environment's step (or a tool) returns an image, the episode's later turns carry it, and the
+trained tokens are exactly the ones the engine sampled from; an image is placed by its whole span of tokens, so an
+image token the policy sampled is never taken for one; the endpoint takes ``image_url`` data URLs."""
+
+import gzip
+import json
+import random
+
+import pytest
+import torch
+
+import relayrl
+from relayrl.demo import vlm_demo
+from relayrl.demo.vision_model import build_tiny_vlm
+from relayrl.envs.chat import next_turn_suffix, render_ids
+from relayrl.models import images, load_policy, load_tokenizer, vision
+from relayrl.models.prompts import encode_prompt
+
+SCREENS = '''
+import random
+
+from relayrl.demo import vlm_demo
+from relayrl.envs.base import Env, StepResult
+
+
+class Screens(Env):
+    """Answer one question on the prompt's image, then one on a new screenshot the step returns."""
+
+    def __init__(self):
+        self.rng, self.turn = random.Random(), 0
+
+    async def step(self, text):
+        self.turn += 1
+        if self.turn == 1:
+            image, side, _, self.answer = vlm_demo.example(self.rng)
+            return StepResult([{"role": "user", "content": [{"type": "image", "image": image},
+                                                            {"type": "text", "text": f"And the {side} one here?"}]}])
+        return StepResult(reward=float(text.strip() == str(self.answer)), done=True)
+'''
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    return str(build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "m", seed=1))
+
+
+def _image(seed: int) -> str:
+    return images.to_ref(vlm_demo.example(random.Random(seed))[0], None, "test")
+
+
+def test_an_environments_screenshot_is_in_the_next_turns_context_and_trained_as_sampled(tmp_path):
+    (tmp_path / "screens.py").write_text(SCREENS)
+    run = relayrl.Run(model={"path": "builtin:vlm-demo"}, data={"path": "builtin:vlm-demo", "eval_path": None},
+                      env={"name": f"{tmp_path / 'screens.py'}:Screens", "max_turns": 2, "max_tokens": 200},
+                      run={"output_dir": str(tmp_path), "name": "s", "steps": 2, "progress": False},
+                      rollout={"max_new_tokens": 4, "prompts_per_step": 2, "group_size": 2})
+    assert run.train()["steps"] == 2
+    rows = [json.loads(x) for x in (run.dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["logprob_mismatch_max"] < 1e-5 and r["logprob_mismatch_tokens"] > 0 for r in rows)
+    records = [json.loads(x) for f in sorted(run.dir.glob("rollouts/*.jsonl.gz")) for x in gzip.open(f, "rt")]
+    two = [r for r in records if r["info"]["turns"] == 2]
+    assert two, "no episode reached the screenshot's turn"
+    image = json.loads((vlm_demo.SHIPPED / "config.json").read_text())["image_token_id"]
+    assert "And the" in two[0]["turns"][0]["env"] and image in two[0]["response_ids"]  # (the screenshot's tokens)
+
+
+def test_an_image_is_placed_by_its_span_never_on_an_image_token_the_policy_sampled(vlm):
+    tok, model = load_tokenizer(vlm, "chat"), load_policy(vlm)
+    first, second = _image(1), _image(2)
+    messages = images.attach([{"role": "user", "content": f"{images.IMAGE}which?"}], [first])
+    prompt = render_ids(tok, messages, True)
+    assert prompt == encode_prompt(tok, [{"role": "user", "content": f"{images.IMAGE}which?"}], "chat", (first,))
+    sampled = [5, model.config.image_token_id, 7]  # (the policy sampled an image token in its turn)
+    turn = tok.decode(sampled)
+    new = [images.with_images({"role": "user", "content": [{"type": "image_url", "image_url": {"url": second}},
+                                                          {"type": "text", "text": "and?"}]}, "step")]
+    assert new[0]["content"] == f"{images.IMAGE}and?" and new[0]["images"] == [second]
+    suffix = next_turn_suffix(tok, messages + [{"role": "assistant", "content": turn}], new)
+    ids = torch.tensor([prompt + sampled + [tok.eos_token_id] + suffix])
+    with torch.no_grad():
+        emb = vision.embed(model, ids, [(first, second)])
+        span = vision.span(vision.processor_of(model), second)
+        at = len(prompt) + len(sampled) + 1 + vision.find(suffix, span, 0)
+        where = [at + k for k, x in enumerate(span) if x == model.config.image_token_id]
+        torch.testing.assert_close(emb[0, where], vision.features(model, second))
+        token = model.get_input_embeddings().weight[model.config.image_token_id]
+        assert torch.equal(emb[0, len(prompt) + 1], token)  # the sampled one: a token, as the engine fed it
+        with pytest.raises(vision.VisionError, match="not in its ids"):  # a context cut through its image
+            vision.embed(model, ids[:, : where[3]], [(first, second)])
