@@ -63,7 +63,8 @@ def _recompute(model, prompt, response, images, temperature=1.0):
 
 def _upto_image(model, tokens):
     """A response up to the first image token it sampled (the random model samples one now and then, where no image
-    goes: ``models.vision.embed`` refuses to score it, with either engine); what comes before it scores as it is."""
+    goes: continued, vLLM would take it for an image's place and refuse the request); what comes before it scores as
+    it is."""
     token = model.config.image_token_id
     return list(tokens[:tokens.index(token)] if token in tokens else tokens)
 
@@ -100,6 +101,19 @@ def test_image_prompts_log_probs_are_the_hf_model_s_with_the_images_beside_a_tex
     assert 0 < len(rest.token_ids) <= 12
     lp = _recompute(model, list(prompt) + cut, rest.token_ids, refs)
     assert len(lp) and (lp - torch.tensor(rest.logprobs[:len(lp)])).abs().max() < 1e-3
+    # an episode's next turn: an environment's screenshot among the response's tokens (its observation)
+    from relayrl.envs.chat import next_turn_suffix
+    from relayrl.models import images as images_of
+
+    messages = [{"role": "user", "content": "<image>What digit?", "images": [refs[1]]},
+                {"role": "assistant", "content": tok.decode(cut)}]
+    seen = [images_of.with_images({"role": "user", "content": [{"type": "image_url", "image_url": {"url": refs[0]}},
+                                                               {"type": "text", "text": "And now?"}]}, "step")]
+    so_far = cut + [tok.eos_token_id] + next_turn_suffix(tok, messages, seen)
+    (turn,) = engine.generate([GenRequest("r0#3", one, SamplingParams(12, 1.0, seed=1), response_so_far=so_far,
+                                          images=(refs[1], refs[0]))])
+    lp = _recompute(model, list(one) + so_far, turn.token_ids, (refs[1], refs[0]))
+    assert len(lp) and (lp - torch.tensor(turn.logprobs[:len(lp)])).abs().max() < 1e-3
     assert engine.num_pending() == 0
 
 
@@ -112,8 +126,12 @@ def test_what_vllm_cannot_take_is_refused_at_submit(engine, vlm):
     with pytest.raises(EngineError, match="'many': 5 images, more than the vLLM engine takes in a prompt \\(4"):
         engine.submit([GenRequest("many", five, SamplingParams(4, 1.0), images=(refs[0],) * 5)])
     text = encode_prompt(tok, [{"role": "user", "content": "What digit?"}], "chat")
-    with pytest.raises(EngineError, match="'lost': image 1's 7 tokens .* are not in its prompt ids"):
+    with pytest.raises(EngineError, match="'lost': image 1's 7 tokens .* are not in its context ids"):
         engine.submit([GenRequest("lost", text, SamplingParams(4, 1.0), images=(refs[0],))])
+    one = encode_prompt(tok, [{"role": "user", "content": "<image>What digit?"}], "chat", (refs[0],))
+    with pytest.raises(EngineError, match="'sampled': its context holds an image token the policy sampled"):
+        engine.submit([GenRequest("sampled", one, SamplingParams(4, 1.0), response_so_far=[5, tok.convert_tokens_to_ids(
+            "<image>"), 6], images=(refs[0],))])
     assert engine.num_pending() == 0
 
 

@@ -87,3 +87,37 @@ def test_an_image_is_placed_by_its_span_never_on_an_image_token_the_policy_sampl
         assert torch.equal(emb[0, len(prompt) + 1], token)  # the sampled one: a token, as the engine fed it
         with pytest.raises(vision.VisionError, match="not in its ids"):  # a context cut through its image
             vision.embed(model, ids[:, : where[3]], [(first, second)])
+
+
+def test_a_clients_image_url_parts_are_the_episodes_images_turn_after_turn(vlm):
+    """An OpenAI-SDK agent's requests (``image_url`` data URLs) extend one branch, its images in its context."""
+    from types import SimpleNamespace
+
+    from relayrl.records import Trajectory, context_images
+    from relayrl.rollout.runner import EpisodeRunner
+    from relayrl.serve.openai_format import canonical
+    from relayrl.serve.sessions import Session, SessionTable
+    from tests.test_episodes import PROMPT
+
+    tok, model = load_tokenizer(vlm, "chat"), load_policy(vlm)
+    runner = SimpleNamespace(tokenizer=tok, append=EpisodeRunner.append, engine=SimpleNamespace(version=0))
+    s = Session("k", runner, Trajectory(PROMPT, "g", 0, []), None, True, 8, 4000, None, SessionTable())
+    first, second = _image(1), _image(2)
+
+    def user(ref, text):
+        return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": ref}}, {"type": "text", "text": text}]}
+
+    conv = canonical([user(first, "which?")])
+    b, _ = s.chat_branch(conv, None)
+    t = b.traj
+    assert t.images == [first] and vision.find(t.prompt_ids, vision.span(vision.processor_of(tok), first), 0) is not None
+    turn = tok("7", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    EpisodeRunner.append(t, turn, [0.0] * len(turn), [0] * len(turn), 1, 0)
+    b.messages.append({"role": "assistant", "content": "7"})
+    b.view, b.busy, b.turn = conv + canonical([{"role": "assistant", "content": "7"}]), False, 1
+    again, _ = s.chat_branch(b.view + canonical([user(second, "and this?")]), None)
+    assert again is b and context_images(t) == (first, second)
+    with torch.no_grad():  # (both images found, by their spans, in the context the engine and the trainer feed)
+        vision.embed(model, torch.tensor([t.prompt_ids + t.response_ids]), [context_images(t)])
+    other, _ = s.chat_branch(conv[:0] + canonical([user(second, "which?")]), None)  # (another image: a new branch)
+    assert other is not b and other.traj.images == [second]

@@ -106,6 +106,9 @@ class _Images:
                 raise EngineError(f"request {r.request_id!r}: image {n}'s {len(s)} tokens (the processor's expansion) "
                                   "are not in its context ids, in order (a context cut through its image?)")
             out, at = out + ids[at:j] + [self.token], j + len(s)
+        if (out + ids[at:]).count(self.token) > len(r.images):
+            raise EngineError(f"request {r.request_id!r}: its context holds an image token the policy sampled, which "
+                              "vLLM would take for an image's place (the hf engine takes it as a token)")
         return {"prompt_token_ids": out + ids[at:], "multi_modal_data": {"image": [open_image(ref) for ref in r.images]}}
 
 
