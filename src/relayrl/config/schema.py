@@ -26,7 +26,7 @@ from relayrl.config.workspaces import WorkspaceCfg
 BUILTIN_EVAL = {"builtin:demo": "builtin:demo-eval", "builtin:demo-sft": "builtin:demo-eval",
                 "builtin:agent-demo": "builtin:agent-demo-eval", "builtin:nim": "builtin:nim-eval",
                 "builtin:proposer-solver": "builtin:proposer-solver-eval", "builtin:swe-demo": "builtin:swe-demo-eval",
-                "builtin:vlm-demo": "builtin:vlm-demo-eval"}
+                "builtin:vlm-demo": "builtin:vlm-demo-eval", "builtin:gui": "builtin:gui-eval"}
 
 
 class Config(BaseModel):

@@ -155,6 +155,11 @@ def _builtin_rows(path: str) -> list[dict]:
 
         return vlm_demo.make_rows(2000, seed=1, id_prefix="train") if which == "vlm-demo" else \
             vlm_demo.make_rows(200, seed=2, id_prefix="eval")
+    if which in ("gui", "gui-eval"):  # two screens of two buttons each (relayrl.envs.gui, examples/gui_agent.yaml)
+        from relayrl.envs import gui
+
+        return gui.make_rows(2000, seed=1, id_prefix="train") if which == "gui" else \
+            gui.make_rows(200, seed=2, id_prefix="eval")
     if which in ("nim", "nim-eval", "nim-sft", "proposer-solver", "proposer-solver-eval", "proposer-sft"):  # (examples/self_play.yaml, ...)
         from relayrl.envs import games
 
@@ -162,7 +167,7 @@ def _builtin_rows(path: str) -> list[dict]:
     raise DataError(f"unknown built-in dataset {path!r}; valid: builtin:demo, builtin:demo-eval, builtin:demo-sft, "
                     "builtin:agent-demo, builtin:agent-demo-eval, builtin:swe-demo, builtin:swe-demo-eval, builtin:nim, builtin:nim-eval, builtin:nim-sft, "
                     "builtin:proposer-solver, builtin:proposer-solver-eval, builtin:proposer-sft, builtin:vlm-demo, "
-                    "builtin:vlm-demo-eval")
+                    "builtin:vlm-demo-eval, builtin:gui, builtin:gui-eval")
 
 
 def iter_rows(path: str) -> Iterator[tuple[int, Any]]:

@@ -136,6 +136,7 @@ BUILTIN = {
     "workspace": "relayrl.envs.workspace:WorkspaceEnv",  # a coding agent in a sandboxed repository (relayrl.workspaces)
     "nim": "relayrl.envs.games:Nim",  # a two-player game (relayrl.envs.multi): self-play
     "proposer_solver": "relayrl.envs.games:ProposerSolver",  # a curriculum on the demo task (relayrl.envs.multi)
+    "gui": "relayrl.envs.gui:GuiEnv",  # a GUI agent acting on screenshots (a vision-language policy)
 }
 
 

@@ -84,9 +84,13 @@ def resolve_model_path(path: str, log=print, field: str = "model.path") -> str:
         from relayrl.demo.vlm_demo import vlm_demo_model_path
 
         return str(vlm_demo_model_path(log=log))
+    if path == "builtin:gui-demo":
+        from relayrl.demo.gui_model import gui_demo_model_path
+
+        return str(gui_demo_model_path(log=log))
     if path.startswith("builtin:"):
         raise ModelError(f"{field}={path!r}: unknown built-in model; valid: builtin:demo, builtin:agent-demo, "
-                         "builtin:swe-demo, builtin:vlm-demo")
+                         "builtin:swe-demo, builtin:vlm-demo, builtin:gui-demo")
     return newest_checkpoint_of(path, field)
 
 

@@ -206,7 +206,7 @@ class PrefixSharing:
         """Once: one group's rows' outputs through the shared prefix against the plain forward's
         (``plain(mb)`` [k, L-1, X]; default: ``model``'s logits), on the positions they train; off (and
         said) where they differ by more than ``tol``. ``call``: as ``Prefixes``'."""
-        if self.verified or not self.enabled or batch.group is None:
+        if self.verified or not self.enabled or batch.group is None or batch.images:  # (images: never shared)
             return
         self.verified = True
         rows = torch.nonzero(batch.group == batch.group[0]).flatten()[:8].tolist()
