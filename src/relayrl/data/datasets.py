@@ -155,7 +155,7 @@ def _builtin_rows(path: str) -> list[dict]:
 
         return vlm_demo.make_rows(2000, seed=1, id_prefix="train") if which == "vlm-demo" else \
             vlm_demo.make_rows(200, seed=2, id_prefix="eval")
-    if which in ("gui", "gui-eval"):  # two screens of two buttons each (relayrl.envs.gui, examples/gui_agent.yaml)
+    if which in ("gui", "gui-eval"):  # two screens, a button to click on each (relayrl.envs.gui, examples/gui_agent.yaml)
         from relayrl.envs import gui
 
         return gui.make_rows(2000, seed=1, id_prefix="train") if which == "gui" else \

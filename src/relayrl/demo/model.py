@@ -149,8 +149,9 @@ def build_demo_model(out_dir: str | os.PathLike, recipe: dict | None = None, log
     return save_built(out_dir, model, tokenizer, recipe)
 
 
-def save_built(out_dir: str | os.PathLike, model, tokenizer, recipe: dict) -> Path:
-    """``save_pretrained`` both, with the recipe beside them, into ``out_dir`` atomically."""
+def save_built(out_dir: str | os.PathLike, model, tokenizer, recipe: dict, processor=None) -> Path:
+    """``save_pretrained`` both (a vision-language model's ``processor`` in the tokenizer's place), with the recipe
+    beside them, into ``out_dir`` atomically."""
     from relayrl.files import share
 
     out = Path(out_dir)
@@ -162,7 +163,7 @@ def save_built(out_dir: str | os.PathLike, model, tokenizer, recipe: dict) -> Pa
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".building-"))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    (processor or tokenizer).save_pretrained(tmp)
     (tmp / "relayrl_recipe.json").write_text(json.dumps(recipe, indent=1))
     share([tmp, *tmp.rglob("*")])  # (mkdtemp's 0700 and safetensors' 0600 would keep the model from other users)
     if out.exists():

@@ -16,12 +16,9 @@ on two cores).
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -141,19 +138,9 @@ def build_vlm_demo_model(out_dir: str | os.PathLike, recipe: dict | None = None,
     warm_start(model, processor, recipe, log)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(model.generation_config, key, getattr(tokenizer, key))
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".building-"))
-    model.save_pretrained(tmp)
-    processor.save_pretrained(tmp)
-    (tmp / "relayrl_recipe.json").write_text(json.dumps(recipe, indent=1))
-    from relayrl.files import share
+    from relayrl.demo.model import save_built
 
-    share([tmp, *tmp.rglob("*")])
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+    return save_built(out_dir, model, tokenizer, recipe, processor)
 
 
 def vlm_demo_model_path(log=print) -> Path:

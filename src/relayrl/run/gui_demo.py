@@ -1,11 +1,13 @@
-"""The GUI agent demo model's build (``relayrl.demo.gui_model``, ``builtin:gui-demo``): the VLM demo's model (``relayrl.demo.vlm_demo``), whose tower
-sees the digits in each half of an image, warm-started by supervised fine-tuning on scripted trajectories of the
-GUI environment's built-in tasks (``relayrl.envs.gui.make_task``: two screens of two buttons; ``Click 7, then 2.``).
+"""The GUI agent demo model's build (``relayrl.demo.gui_model``, ``builtin:gui-demo``): the VLM demo's model
+(``relayrl.demo.vlm_demo``) warm-started by supervised fine-tuning on scripted trajectories of the GUI environment's
+built-in tasks (``relayrl.envs.gui.make_task``: two screens, a button and a text field on each; ``Click OK, then
+Save.``).
 
 A scripted trajectory is an episode as ``env.name=gui`` runs it, token for token: the instruction with the first
 screenshot, the scripted action (``click(x, y)`` at the centre of the right button), the template's tokens for the
-next screenshot, the next action. The loss is on the actions' tokens. The warm start is short: the policy learns the
-action's form and where buttons are, and reads the labels poorly; RL (``examples/gui_agent.yaml``) does the rest.
+next screenshot, the next action. The loss is on the actions' tokens, the vision tower frozen. The warm start is
+short: the policy learns the action's form, and finds the button only sometimes; RL (``examples/gui_agent.yaml``)
+does the rest.
 
     python -m relayrl.run.gui_demo OUT_DIR    # rebuilds it (about a minute on two cores)
 """
@@ -15,15 +17,18 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from relayrl.demo import vlm_demo
 from relayrl.demo.gui_model import RECIPE
+from relayrl.demo.model import save_built
+from relayrl.envs import gui
+from relayrl.envs.chat import next_turn_suffix, render_ids
+from relayrl.models import images, load_policy, load_tokenizer, vision
 
 
 def action(task: dict, screen: int) -> str:
@@ -35,10 +40,6 @@ def action(task: dict, screen: int) -> str:
 
 def trajectory(tok, rng: random.Random, size: int) -> tuple[list[int], list[int], list[str]]:
     """(token ids, labels: the actions' ids and -100 elsewhere, image references) of one scripted episode."""
-    from relayrl.envs import gui
-    from relayrl.envs.chat import next_turn_suffix, render_ids
-    from relayrl.models import images
-
     instruction, task = gui.make_task(rng, size=size)
     screens = [gui.Screen(s, (size, size)) for s in task["screens"]]
     shots = [images.to_ref(s.render(), None, "gui demo") for s in screens]
@@ -58,8 +59,6 @@ def trajectory(tok, rng: random.Random, size: int) -> tuple[list[int], list[int]
 
 
 def warm_start(model, tok, recipe: dict, log=print) -> None:
-    from relayrl.models import vision
-
     torch.manual_seed(recipe["seed"])
     rng, t0 = random.Random(recipe["seed"] + 1), time.time()
     vision.freeze_tower(model, False)
@@ -82,29 +81,12 @@ def warm_start(model, tok, recipe: dict, log=print) -> None:
 
 def build_gui_demo_model(out_dir: str | os.PathLike, recipe: dict | None = None, log=print) -> Path:
     """The warm-started model with its processor into ``out_dir`` (atomically: a temporary folder, renamed)."""
-    from relayrl.demo import vlm_demo
-    from relayrl.models import load_policy, load_tokenizer
-
     recipe = {**RECIPE, **(recipe or {})}
     base = str(vlm_demo.vlm_demo_model_path(log))
     tok, model = load_tokenizer(base, "chat"), load_policy(base)
     log(f"building the GUI demo model: {recipe['steps']} steps of supervised warm start on scripted trajectories ...")
     warm_start(model, tok, recipe, log)
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".building-"))
-    model.save_pretrained(tmp)
-    from relayrl.models import vision
-
-    vision.save_tokenizer(tok, tmp)
-    (tmp / "relayrl_recipe.json").write_text(json.dumps(recipe, indent=1))
-    from relayrl.files import share
-
-    share([tmp, *tmp.rglob("*")])
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+    return save_built(out_dir, model, tok, recipe, vision.processor_of(tok))
 
 
 if __name__ == "__main__":
