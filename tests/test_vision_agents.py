@@ -2,6 +2,7 @@
 trained tokens are exactly the ones the engine sampled from; an image is placed by its whole span of tokens, so an
 image token the policy sampled is never taken for one; the endpoint takes ``image_url`` data URLs."""
 
+import asyncio
 import gzip
 import json
 import random
@@ -121,3 +122,21 @@ def test_a_clients_image_url_parts_are_the_episodes_images_turn_after_turn(vlm):
         vision.embed(model, torch.tensor([t.prompt_ids + t.response_ids]), [context_images(t)])
     other, _ = s.chat_branch(conv[:0] + canonical([user(second, "which?")]), None)  # (another image: a new branch)
     assert other is not b and other.traj.images == [second]
+
+
+def test_a_tool_that_returns_a_screenshot_returns_an_image_the_next_turn_sees(vlm):
+    from relayrl.envs.base import ToolEnv
+
+    shot = vlm_demo.example(random.Random(5))[0]
+
+    def screenshot() -> object:
+        """Take a screenshot."""
+        return shot
+
+    result = asyncio.run(ToolEnv([screenshot]).step('<tool_call>{"name": "screenshot", "arguments": {}}</tool_call>'))
+    (message,) = [images.with_images(m, "tool") for m in result.messages]
+    assert message["role"] == "tool" and message["content"] == images.IMAGE and len(message["images"]) == 1
+    tok = load_tokenizer(vlm, "chat")
+    suffix = next_turn_suffix(tok, [{"role": "user", "content": "look"}, {"role": "assistant", "content": "ok"}],
+                              [message])
+    assert vision.find(suffix, vision.span(vision.processor_of(tok), message["images"][0]), 0) is not None

@@ -13,7 +13,9 @@ task whose answer a verifier checks needs no reward code of its own.
 
 ``ToolEnv`` is the tool-using agent: it parses the template's tool calls, runs them at once, each
 under its own deadline, and returns each result or error (bad JSON, unknown tool, a raised
-exception, a timeout) as a tool message; a turn without a tool call is the final answer.
+exception, a timeout) as a tool message; a turn without a tool call is the final answer. A tool
+that returns a PIL image (a screenshot) returns it as an image part, which a vision-language policy
+sees in its next turn; ``step`` may return image parts too (``docs/guides/vision.md``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from relayrl.envs.tools import ToolCall, parse_tool_calls, tool_result_message, tool_schemas
+from relayrl.envs.tools import ToolCall, is_image, parse_tool_calls, tool_result_message, tool_schemas
 from relayrl.records import Prompt
 
 
@@ -114,7 +116,7 @@ class ToolEnv(Env):
             return f"error: {call.name} timed out after {self.timeout_s:g} s", "timeout"
         except Exception as e:  # noqa: BLE001 - the model reads what went wrong
             return f"error: {type(e).__name__}: {e}", "raised"
-        return str(out), "ok"
+        return (out if is_image(out) else str(out)), "ok"  # (an image: the model sees it, if it sees)
 
 
 def sleepy(fn: Callable, delay_s: float) -> Callable:

@@ -65,6 +65,14 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return [_parse_one(m.group(1), bool(m.group(2))) for m in _TOOL_CALL.finditer(text)]
 
 
-def tool_result_message(call: ToolCall, content: str) -> dict[str, str]:
-    """The OpenAI-style message that returns ``content`` (a result or an error) for ``call``."""
+def tool_result_message(call: ToolCall, content) -> dict:
+    """The OpenAI-style message that returns ``content`` (a result or an error; an image a tool returned, as an
+    image part: a vision-language policy sees it, ``models.images``) for ``call``."""
+    if is_image(content):
+        content = [{"type": "image", "image": content}]
     return {"role": "tool", "name": call.name, "content": content}
+
+
+def is_image(value) -> bool:
+    """A PIL image (what a tool returns for a screenshot)."""
+    return hasattr(value, "save") and hasattr(value, "size") and hasattr(value, "mode")
