@@ -440,7 +440,8 @@ class EnvCfg(_Section):
 
     name: str | None = Field(
         None, description="Environment: null (one response per prompt, scored by reward.fn), a built-in "
-        "(single_turn, calculator, python, workspace), 'module:Class' / 'path/file.py:Class' (see relayrl.envs.base.Env), "
+        "(single_turn, calculator, python, workspace, nim, proposer_solver, gui: relayrl.envs.base.BUILTIN), "
+        "'module:Class' / 'path/file.py:Class' (see relayrl.envs.base.Env), "
         "an agent program 'agent:path/to/agent.py:run' / 'agent:module:run' (async run(client, prompt) -> "
         "float | None, client an openai.AsyncOpenAI on the episode's session of the endpoint: relayrl.serve), or an "
         "ecosystem environment: 'textarena:GAME-v0', 'skyrl:NAME' (relayrl.envs.adapters).")
