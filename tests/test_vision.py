@@ -219,7 +219,8 @@ def test_the_vlm_demo_ships_its_weights_and_its_rows_carry_images(tmp_path):
     assert {p.messages[0]["content"] for p in rows} == {"<image>Which digit is on the left?",
                                                         "<image>Which digit is on the right?"}
     example = Path(__file__).resolve().parent.parent / "examples" / "vlm_demo.yaml"
-    run = relayrl.Run(str(example), ["run.steps=2", "eval.size=8", f"run.output_dir={tmp_path}", "run.progress=false"])
+    run = relayrl.Run(str(example), ["run.steps=2", "eval.size=8", f"run.output_dir={tmp_path}", "run.progress=false",
+                                     "rollout.prompts_per_step=4", "rollout.group_size=4"])  # (its config, made small)
     summary = run.train()
     assert summary["steps"] == 2 and 0 <= summary["eval_accuracy_before"] <= 1
 
