@@ -271,7 +271,9 @@ def test_an_actor_s_drafts_and_their_counts(local_ray, tiny, tiny_path):
 
 def test_reward_workers_in_a_ray_actor(local_ray):
     """run.backend=ray's verifier pool: scores as locally, failures counted on this side, a bad
-    reward.fn the same error as locally."""
+    reward.fn the same error as locally; a lost actor stops the run naming it (an EngineError), never the user's
+    verifier failing."""
+    from relayrl.engine import EngineError
     from relayrl.run.ray_pools import RayRewardRunner
 
     runner = RayRewardRunner("tests.rewards_for_tests:flaky", timeout_s=5.0, workers=1)
@@ -279,6 +281,10 @@ def test_reward_workers_in_a_ray_actor(local_ray):
         out = runner.score([("abc", None, {}), ("abcd", None, {}), ("", None, {})])
         assert out[1] == (0.5, None) and [out[0][1]["kind"], out[2][1]["kind"]] == ["reward", "reward"]
         assert runner.stats.failures == 2 and "flaky verifier" in runner.stats.last_error
+        ray.kill(runner._actor)
+        with pytest.raises(EngineError, match=r"the verifier pool's Ray actor \(tests.rewards_for_tests:flaky\) was "
+                           "lost: .*ActorDiedError"):
+            runner.score([("abc", None, {})])
     finally:
         runner.close()
     with pytest.raises(ValueError, match="no_such_module"):

@@ -85,10 +85,10 @@ class Node:
         (self.raylet,) = {p for p, (_, a) in _processes().items() if "raylet/raylet" in a} - before
         self.id = re.search(r"--node_id=(\w+)", _processes()[self.raylet][1]).group(1)
 
-    def engines(self) -> set[int]:
-        """The pids of the engine actors this node runs."""
+    def engines(self, kind: str = "EngineActor") -> set[int]:
+        """The pids of the engine actors (or the actors of another class) this node runs."""
         procs = _processes()
-        return {p for p in _tree({self.raylet}) if p in procs and procs[p][1].startswith("ray::EngineActor")}
+        return {p for p in _tree({self.raylet}) if p in procs and procs[p][1].startswith(f"ray::{kind}")}
 
     def kill(self) -> None:
         _kill(_tree({self.raylet}))
@@ -141,6 +141,7 @@ def test_engines_on_the_second_node_train_and_survive_being_killed(cluster, tiny
     try:
         _when(lambda: len(_lines(metrics)) >= 1 and len(second.engines()) == 2, p, 300, "a step, and two engines")
         assert not head.engines()
+        assert head.engines("RewardActor") and not second.engines("RewardActor")  # (the verifier's pool: the driver's)
         killed = second.engines()
         _kill(killed)
         out, err = p.communicate(timeout=400)
@@ -167,6 +168,7 @@ def test_a_node_that_leaves_mid_run_is_named_by_its_address(cluster, tiny_path, 
     p = _train(_run_args(tiny_path, tmp_path, port, "doomed", engines=1, steps=50))
     try:
         _when(lambda: len(_lines(tmp_path / "nodes" / "metrics.jsonl")) >= 1, p, 300, "a step")
+        assert not third.engines("RewardActor")  # (a pool placed there would fail with it, read as the user's code)
         third.kill()
         t0 = time.monotonic()
         out, err = p.communicate(timeout=300)

@@ -1,6 +1,11 @@
 """The isolated worker pools as Ray actors (``run.backend=ray``): the verifier's and the
 ``python`` tool's.
 
+Each actor runs on the driver's node (a node-affinity placement, never soft): it works in the run's working
+directory, which is this machine's, and a pool Ray placed on another node would be lost with that node (a run of
+2026-12-07 read an engine node's leaving as its verifier's failure). A pool actor that is lost all the same stops the
+run naming it, as an engine's loss does: it is not the user's code failing.
+
 Each actor holds the pool (its worker processes with their deadlines, memory limits and
 bubblewrap live on the actor's node); ``RayRewardRunner`` and ``RayPythonTool`` are this side's
 stand-ins with the local classes' interfaces. The actors work in the run's working directory, so
@@ -12,8 +17,17 @@ from __future__ import annotations
 import os
 from concurrent.futures import Future
 
+from relayrl.engine.base import EngineError
 from relayrl.envs.python_tool import PythonTool
 from relayrl.rewards.verifiers import RewardRunner, RewardStats
+
+
+def _here(ray) -> dict:
+    """Actor options placing it on this process's node."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
 
 
 class RewardActor:
@@ -47,7 +61,7 @@ class RayRewardRunner:
         self._ray = ray
         self.spec = spec
         self.stats = RewardStats()
-        self._actor = ray.remote(num_cpus=0, max_concurrency=16)(RewardActor).remote(
+        self._actor = ray.remote(max_concurrency=16, **_here(ray))(RewardActor).remote(
             {"spec": spec, **kwargs}, os.getcwd())
         error = ray.get(self._actor.ready.remote())
         if error is not None:
@@ -56,7 +70,10 @@ class RayRewardRunner:
             raise (RuntimeError if kind == "RuntimeError" else ValueError)(text)
 
     def score(self, items: list) -> list[tuple[float, dict | None]]:
-        out, failures, timeouts, errors, last = self._ray.get(self._actor.score.remote(items))
+        try:
+            out, failures, timeouts, errors, last = self._ray.get(self._actor.score.remote(items))
+        except self._ray.exceptions.RayActorError as e:
+            raise EngineError(f"the verifier pool's Ray actor ({self.spec}) was lost: {type(e).__name__}") from None
         self.stats.failures += failures
         self.stats.timeouts += timeouts
         if failures or timeouts:
@@ -103,7 +120,7 @@ class RayPythonTool:
         import ray
 
         self._ray = ray
-        self._actor = ray.remote(num_cpus=0, max_concurrency=64)(ToolActor).remote(kwargs, os.getcwd())
+        self._actor = ray.remote(max_concurrency=64, **_here(ray))(ToolActor).remote(kwargs, os.getcwd())
         error = ray.get(self._actor.ready.remote())
         if error is not None:
             self.close()
