@@ -71,7 +71,7 @@ def test_a_task_that_cannot_be_drawn_names_its_prompt(task, why):
         asyncio.run(gui.GuiEnv().reset(_prompt(task)))
 
 
-def test_the_gui_demo_ships_its_weights_and_its_example_runs_two_turn_episodes_on_screenshots(tmp_path):
+def test_the_gui_demo_ships_its_weights_and_its_example_runs_two_turn_episodes_on_screenshots(tmp_path, capsys):
     """``examples/gui_agent.yaml``, shortened: the shipped warm start acts on both screens, engine = trainer."""
     import gzip
     import json
@@ -94,3 +94,6 @@ def test_the_gui_demo_ships_its_weights_and_its_example_runs_two_turn_episodes_o
     records = [json.loads(x) for f in run.dir.glob("rollouts/*.jsonl.gz") for x in gzip.open(f, "rt")]
     assert any(r["info"]["turns"] == 2 and r["reward"] > 0 for r in records)  # (a screen done, the next one shown)
     assert any(r["turns"][0]["assistant"].startswith("click(") for r in records if r["turns"])
+    said = capsys.readouterr()
+    assert "win rate" not in said.out + said.err and "tool-call rate" not in said.out + said.err  # (no tools here)
+    assert "accuracy" in said.out + said.err

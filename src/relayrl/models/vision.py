@@ -9,9 +9,11 @@ engine and the trainer reach it from what they already hold.
 A prompt's images are encoded by the vision tower (frozen by default: ``vision.train_tower``) into features that
 take the place of the image tokens in the language model's input embeddings (``embed``): the engine feeds those
 embeddings to its prefill (a group's G responses share one encoding of each image: ``FeatureCache``), the trainer
-to its forward, so both score the same tokens under the same inputs. Families whose image tokens need positions
-of their own (Qwen's 3-D mRoPE) or attention of their own (Gemma 3's bidirectional image blocks) are refused at
-start in one line until they are built (``check_family``).
+to its forward, so both score the same tokens under the same inputs. Gemma 3's image tokens attend to each other
+both ways: ``inputs`` marks each placed image's tokens (``token_type_ids``), from which the model builds that mask in
+the engine's prefill and the trainer's forward alike (a sampled image token is no image's, so it stays causal).
+Families whose image tokens need positions of their own (Qwen's 3-D mRoPE) are refused at start in one line until
+they are built (``check_family``).
 """
 
 from __future__ import annotations
@@ -24,14 +26,16 @@ import torch
 from relayrl.models.images import IMAGE, key, open_image, refs_of
 
 ATTR = "relayrl_processor"
-# families whose image features replace image tokens and whose positions stay 1-D: built and tested
-FAMILIES = ("idefics3", "smolvlm")
+# families whose image features replace image tokens and whose positions stay 1-D: built (smolvlm is idefics3's
+# architecture; its processor needs torchvision, which does not import beside this machine's torch: not tested)
+FAMILIES = ("idefics3", "smolvlm", "gemma3")
+BLOCKS = ("gemma3",)  # families whose image tokens attend to each other both ways (token_type_ids)
+TOWERS = ("vision_model", "connector", "vision_tower", "multi_modal_projector")  # (idefics3's, gemma3's)
 _WHY_NOT = {
     "qwen2_vl": "its image tokens take 3-D (mRoPE) positions",
     "qwen2_5_vl": "its image tokens take 3-D (mRoPE) positions",
     "qwen3_vl": "its image tokens take 3-D (mRoPE) positions",
     "qwen3_vl_moe": "its image tokens take 3-D (mRoPE) positions",
-    "gemma3": "its image tokens attend to each other both ways (token_type_ids)",
 }
 
 
@@ -67,17 +71,22 @@ def freeze_tower(model, train: bool) -> None:
     """A vision-language policy's vision tower and connector frozen (``vision.train_tower=false``); else nothing."""
     if processor_of(model) is None or train:
         return
-    inner = _inner(model).model
-    for m in (inner.vision_model, inner.connector):
+    for m in _tower(model):
         m.requires_grad_(False)
+
+
+def _tower(model) -> list:
+    """The vision tower and its connector (by the names the families give them)."""
+    inner = _inner(model).model
+    return [getattr(inner, n) for n in TOWERS if hasattr(inner, n)]
 
 
 def lora_exclude(model) -> str | None:
     """PEFT's ``exclude_modules`` for a policy whose vision tower is frozen (``vision.train_tower=false``): its
     adapters go on the language model only (a tower's q_proj shares the language model's name)."""
-    if processor_of(model) is None or any(p.requires_grad for p in _inner(model).model.vision_model.parameters()):
+    if processor_of(model) is None or any(p.requires_grad for m in _tower(model) for p in m.parameters()):
         return None
-    return r".*\b(vision_model|connector)\b.*"
+    return rf".*\b({'|'.join(TOWERS)})\b.*"
 
 
 def save_tokenizer(tokenizer, path) -> None:
@@ -144,7 +153,12 @@ def span(processor, ref: str) -> list[int]:
         if len(kept) >= 256:
             kept.clear()
         ids = processor(text=[processor.image_token], images=[[open_image(ref)]], add_special_tokens=False)
-        kept[key(ref)] = [int(t) for t in ids["input_ids"][0]]
+        ids = [int(t) for t in ids["input_ids"][0]]
+        # (from its first special token to its last: text around them, Gemma 3's "\n\n", may merge with a
+        # neighbour's characters in the prompt's tokens)
+        special = set(processor.tokenizer.added_tokens_decoder)
+        ends = [i for i, t in enumerate(ids) if t in special]
+        kept[key(ref)] = ids[ends[0]:ends[-1] + 1] if ends else ids
     return kept[key(ref)]
 
 
@@ -177,10 +191,10 @@ def features(model, ref: str) -> torch.Tensor:
     the tower trains (``vision.train_tower``) and grad is on."""
     pix = processor_of(model).image_processor([[open_image(ref)]], return_tensors="pt")
     inner = _inner(model).model
-    tower = [p for m in (inner.vision_model, inner.connector) for p in m.parameters()]
+    tower = [p for m in _tower(model) for p in m.parameters()]
+    mask = {"pixel_attention_mask": pix["pixel_attention_mask"]} if "pixel_attention_mask" in pix else {}
     with torch.set_grad_enabled(torch.is_grad_enabled() and any(p.requires_grad for p in tower)):
-        out = inner.get_image_features(pixel_values=pix["pixel_values"].to(tower[0].dtype),
-                                       pixel_attention_mask=pix.get("pixel_attention_mask"))
+        out = inner.get_image_features(pixel_values=pix["pixel_values"].to(tower[0].dtype), **mask)
     out = getattr(out, "pooler_output", out)  # (transformers 5: the connector's output as the pooled one)
     if isinstance(out, (list, tuple)):  # (transformers 5.25: one tensor per sample)
         out = torch.cat([f.reshape(-1, f.shape[-1]) for f in out])
@@ -217,6 +231,12 @@ def embed(model, ids: torch.Tensor, images: Sequence[Sequence[str]], cache: Feat
     (``images[i]``: the references of row i's images, in the order of their spans, ``span``; a row may have none).
     An image token the policy sampled is a token. Without a ``cache`` (the trainer's forward) each image is encoded
     once for the call."""
+    return _embed(model, ids, images, cache)[0]
+
+
+def _embed(model, ids: torch.Tensor, images: Sequence[Sequence[str]], cache: FeatureCache | None
+           ) -> tuple[torch.Tensor, list]:
+    """``embed``'s embeddings, and each row's (row, positions of its images' tokens, their features)."""
     cache = cache if cache is not None else FeatureCache(size=1 << 30)
     emb = model.get_input_embeddings()(ids)
     token, proc = image_token_id(model), processor_of(model)
@@ -235,17 +255,24 @@ def embed(model, ids: torch.Tensor, images: Sequence[Sequence[str]], cache: Feat
             where, at = where + slots, j + len(s)
         rows.append((i, torch.tensor(where, device=ids.device), torch.cat(feats).to(emb.dtype)))
     if not rows:
-        return emb
+        return emb, rows
     emb = emb.clone()
     for i, where, flat in rows:
         emb[i, where] = flat
-    return emb
+    return emb, rows
 
 
 def inputs(model, ids: torch.Tensor, images: Sequence[Sequence[str]] | None, cache: FeatureCache | None = None
            ) -> dict:
     """The language model's input for ``ids``: the ids themselves, or where a row has images the embeddings
-    with their features in place (``embed``)."""
+    with their features in place (``embed``), and for a family whose image tokens see each other both ways
+    (``BLOCKS``) the placed images' tokens marked 1 in ``token_type_ids``."""
     if not images or not any(images):
         return {"input_ids": ids}
-    return {"inputs_embeds": embed(model, ids, images, cache)}
+    emb, rows = _embed(model, ids, images, cache)
+    if getattr(_inner(model).config, "model_type", None) not in BLOCKS:
+        return {"inputs_embeds": emb}
+    types = torch.zeros_like(ids)
+    for i, where, _ in rows:
+        types[i, where] = 1
+    return {"inputs_embeds": emb, "token_type_ids": types}

@@ -300,7 +300,8 @@ def finish(cfg: Config, c: Components, state: RunState, log, startup: float | No
         who = f"env.args.opponent={opponent}" if opponent else "the scripted player"
         log(f"win rate against {who}: {before['win_rate']:.1%} → {after['win_rate']:.1%} (greedy "
             f"{before['win_rate_greedy']:.1%} → {after['win_rate_greedy']:.1%})")
-    elif c.agents and before and after:
+    elif c.agents and before and after and any(e.get(k) for e in (before, after) for k in (  # (an environment
+            "tool_call_rate", "tool_call_rate_greedy", "tool_errors", "tool_timeouts")):  # without tools: no line)
         log(f"tool-call rate: {before['tool_call_rate']:.1%} → {after['tool_call_rate']:.1%} (greedy "
             f"{before['tool_call_rate_greedy']:.1%} → {after['tool_call_rate_greedy']:.1%}), tool errors "
             f"{after['tool_errors']} and timeouts {after['tool_timeouts']} in the last evaluation")
