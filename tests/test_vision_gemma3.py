@@ -84,3 +84,19 @@ def test_gemma3_through_packing_checkpointing_and_bfloat16(gemma, tmp_path, sett
     run.train()
     rows = [json.loads(x) for x in (run.dir / "metrics.jsonl").read_text().splitlines()]
     assert all(0 <= r["logprob_mismatch_max"] < within for r in rows)
+
+
+def test_vllm_is_refused_gemma3_in_one_line_before_it_starts(gemma, tmp_path):
+    """vLLM's Gemma 3 is not checked against the both-ways mask here (it needs torchvision): refused, the hf engine
+    named, nothing started."""
+    from relayrl.demo.vision_model import build_tiny_vlm
+    from relayrl.engine import EngineError
+
+    assert "attend to each other both ways" in vision.not_on_vllm(gemma)
+    assert vision.not_on_vllm(str(build_tiny_vlm(tmp_path / "idefics3"))) == ""
+    pytest.importorskip("vllm", reason="vLLM is an extra (scripts/install-vllm)")
+    from relayrl.engine.vllm import VLLMEngine
+
+    with pytest.raises(EngineError, match="rollout.engine=vllm: a gemma3 vision-language model is not supported on "
+                                          "vLLM yet: .*; use rollout.engine=hf"):
+        VLLMEngine(gemma, [1])

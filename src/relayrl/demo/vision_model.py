@@ -167,7 +167,8 @@ GEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", 
 
 
 def build_tiny_gemma3(path: str | Path, *, seed: int = 0, image_size: int = 64, image_tokens: int = 4) -> Path:
-    """A tiny random Gemma 3 (``Gemma3ForConditionalGeneration``) and its ``Gemma3Processor`` into ``path``."""
+    """A tiny random Gemma 3 (``Gemma3ForConditionalGeneration``) and its ``Gemma3Processor`` into ``path`` (heads of
+    32 dims: vLLM's CPU attention takes no fewer)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (AutoModelForImageTextToText, Gemma3Config, Gemma3ImageProcessorPil, Gemma3Processor,
                               PreTrainedTokenizerFast)
@@ -187,7 +188,7 @@ def build_tiny_gemma3(path: str | Path, *, seed: int = 0, image_size: int = 64, 
     ids = tokenizer.convert_tokens_to_ids
     cfg = Gemma3Config(
         text_config={"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 16,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "sliding_window": 16,
                      "layer_types": ["sliding_attention", "full_attention"], "max_position_embeddings": 512,
                      "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
                      "pad_token_id": tokenizer.pad_token_id},

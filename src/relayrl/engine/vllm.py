@@ -53,7 +53,7 @@ from relayrl.engine.vllm_spec import NO_CPU_SPECULATION, SpecCounts, speculative
 from relayrl.lora_weights import LoraSpec
 from relayrl.models import DTYPES
 from relayrl.models.images import open_image
-from relayrl.models.vision import find, span
+from relayrl.models.vision import find, not_on_vllm, span
 from relayrl.records import Completion, FinishReason, GenRequest
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
@@ -91,6 +91,8 @@ class _Images:
     def __init__(self, model: str, limit: int):
         from relayrl.models import load_processor
 
+        if why := not_on_vllm(model):
+            raise EngineError(f"rollout.engine=vllm: {why}; use rollout.engine=hf (docs/reference/families.md)")
         self.proc, self.limit = load_processor(model, "rollout.engine=vllm: model"), limit
         self.token = self.proc.tokenizer.convert_tokens_to_ids(self.proc.image_token)
 

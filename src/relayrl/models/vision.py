@@ -39,6 +39,21 @@ _WHY_NOT = {
 }
 
 
+# families the hf engine takes that vLLM is not trusted with yet, and why
+NOT_ON_VLLM = {"gemma3": "its image tokens attend to each other both ways, which relayrl has not checked vLLM does "
+                         "(vLLM's Gemma 3 needs torchvision, which does not import beside this project's CPU torch)"}
+
+
+def not_on_vllm(path: str) -> str:
+    """Why the vLLM engine refuses the vision-language model at ``path``, or ''."""
+    import json
+    from pathlib import Path
+
+    kind = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    return f"a {kind} vision-language model is not supported on vLLM yet: {NOT_ON_VLLM[kind]}" if kind in NOT_ON_VLLM \
+        else ""
+
+
 class VisionError(ValueError):
     pass
 
