@@ -186,14 +186,18 @@ def test_a_text_model_given_images_a_family_not_built_and_no_processor_are_refus
                                              ({"model": {"lora": {"r": 4, "targets": "all-linear"}}}, 1e-5)])
 def test_a_vlm_through_packing_checkpointing_and_bfloat16_scores_what_the_engine_sampled(vlm, tmp_path, setting,
                                                                                           within):
+    assert all(0 <= m < within for m in mismatches(vlm, tmp_path, setting))
+
+
+def mismatches(path: str, tmp_path, setting: dict) -> list[float]:
+    """Each step's engine-trainer log-prob mismatch in a 2-step run of the model at ``path`` with ``setting``."""
     data = _digits(tmp_path, 4)
-    run = relayrl.Run(model={"path": vlm, **setting.get("model", {})}, trainer=setting.get("trainer", {}),
+    run = relayrl.Run(model={"path": path, **setting.get("model", {})}, trainer=setting.get("trainer", {}),
                       data={"path": str(data), "eval_path": None},
                       run={"output_dir": str(tmp_path), "name": "c", "steps": 2, "progress": False},
                       rollout={"max_new_tokens": 6, "prompts_per_step": 4, "group_size": 2})
     run.train()
-    rows = [json.loads(x) for x in (run.dir / "metrics.jsonl").read_text().splitlines()]
-    assert all(0 <= r["logprob_mismatch_max"] < within for r in rows)
+    return [json.loads(x)["logprob_mismatch_max"] for x in (run.dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_a_vlm_run_resumes_from_its_checkpoint(vlm, tmp_path):

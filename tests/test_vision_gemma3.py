@@ -6,27 +6,17 @@ import json
 
 import pytest
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 
 import relayrl
 from relayrl.demo.vision_model import build_tiny_gemma3
 from relayrl.models import load_policy, load_tokenizer, vision
+from tests.test_vision import _digits, mismatches
 
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
     return str(build_tiny_gemma3(tmp_path_factory.mktemp("gemma3") / "m", seed=1))
-
-
-def _digits(folder, n):
-    rows = []
-    for i in range(n):
-        im = Image.new("RGB", (64, 64), "white")
-        ImageDraw.Draw(im).text((25, 25), str(i), fill="black")
-        im.save(folder / f"img{i}.png")
-        rows.append({"id": f"p{i}", "prompt": "What digit is drawn?", "images": [f"img{i}.png"], "answer": str(i)})
-    (folder / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    return folder / "train.jsonl"
 
 
 def test_the_inputs_give_the_models_own_logits_with_its_image_tokens_seeing_each_other(gemma, tmp_path):
@@ -76,14 +66,7 @@ def test_a_gemma3_run_engine_equal_to_trainer_tower_frozen_checkpoint_with_its_p
                                              ({"trainer": {"gradient_checkpointing": "on"}}, 1e-5),
                                              ({"model": {"dtype": "bfloat16"}}, 2e-2)])
 def test_gemma3_through_packing_checkpointing_and_bfloat16(gemma, tmp_path, setting, within):
-    data = _digits(tmp_path, 4)
-    run = relayrl.Run(model={"path": gemma, **setting.get("model", {})}, trainer=setting.get("trainer", {}),
-                      data={"path": str(data), "eval_path": None},
-                      run={"output_dir": str(tmp_path), "name": "c", "steps": 2, "progress": False},
-                      rollout={"max_new_tokens": 6, "prompts_per_step": 4, "group_size": 2})
-    run.train()
-    rows = [json.loads(x) for x in (run.dir / "metrics.jsonl").read_text().splitlines()]
-    assert all(0 <= r["logprob_mismatch_max"] < within for r in rows)
+    assert all(0 <= m < within for m in mismatches(gemma, tmp_path, setting))
 
 
 def test_vllm_is_refused_gemma3_in_one_line_before_it_starts(gemma, tmp_path):
