@@ -439,7 +439,10 @@ def test_a_run_with_speculation_reports_its_drafts_and_keeps_the_alarm_quiet(tmp
     train(cfg)
     m = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all("spec/drafted" in x for x in m)
-    assert sum(x["spec/accepted"] for x in m) > 0 and max(x.get("spec/tokens_per_forward", 1) for x in m) > 1.5
+    # (drafts verified and kept, their counts back from the engine's process; how many tokens a forward emits is left
+    # to the width chooser, which times forwards: a busy machine makes it verify fewer drafts, so no test bounds it —
+    # a CI run with another test beside it saw 1.01 tokens a forward; the tests with choose=False bound it exactly)
+    assert 0 < sum(x["spec/accepted"] for x in m) <= sum(x["spec/drafted"] for x in m)
     mismatch = [x["logprob_mismatch_mean"] for x in m if x.get("logprob_mismatch_mean") is not None]
     assert mismatch and max(mismatch) < 1e-3
 
